@@ -1,0 +1,33 @@
+# stencild — set-up, serve, test, bench.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+TORCH  := torch==2.13.0
+
+.PHONY: setup serve test bench lint protos clean
+
+setup: $(VENV)/.installed
+
+# torch goes in first and pinned: an unpinned torch would pull a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+serve: setup
+	$(VENV)/bin/stencild serve
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/throughput.py
+
+lint: setup
+	$(VENV)/bin/ruff check engine grammar service tests bench
+	$(VENV)/bin/mypy engine grammar service
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

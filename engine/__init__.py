@@ -1,0 +1,1 @@
+"""stencild engine package."""

@@ -1,0 +1,196 @@
+"""Random-weight checkpoints in the Hugging Face layout, written by `transformers`.
+
+Nothing can be downloaded at run time, so tests, benchmarks and the demo server
+use checkpoints made here: real architectures (Llama, Mistral, Qwen2, Qwen3),
+random weights from a fixed seed, saved as safetensors with the committed demo
+tokenizer. `write_preset` writes one to a directory; `ensure_preset` caches it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_DIR = Path(__file__).parent / "tokenizer"
+# Bumped whenever a preset's weights or files change, so caches refresh.
+PRESET_VERSION = 1
+
+# Token ids fixed by the committed tokenizer (see train_tokenizer.SPECIAL_TOKENS).
+BOS_ID, END_OF_TEXT_ID, IM_START_ID, IM_END_ID, PAD_ID = 0, 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model shape; `config` holds the fields of the HF config class."""
+
+    architecture: str
+    config: dict[str, Any]
+    seed: int = 0
+    # Raising the init scale spreads the logits of a random model, so greedy
+    # choices are not decided by rounding noise.
+    initializer_range: float = 0.02
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def _llama_like(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "vocab_size": 8192,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": END_OF_TEXT_ID,
+        "pad_token_id": PAD_ID,
+    }
+    base.update(overrides)
+    return base
+
+
+_TEST_INIT = 0.08
+
+PRESETS: dict[str, Preset] = {
+    # ~10M parameters: the model `stencild serve` runs when no --model is given.
+    "demo": Preset(
+        "LlamaForCausalLM",
+        _llama_like(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=10,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        ),
+        seed=1234,
+        initializer_range=_TEST_INIT,
+    ),
+    # The benchmark model of REFERENCES.md: 111M parameters, fp32.
+    "bench": Preset(
+        "LlamaForCausalLM",
+        _llama_like(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        ),
+        seed=4321,
+    ),
+    # Tiny checkpoints, one per supported architecture feature.
+    "tiny-llama": Preset(
+        "LlamaForCausalLM",
+        _llama_like(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+        seed=1,
+        initializer_range=_TEST_INIT,
+    ),
+    "tiny-llama-tied": Preset(
+        "LlamaForCausalLM",
+        _llama_like(tie_word_embeddings=True, num_key_value_heads=1),
+        seed=2,
+        initializer_range=_TEST_INIT,
+    ),
+    "tiny-mistral": Preset(
+        "MistralForCausalLM",
+        _llama_like(sliding_window=None, head_dim=16),
+        seed=3,
+        initializer_range=_TEST_INIT,
+    ),
+    "tiny-qwen2": Preset(
+        "Qwen2ForCausalLM",
+        # A vocabulary larger than the tokenizer's, as real checkpoints pad it.
+        _llama_like(vocab_size=8320, use_sliding_window=False, rope_theta=1000000.0),
+        seed=4,
+        initializer_range=_TEST_INIT,
+    ),
+    "tiny-qwen3": Preset(
+        "Qwen3ForCausalLM",
+        # Qwen3 sets head_dim apart from hidden_size / num_heads.
+        _llama_like(head_dim=32, tie_word_embeddings=True, use_sliding_window=False),
+        seed=5,
+        initializer_range=_TEST_INIT,
+    ),
+}
+
+ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
+
+
+def _config_class(architecture: str) -> Any:
+    import transformers
+
+    name = architecture.replace("ForCausalLM", "Config")
+    return getattr(transformers, name), getattr(transformers, architecture)
+
+
+def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Write preset `name` as an HF checkpoint directory and return its path."""
+    import torch
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
+    preset = PRESETS[name]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config_cls, model_cls = _config_class(preset.architecture)
+    config = config_cls(**preset.config, initializer_range=preset.initializer_range)
+    torch.manual_seed(preset.seed)
+    model = model_cls(config).to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = [END_OF_TEXT_ID, IM_END_ID]
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.pad_token_id = PAD_ID
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / f, out / f)
+    (out / "stencild_preset.json").write_text(
+        json.dumps({"preset": name, "version": PRESET_VERSION}) + "\n"
+    )
+    return out
+
+
+def cache_root() -> Path:
+    """Where cached presets live: $STENCILD_CACHE, else ~/.cache/stencild."""
+    env = os.environ.get("STENCILD_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "stencild"
+
+
+def ensure_preset(name: str) -> Path:
+    """Return a cached checkpoint directory for preset `name`, writing it on first use."""
+    target = cache_root() / "models" / f"{name}-v{PRESET_VERSION}"
+    if (target / "stencild_preset.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a temporary sibling and rename, so concurrent callers never see
+    # a half-written checkpoint.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        write_preset(name, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "stencild_preset.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

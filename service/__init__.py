@@ -1,0 +1,1 @@
+"""stencild service package."""
