@@ -1,1 +1,23 @@
-"""stencild engine package."""
+"""stencild engine: paged KV cache, continuous batching, Llama-family models."""
+
+from .config import EngineConfig
+from .context import GenerationStatus, TextContext, TokenLogprobs
+from .engine import EngineCore
+from .errors import InvalidRequest
+from .llm import LLM, CompletionOutput
+from .output import RequestOutput
+from .sampling_params import InvalidSamplingParams, SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineCore",
+    "GenerationStatus",
+    "InvalidRequest",
+    "InvalidSamplingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "TextContext",
+    "TokenLogprobs",
+]

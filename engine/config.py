@@ -1,0 +1,53 @@
+"""Engine configuration (frozen, validated at construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an engine for one model.
+
+    dtype None means float32 on CPU and bfloat16 on CUDA. kv_cache_gib sizes the
+    page tensor; max_model_len None means the model's own context length.
+    num_steps > 1 lets decode-only batches run several steps per schedule.
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None
+    kv_cache_gib: float = 1.0
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_steps: int = 1
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be > 0")
+        if not 1 <= self.page_size <= 64:
+            raise ValueError("page_size must be in [1, 64]")
+        if self.attention not in ("auto", "torch"):
+            raise ValueError("attention must be auto or torch")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype in (None, "auto"):
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,228 @@
+"""One request's token buffer and its indices (MAX's TextContext).
+
+    tokens: | processed (KV cached) | next_tokens | ...                |
+            0                   start_idx    active_idx   end_idx      capacity
+
+- start_idx: tokens before it have keys/values in the cache.
+- active_idx: next_tokens = tokens[start_idx:active_idx] run in the next step
+  (a prompt chunk, one decode token, or a token plus grammar-forced tokens).
+- end_idx: tokens known so far (prompt + generated, placeholders included).
+- committed_idx: tokens whose pages are published in the prefix cache.
+
+A *future token* is a placeholder for a token the device has sampled but the
+host has not read yet (overlap scheduling); it is realized in order later.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .sampling_params import SamplingParams
+
+FUTURE_TOKEN = -1
+
+
+class GenerationStatus(enum.Enum):
+    """Where a request stands; everything but ACTIVE is final."""
+
+    ACTIVE = "active"
+    END_OF_SEQUENCE = "eos"
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    MAXIMUM_LENGTH = "length"
+    CONTEXT_LENGTH = "context_length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+    @property
+    def is_done(self) -> bool:
+        return self is not GenerationStatus.ACTIVE
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of one chosen token plus the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class TextContext:
+    """A request's tokens, indices, parameters and status."""
+
+    tokens: np.ndarray
+    max_length: int
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    eos_token_ids: frozenset[int] = frozenset()
+    status: GenerationStatus = GenerationStatus.ACTIVE
+    matcher: Any = None  # a grammar matcher, when the output is constrained
+    seed: int = 0
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        prompt = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError("a context needs at least one prompt token")
+        if prompt.size >= self.max_length:
+            raise ValueError(f"prompt of {prompt.size} tokens leaves no room (max_length {self.max_length})")
+        self.prompt_len = int(prompt.size)
+        self.tokens = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
+        self.tokens[: prompt.size] = prompt
+        self.start_idx = 0
+        self.active_idx = self.prompt_len
+        self.end_idx = self.prompt_len
+        self.committed_idx = 0
+        self._pending_futures = 0
+        self.num_forced_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_preemptions = 0
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] = []
+        self.first_token_time: float | None = None
+
+    # -- views -------------------------------------------------------------
+    @property
+    def next_tokens(self) -> np.ndarray:
+        return self.tokens[self.start_idx:self.active_idx]
+
+    @property
+    def active_length(self) -> int:
+        return self.active_idx - self.start_idx
+
+    @property
+    def current_length(self) -> int:
+        return self.end_idx
+
+    @property
+    def num_generated(self) -> int:
+        return self.end_idx - self.prompt_len
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return self.tokens[:self.prompt_len]
+
+    @property
+    def generated_tokens(self) -> np.ndarray:
+        return self.tokens[self.prompt_len:self.end_idx]
+
+    @property
+    def pending_futures(self) -> int:
+        return self._pending_futures
+
+    @property
+    def num_final_tokens(self) -> int:
+        """Tokens whose values the host knows (everything but placeholders)."""
+        return self.end_idx - self._pending_futures
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while prompt (or recomputed) tokens remain beyond next_tokens."""
+        return self.active_idx < self.end_idx
+
+    @property
+    def is_done(self) -> bool:
+        return self.status.is_done
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_length - self.prompt_len
+
+    # -- index moves --------------------------------------------------------
+    def _append(self, token: int) -> None:
+        if self.end_idx == len(self.tokens):
+            grown = np.empty(2 * len(self.tokens), dtype=np.int64)
+            grown[: self.end_idx] = self.tokens[: self.end_idx]
+            self.tokens = grown
+        self.tokens[self.end_idx] = token
+        self.end_idx += 1
+
+    def set_chunk(self, num_tokens: int) -> None:
+        """Limit the next step to `num_tokens` of the pending tokens (chunked prefill)."""
+        pending = self.end_idx - self.start_idx
+        if not 1 <= num_tokens <= pending:
+            raise ValueError(f"chunk of {num_tokens} tokens with {pending} pending")
+        self.active_idx = self.start_idx + num_tokens
+
+    def skip_cached_tokens(self, num_tokens: int) -> None:
+        """Mark `num_tokens` leading tokens as already in the cache (prefix hit)."""
+        if self.start_idx + num_tokens >= self.end_idx:
+            raise ValueError("a prefix hit must leave at least one token to compute")
+        self.start_idx += num_tokens
+        self.active_idx = self.end_idx
+        self.num_cached_prompt_tokens = min(self.start_idx, self.prompt_len)
+
+    def mark_chunk_done(self) -> None:
+        """next_tokens were computed but were not the last pending ones: no sample."""
+        self.start_idx = self.active_idx
+        self.active_idx = self.end_idx
+
+    def update(self, token: int) -> None:
+        """next_tokens were computed and `token` sampled after them."""
+        self.start_idx = self.active_idx
+        self._append(int(token))
+        self.active_idx = self.end_idx
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def jump_ahead(self, token: int) -> None:
+        """Append a grammar-forced token: it is output, and computed in the next step."""
+        self._append(int(token))
+        self.active_idx = self.end_idx
+        self.num_forced_tokens += 1
+
+    def update_with_future_token(self) -> None:
+        """Like update(), with a placeholder for a token not yet on the host."""
+        self.start_idx = self.active_idx
+        self._append(FUTURE_TOKEN)
+        self.active_idx = self.end_idx
+        self._pending_futures += 1
+
+    def realize_future_token(self, token: int) -> None:
+        """Write the oldest placeholder's real value."""
+        if self._pending_futures == 0:
+            raise ValueError("no future token to realize")
+        self.tokens[self.end_idx - self._pending_futures] = int(token)
+        self._pending_futures -= 1
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Drop the last `num_tokens` generated tokens (never prompt tokens)."""
+        if not 0 <= num_tokens <= self.num_generated:
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_generated} generated tokens")
+        if num_tokens == 0:
+            return
+        self.end_idx -= num_tokens
+        self._pending_futures = max(0, self._pending_futures - num_tokens)
+        # The last remaining token is recomputed to get fresh logits after it.
+        self.start_idx = min(self.start_idx, self.end_idx - 1)
+        self.active_idx = self.end_idx
+        self.committed_idx = min(self.committed_idx, self.start_idx)
+        del self.logprobs[self.num_generated:]
+
+    def reset(self) -> None:
+        """After preemption: everything known is recomputed from scratch."""
+        if self._pending_futures:
+            raise ValueError("cannot reset a context with unrealized future tokens")
+        self.start_idx = 0
+        self.active_idx = self.end_idx
+        self.committed_idx = 0
+        self.num_preemptions += 1
+
+    def compute_num_available_steps(self, max_seq_len: int) -> int:
+        """Tokens that may still be generated before max_seq_len or max_length."""
+        return max(0, min(max_seq_len, self.max_length) - self.end_idx)
+
+    def finish(self, status: GenerationStatus) -> None:
+        if not self.status.is_done:
+            self.status = status

@@ -1,0 +1,165 @@
+"""The engine core: requests in, per-step output deltas out."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .attention import make_attention
+from .config import EngineConfig
+from .context import GenerationStatus, TextContext
+from .errors import InvalidRequest
+from .kernels import cpu_ops
+from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_for_budget
+from .models.config import load_model_config
+from .models.llama import LlamaFamilyModel
+from .models.weights import WeightSource
+from .output import OutputStream, RequestOutput
+from .pipeline import TextGenerationPipeline
+from .runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Loads a model and runs scheduled steps over a paged KV cache.
+
+    Not thread-safe: one thread drives `step()`; the service wraps it.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = mc = load_model_config(config.model)
+        self.tokenizer = Tokenizer(config.model)
+        device, dtype = config.torch_device, config.torch_dtype
+        source = WeightSource(config.model)
+        self.model = LlamaFamilyModel(mc, source, device, dtype, cpu_ops() if device.type == "cpu" else None)
+        source.close()
+
+        max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        num_pages = pages_for_budget(config.kv_cache_gib, mc.num_layers, config.page_size,
+                                     mc.num_kv_heads, mc.head_dim, dtype)
+        if num_pages < 2:
+            raise ValueError(f"kv_cache_gib={config.kv_cache_gib} holds fewer than 2 pages")
+        if num_pages * config.page_size < max_len:
+            log.warning("KV cache holds %d tokens; capping the context length from %d",
+                        num_pages * config.page_size, max_len)
+            max_len = num_pages * config.page_size
+        self.max_model_len = max_len
+        kv_blocks = torch.zeros(page_tensor_shape(num_pages, mc.num_layers, config.page_size,
+                                                  mc.num_kv_heads, mc.head_dim), dtype=dtype, device=device)
+        self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(kv_blocks, self.allocator)
+        self.attention = make_attention(kv_blocks, mc.num_heads, mc.head_dim, config.attention)
+        runner = ModelRunner(self.model, self.kv_manager, self.attention)
+        self.pipeline = TextGenerationPipeline(runner, self.kv_manager, mc.vocab_size, max_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_seq_len=max_len, num_steps=config.num_steps),
+            self.kv_manager,
+        )
+        eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids = frozenset(eos)
+        self._streams: dict[str, OutputStream] = {}
+        self._finished_elsewhere: list[TextContext] = []
+        log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s",
+                 mc.architecture, device, dtype, num_pages, config.page_size, self.attention.name)
+
+    # -- requests -------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def make_context(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> TextContext:
+        """Validate a tokenized prompt and its parameters; build its context."""
+        params = params or SamplingParams()
+        ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise InvalidRequest("prompt", "the prompt is empty")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:
+            raise InvalidRequest("prompt", f"token id {int(bad[0])} is outside the vocabulary "
+                                           f"[0, {self.vocab_size})")
+        if ids.size >= self.max_model_len:
+            raise InvalidRequest("prompt", f"the prompt has {ids.size} tokens; the context holds "
+                                           f"{self.max_model_len} including at least one new token")
+        if params.max_new_tokens is not None:
+            max_length = ids.size + params.max_new_tokens
+            if max_length > self.max_model_len:
+                raise InvalidRequest("max_new_tokens", f"prompt ({ids.size}) + max_new_tokens "
+                                     f"({params.max_new_tokens}) exceeds the context length "
+                                     f"{self.max_model_len}")
+        else:
+            max_length = self.max_model_len
+        for tok in params.stop_token_ids:
+            if tok >= self.vocab_size:
+                raise InvalidRequest("stop_token_ids", f"token id {tok} is outside the vocabulary")
+        for tok in params.logit_bias:
+            if tok >= self.vocab_size:
+                raise InvalidRequest("logit_bias", f"token id {tok} is outside the vocabulary")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        kwargs = {"request_id": request_id} if request_id else {}
+        return TextContext(tokens=ids, max_length=max_length, sampling_params=params,
+                           eos_token_ids=self.eos_token_ids, seed=seed, **kwargs)
+
+    def add_request(self, ctx: TextContext) -> None:
+        if ctx.request_id in self._streams:
+            raise InvalidRequest("request_id", f"request {ctx.request_id} is already running")
+        self._streams[ctx.request_id] = OutputStream(ctx, self.tokenizer)
+        self.scheduler.add(ctx)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its pages are freed now, its final output comes next step."""
+        ctx = self.scheduler.find(request_id)
+        if ctx is None:
+            return False
+        ctx.finish(GenerationStatus.CANCELLED)
+        self.scheduler.remove(ctx)
+        self._finished_elsewhere.append(ctx)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._finished_elsewhere)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    # -- stepping -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return what each touched request produced."""
+        touched: list[TextContext] = []
+        sched = self.scheduler.schedule()
+        if sched is not None:
+            self.pipeline.next_token(sched.contexts, sched.num_steps)
+            touched = sched.contexts
+        # Requests that ended outside a step (aborted, or could never fit).
+        touched = touched + self._finished_elsewhere
+        self._finished_elsewhere = []
+        touched += [c for c in list(self.scheduler.waiting) if c.is_done]
+        outputs = []
+        for ctx in touched:
+            stream = self._streams.get(ctx.request_id)
+            if stream is None:
+                continue
+            delta = stream.delta()
+            if ctx.error:
+                delta.error = ctx.error
+            if delta.finished:
+                del self._streams[ctx.request_id]
+            if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs:
+                outputs.append(delta)
+        for ctx in list(self.scheduler.waiting):
+            if ctx.is_done:
+                self.scheduler.waiting.remove(ctx)
+        self.scheduler.remove_finished()
+        return outputs

@@ -1,0 +1,75 @@
+"""Native CPU kernels, compiled on first use and cached.
+
+`cpu_ops()` returns the compiled extension, or None when it cannot be built
+(no compiler) or is turned off with STENCILD_NO_KERNELS=1; callers then take
+the pure-torch path, which the tests also cover. The build lives under the
+stencild cache, keyed by the source hash and the CPU, and takes ~30 s once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "cpu" / "ops.cpp"]
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get("STENCILD_NO_KERNELS", "") not in ("", "0")
+
+
+def _build_dir() -> Path:
+    from engine.presets import cache_root
+
+    digest = hashlib.sha256()
+    for src in _SOURCES:
+        digest.update(src.read_bytes())
+    digest.update(platform.machine().encode())
+    # -march=native code is specific to the CPU it was built on.
+    try:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+        digest.update(flags.encode())
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    digest.update(torch.__version__.encode())
+    return cache_root() / "kernels" / digest.hexdigest()[:16]
+
+
+def cpu_ops() -> ModuleType | None:
+    """The compiled CPU kernel module, or None if unavailable."""
+    if kernels_disabled():
+        return None
+    with _lock:
+        if "cpu" in _loaded:
+            return _loaded["cpu"]
+        module: ModuleType | None = None
+        try:
+            from torch.utils.cpp_extension import load
+
+            build = _build_dir()
+            build.mkdir(parents=True, exist_ok=True)
+            module = load(
+                name="stencild_cpu_ops",
+                sources=[str(s) for s in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
+            log.warning("CPU kernels unavailable, using the torch path: %s", str(e).splitlines()[0])
+            module = None
+        _loaded["cpu"] = module
+        return module

@@ -1,0 +1,206 @@
+// CPU kernels for stencild: paged attention for short queries and a fused
+// residual-add + RMSNorm. Built on first use by engine/kernels/__init__.py.
+//
+// The KV cache is one tensor [num_pages, 2, num_layers, page_size, kv_heads, head_dim].
+// Attention reads keys and values where they lie in their pages (no gather,
+// no padding): each (query token, kv head) pair walks its sequence's pages
+// with an online softmax, for the group of query heads sharing that kv head.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxGroup = 32;     // query heads per kv head
+constexpr int kMaxHeadDim = 256;
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+template <typename scalar_t>
+void write_kv_impl(const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& cache,
+                   int64_t layer, const torch::Tensor& slot_page, const torch::Tensor& slot_offset) {
+  const int64_t T = k_new.size(0), KVH = k_new.size(1), D = k_new.size(2);
+  const int64_t L = cache.size(2), P = cache.size(3);
+  const int64_t slot_stride = KVH * D, layer_stride = P * slot_stride, kv_stride = L * layer_stride,
+                page_stride = 2 * kv_stride;
+  auto* c = cache.data_ptr<scalar_t>();
+  const int32_t* pg = slot_page.data_ptr<int32_t>();
+  const int32_t* off = slot_offset.data_ptr<int32_t>();
+  const int64_t ks0 = k_new.stride(0), ks1 = k_new.stride(1), vs0 = v_new.stride(0), vs1 = v_new.stride(1);
+  const scalar_t* kp = k_new.data_ptr<scalar_t>();
+  const scalar_t* vp = v_new.data_ptr<scalar_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    scalar_t* kdst = c + pg[t] * page_stride + layer * layer_stride + off[t] * slot_stride;
+    scalar_t* vdst = kdst + kv_stride;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const scalar_t* ks = kp + t * ks0 + h * ks1;
+      const scalar_t* vs = vp + t * vs0 + h * vs1;
+      for (int64_t d = 0; d < D; ++d) {
+        kdst[h * D + d] = ks[d];
+        vdst[h * D + d] = vs[d];
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache, int64_t layer,
+                    const torch::Tensor& tokens, const torch::Tensor& token_seq,
+                    const torch::Tensor& token_ctx, const torch::Tensor& lookup_table, double scale) {
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t KVH = cache.size(4), L = cache.size(2), P = cache.size(3);
+  const int64_t G = H / KVH;
+  const int64_t slot_stride = KVH * D, layer_stride = P * slot_stride, kv_stride = L * layer_stride,
+                page_stride = 2 * kv_stride;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t table_stride = lookup_table.stride(0);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* c = cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int32_t* tok = tokens.data_ptr<int32_t>();
+  const int32_t* seq = token_seq.data_ptr<int32_t>();
+  const int32_t* ctx = token_ctx.data_ptr<int32_t>();
+  const int32_t* table = lookup_table.data_ptr<int32_t>();
+  const int64_t n_items = tokens.size(0) * KVH;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+    float qf[kMaxGroup * kMaxHeadDim];
+    float acc[kMaxGroup * kMaxHeadDim];
+    float scores[kMaxGroup * 64];
+    float m[kMaxGroup], l[kMaxGroup];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = tok[item / KVH], g = item % KVH;
+      const int64_t n_keys = ctx[t];
+      const int32_t* pages = table + seq[t] * table_stride;
+      for (int64_t h = 0; h < G; ++h) {
+        const scalar_t* src = qp + t * qs0 + (g * G + h) * qs1;
+        for (int64_t d = 0; d < D; ++d) {
+          qf[h * D + d] = to_f(src[d]) * fscale;
+          acc[h * D + d] = 0.f;
+        }
+        m[h] = -std::numeric_limits<float>::infinity();
+        l[h] = 0.f;
+      }
+      for (int64_t start = 0; start < n_keys; start += P) {
+        const int64_t nk = std::min<int64_t>(P, n_keys - start);
+        const scalar_t* kb = c + pages[start / P] * page_stride + layer * layer_stride + g * D;
+        const scalar_t* vb = kb + kv_stride;
+        for (int64_t h = 0; h < G; ++h) {
+          float blk_max = -std::numeric_limits<float>::infinity();
+          const float* qh = qf + h * D;
+          for (int64_t j = 0; j < nk; ++j) {
+            const scalar_t* kj = kb + j * slot_stride;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qh[d] * to_f(kj[d]);
+            scores[h * 64 + j] = s;
+            blk_max = std::max(blk_max, s);
+          }
+          const float new_max = std::max(m[h], blk_max);
+          const float correction = std::exp(m[h] - new_max);
+          float* ah = acc + h * D;
+          float sum = 0.f;
+          for (int64_t d = 0; d < D; ++d) ah[d] *= correction;
+          for (int64_t j = 0; j < nk; ++j) {
+            const float p = std::exp(scores[h * 64 + j] - new_max);
+            sum += p;
+            const scalar_t* vj = vb + j * slot_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ah[d] += p * to_f(vj[d]);
+          }
+          l[h] = l[h] * correction + sum;
+          m[h] = new_max;
+        }
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        scalar_t* dst = op + t * os0 + (g * G + h) * os1;
+        const float inv = 1.f / l[h];
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+  const int64_t T = x.size(0), H = x.size(1);
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* rp = residual.data_ptr<scalar_t>();
+  const scalar_t* wp = weight.data_ptr<scalar_t>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(H);
+    for (int64_t t = begin; t < end; ++t) {
+      scalar_t* xr = xp + t * xs;
+      scalar_t* rr = rp + t * rs;
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        // The residual stream is stored in the model dtype, as transformers does.
+        const scalar_t sum = static_cast<scalar_t>(to_f(xr[i]) + to_f(rr[i]));
+        rr[i] = sum;
+        h[i] = to_f(sum);
+        ss += h[i] * h[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i)
+        xr[i] = static_cast<scalar_t>(to_f(wp[i]) * to_f(static_cast<scalar_t>(h[i] * inv)));
+    }
+  });
+}
+
+void check_index(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.is_contiguous(), name, " must be contiguous int32");
+}
+
+}  // namespace
+
+// Write this step's keys and values into their cache slots for `layer`.
+void write_kv(torch::Tensor k_new, torch::Tensor v_new, torch::Tensor cache, int64_t layer,
+              torch::Tensor slot_page, torch::Tensor slot_offset) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 6, "cache must be a contiguous 6-D page tensor");
+  TORCH_CHECK(k_new.stride(2) == 1 && v_new.stride(2) == 1, "k/v rows must be contiguous in head_dim");
+  check_index(slot_page, "slot_page");
+  check_index(slot_offset, "slot_offset");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "write_kv", [&] {
+    write_kv_impl<scalar_t>(k_new, v_new, cache, layer, slot_page, slot_offset);
+  });
+}
+
+// Attention of the query tokens listed in `tokens` over their sequences' cached
+// keys [0, token_ctx[t]); results go to out[t].
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor cache, int64_t layer,
+                     torch::Tensor tokens, torch::Tensor token_seq, torch::Tensor token_ctx,
+                     torch::Tensor lookup_table, double scale) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 6, "cache must be a contiguous 6-D page tensor");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out rows must be contiguous in head_dim");
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim too large for the CPU attention kernel");
+  TORCH_CHECK(q.size(1) / cache.size(4) <= kMaxGroup, "too many query heads per kv head");
+  TORCH_CHECK(cache.size(3) <= 64, "page_size must be <= 64 for the CPU attention kernel");
+  check_index(tokens, "tokens");
+  check_index(token_seq, "token_seq");
+  check_index(token_ctx, "token_ctx");
+  check_index(lookup_table, "lookup_table");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "paged_attention", [&] {
+    attention_impl<scalar_t>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale);
+  });
+}
+
+// residual += x; x = rms_norm(residual) * weight  (both in place).
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.stride(1) == 1, "x/residual must be 2-D rows");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_impl<scalar_t>(x, residual, weight, eps);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "write new keys/values into the paged cache");
+  m.def("paged_attention", &paged_attention, "paged attention for short queries");
+  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm, in place");
+}

@@ -1,0 +1,138 @@
+"""Reference-counted page allocator with a prefix cache over full pages.
+
+A page holds `page_size` consecutive tokens of one sequence. Once every token
+of a page is final (computed and not a placeholder), the page can be published
+under a chained hash: hash(previous page's hash, this page's token ids). A later
+request whose prompt starts with the same tokens reuses the page instead of
+recomputing it. Token ids are stored with each published page and compared on a
+hit, so a hash collision can never hand out the wrong keys and values.
+
+Pages nobody references but that are published stay cached, ordered by last
+use; they are evicted (least recently used first) only when the free list is
+empty.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import numpy as np
+
+
+class OutOfPages(RuntimeError):
+    """Raised when an allocation cannot be satisfied even after eviction."""
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Hash of a full page given its parent page's hash (None for the first page)."""
+    return hash((parent, tokens))
+
+
+class PageAllocator:
+    """Owns page ids [0, num_pages): reference counts, free list, prefix cache."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 1:
+            raise ValueError("the KV cache needs at least one page")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.refcount = np.zeros(num_pages, dtype=np.int32)
+        self._free: deque[int] = deque(range(num_pages))
+        self._by_hash: dict[int, int] = {}
+        self._page_hash: dict[int, int] = {}
+        self._page_tokens: dict[int, tuple[int, ...]] = {}
+        # Published pages with refcount 0, least recently released first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.hits = 0
+        self.evictions = 0
+
+    # -- accounting -------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation could obtain now (free + evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return int(np.count_nonzero(self.refcount))
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_hash)
+
+    def check_consistency(self) -> None:
+        """Assert the invariants (used by tests): every page is exactly one of
+        referenced, free, or cached-and-evictable."""
+        free = set(self._free)
+        evictable = set(self._evictable)
+        used = {int(p) for p in np.flatnonzero(self.refcount)}
+        assert not (free & evictable) and not (free & used) and not (evictable & used)
+        assert len(free) + len(evictable) + len(used) == self.num_pages, "a page is lost"
+        assert all(p in self._page_hash for p in evictable)
+        assert (self.refcount >= 0).all()
+
+    # -- allocation -------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` pages with refcount 1, evicting cached pages if needed."""
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} pages, {self.num_free} available")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                self._unpublish(page)
+                self.evictions += 1
+            self.refcount[page] = 1
+            pages.append(page)
+        return pages
+
+    def retain(self, page: int) -> None:
+        if self.refcount[page] == 0:
+            self._evictable.pop(page, None)
+        self.refcount[page] += 1
+
+    def release(self, page: int) -> None:
+        if self.refcount[page] <= 0:
+            raise AssertionError(f"page {page} released more often than taken")
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            if page in self._page_hash:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    # -- prefix cache -----------------------------------------------------
+    def lookup(self, page_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The published page holding exactly `tokens` under `page_hash`, if any."""
+        if not self.enable_prefix_caching:
+            return None
+        page = self._by_hash.get(page_hash)
+        if page is None or self._page_tokens.get(page) != tokens:
+            return None
+        return page
+
+    def publish(self, page: int, page_hash: int, tokens: tuple[int, ...]) -> None:
+        """Make a full, final page findable by later requests."""
+        if not self.enable_prefix_caching or page in self._page_hash:
+            return
+        if page_hash in self._by_hash:
+            return  # an identical page is already published; keep that one
+        self._by_hash[page_hash] = page
+        self._page_hash[page] = page_hash
+        self._page_tokens[page] = tokens
+
+    def _unpublish(self, page: int) -> None:
+        page_hash = self._page_hash.pop(page)
+        self._page_tokens.pop(page, None)
+        if self._by_hash.get(page_hash) == page:
+            del self._by_hash[page_hash]
+
+    def clear_cache(self) -> None:
+        """Drop every unreferenced cached page back to the free list."""
+        while self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            self._unpublish(page)
+            self._free.append(page)

@@ -1,0 +1,178 @@
+"""Per-request page tables over one preallocated page tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .allocator import OutOfPages, PageAllocator, chain_hash
+
+if TYPE_CHECKING:
+    from engine.context import TextContext
+
+
+def page_tensor_shape(num_pages: int, num_layers: int, page_size: int, num_kv_heads: int,
+                      head_dim: int) -> tuple[int, ...]:
+    return (num_pages, 2, num_layers, page_size, num_kv_heads, head_dim)
+
+
+def pages_for_budget(gib: float, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype) -> int:
+    """How many pages fit in `gib` GiB."""
+    per_page = 2 * num_layers * page_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    return int(gib * (1 << 30)) // per_page
+
+
+@dataclass
+class KVCacheInputs:
+    """What a forward step needs to find each sequence's keys and values (MAX's names).
+
+    kv_blocks:      the page tensor [num_pages, 2, num_layers, page_size, kv_heads, head_dim]
+    cache_lengths:  [B] int32, tokens of each sequence already in the cache
+    lookup_table:   [B, max_pages] int32, page ids of each sequence (padded with 0)
+    max_lengths:    [num_steps, 2] int32, per step (longest query, longest cache)
+    """
+
+    kv_blocks: torch.Tensor
+    cache_lengths: torch.Tensor
+    lookup_table: torch.Tensor
+    max_lengths: torch.Tensor
+    host_lookup_table: np.ndarray
+
+
+class _SeqState:
+    __slots__ = ("pages", "hashes")
+
+    def __init__(self) -> None:
+        self.pages: list[int] = []
+        self.hashes: list[int] = []  # chained hashes of the leading full pages, as computed
+
+
+class KVCacheManager:
+    """Claims, grows, publishes and frees the pages of running requests."""
+
+    def __init__(self, kv_blocks: torch.Tensor, allocator: PageAllocator):
+        self.kv_blocks = kv_blocks
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._seqs: dict[str, _SeqState] = {}
+
+    # -- lifecycle --------------------------------------------------------
+    def claim(self, ctx: TextContext, use_prefix_cache: bool = True) -> int:
+        """Start tracking `ctx`; reuse cached pages for its leading tokens.
+
+        Returns the number of tokens found in the cache. The hit is capped so
+        that at least the last known token is computed (its logits are needed).
+        """
+        if ctx.request_id in self._seqs:
+            raise ValueError(f"request {ctx.request_id} already holds pages")
+        state = _SeqState()
+        self._seqs[ctx.request_id] = state
+        if not use_prefix_cache or not self.allocator.enable_prefix_caching:
+            return 0
+        p = self.page_size
+        tokens = ctx.tokens
+        parent: int | None = None
+        for i in range((ctx.end_idx - 1) // p):
+            page_tokens = tuple(tokens[i * p:(i + 1) * p].tolist())
+            h = chain_hash(parent, page_tokens)
+            page = self.allocator.lookup(h, page_tokens)
+            if page is None:
+                break
+            self.allocator.retain(page)
+            state.pages.append(page)
+            state.hashes.append(h)
+            parent = h
+        hit = len(state.pages) * p
+        if hit:
+            self.allocator.hits += len(state.pages)
+            ctx.skip_cached_tokens(hit)
+        return hit
+
+    def reserve(self, ctx: TextContext, num_tokens: int) -> bool:
+        """Make sure pages exist for positions [0, start_idx + num_tokens).
+
+        Either allocates everything needed or nothing (returns False).
+        """
+        state = self._seqs[ctx.request_id]
+        need = -(-(ctx.start_idx + num_tokens) // self.page_size) - len(state.pages)
+        if need <= 0:
+            return True
+        try:
+            state.pages.extend(self.allocator.allocate(need))
+        except OutOfPages:
+            return False
+        return True
+
+    def can_reserve(self, ctx: TextContext, num_tokens: int) -> bool:
+        state = self._seqs.get(ctx.request_id)
+        held = len(state.pages) if state else 0
+        need = -(-(ctx.start_idx + num_tokens) // self.page_size) - held
+        return need <= self.allocator.num_free
+
+    def commit(self, ctx: TextContext) -> None:
+        """Publish full pages whose tokens are computed and final."""
+        state = self._seqs.get(ctx.request_id)
+        if state is None or not self.allocator.enable_prefix_caching:
+            return
+        p = self.page_size
+        final = min(ctx.start_idx, ctx.num_final_tokens)
+        full = min(final // p, len(state.pages))
+        parent = state.hashes[-1] if state.hashes else None
+        for i in range(len(state.hashes), full):
+            page_tokens = tuple(ctx.tokens[i * p:(i + 1) * p].tolist())
+            parent = chain_hash(parent, page_tokens)
+            state.hashes.append(parent)
+            self.allocator.publish(state.pages[i], parent, page_tokens)
+        ctx.committed_idx = max(ctx.committed_idx, full * p)
+
+    def release(self, ctx: TextContext) -> None:
+        """Give back every page of `ctx` (safe to call twice)."""
+        state = self._seqs.pop(ctx.request_id, None)
+        if state is None:
+            return
+        for page in state.pages:
+            self.allocator.release(page)
+
+    # -- step inputs ------------------------------------------------------
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def num_pages_held(self, request_id: str) -> int:
+        state = self._seqs.get(request_id)
+        return len(state.pages) if state else 0
+
+    @property
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def lookup_table(self, batch: Sequence[TextContext]) -> np.ndarray:
+        width = max(1, max(len(self._seqs[c.request_id].pages) for c in batch))
+        table = np.zeros((len(batch), width), dtype=np.int32)
+        for row, ctx in enumerate(batch):
+            pages = self._seqs[ctx.request_id].pages
+            table[row, :len(pages)] = pages
+        return table
+
+    def inputs(self, batch: Sequence[TextContext], num_steps: int = 1) -> KVCacheInputs:
+        """KVCacheInputs for a batch whose next_tokens are about to run."""
+        table = self.lookup_table(batch)
+        cache_lengths = np.array([c.start_idx for c in batch], dtype=np.int32)
+        q_lens = np.array([c.active_length for c in batch], dtype=np.int32)
+        max_lengths = np.array(
+            [[int(q_lens.max()) if s == 0 else 1, int(cache_lengths.max()) + int(q_lens.max()) + s - 1]
+             for s in range(num_steps)],
+            dtype=np.int32,
+        )
+        device = self.kv_blocks.device
+        return KVCacheInputs(
+            kv_blocks=self.kv_blocks,
+            cache_lengths=torch.from_numpy(cache_lengths).to(device),
+            lookup_table=torch.from_numpy(table).to(device),
+            max_lengths=torch.from_numpy(max_lengths),
+            host_lookup_table=table,
+        )

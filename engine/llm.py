@@ -1,0 +1,88 @@
+"""The offline Python API: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import EngineConfig
+from .context import TokenLogprobs
+from .engine import EngineCore
+from .output import RequestOutput
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """The whole result of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_prompt_tokens: int = 0
+    forced_tokens: int = 0
+    error: str | None = None
+
+    def _add(self, delta: RequestOutput) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        if self.logprobs is not None:
+            self.logprobs += delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+            self.cached_prompt_tokens = delta.cached_prompt_tokens
+            self.forced_tokens = delta.forced_tokens
+            self.error = delta.error
+
+
+class LLM:
+    """Load a checkpoint and generate for batches of prompts, offline.
+
+    Extra keyword arguments go to `EngineConfig` (page_size,
+    max_num_batched_tokens, max_model_len, enable_prefix_caching, num_steps, ...).
+    """
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str | None = None,
+                 kv_cache_gib: float = 1.0, max_num_seqs: int = 64, **kwargs: Any):
+        self.config = EngineConfig(model=str(model), device=device, dtype=dtype,
+                                   kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Generate for every prompt (text or token ids); results in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        results: dict[str, CompletionOutput] = {}
+        order: list[str] = []
+        for prompt, p in zip(prompts, params, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ctx = self.engine.make_context(ids, p)
+            self.engine.add_request(ctx)
+            out = CompletionOutput(ctx.request_id, ids, logprobs=[] if p.logprobs is not None else None)
+            results[ctx.request_id] = out
+            order.append(ctx.request_id)
+        pending = set(order)
+        while pending:
+            for delta in self.engine.step():
+                out = results.get(delta.request_id)
+                if out is None:
+                    continue
+                out._add(delta)
+                if delta.finished:
+                    pending.discard(delta.request_id)
+        return [results[r] for r in order]

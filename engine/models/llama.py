@@ -1,0 +1,143 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+One class covers the four architectures: they differ only in q/k/v biases
+(Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings and rope scaling.
+Weights are fused at load (q|k|v, gate|up) so a layer makes four GEMM calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+
+from .config import CheckpointError, ModelConfig
+from .linear import Linear
+from .rope import apply_rotation, interleave_permutation, rotation_table
+from .weights import WeightSource
+
+
+@dataclass
+class DecoderLayer:
+    """The tensors of one transformer block."""
+
+    input_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+class LlamaFamilyModel:
+    """Forward pass of a Llama-family checkpoint; returns final hidden states."""
+
+    def __init__(self, config: ModelConfig, source: WeightSource, device: torch.device,
+                 dtype: torch.dtype, ops: ModuleType | None = None):
+        if config.extra.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise CheckpointError(f"unsupported hidden_act {config.extra['hidden_act']!r} (need silu)")
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.ops = ops if device.type == "cpu" else None
+        perm = interleave_permutation(config.head_dim)
+
+        def load(name: str) -> torch.Tensor:
+            return source.get(name, dtype)
+
+        def permute_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+            # HF rotate_half layout -> interleaved pairs (see rope.py).
+            shape = t.shape
+            return t.reshape(heads, config.head_dim, -1)[:, perm].reshape(shape)
+
+        self.embed = load("model.embed_tokens.weight").to(device)
+        self.layers: list[DecoderLayer] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            q = permute_heads(load(p + "self_attn.q_proj.weight"), config.num_heads)
+            k = permute_heads(load(p + "self_attn.k_proj.weight"), config.num_kv_heads)
+            v = load(p + "self_attn.v_proj.weight")
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([
+                    permute_heads(load(p + "self_attn.q_proj.bias"), config.num_heads),
+                    permute_heads(load(p + "self_attn.k_proj.bias"), config.num_kv_heads),
+                    load(p + "self_attn.v_proj.bias"),
+                ]).to(device)
+            layer = DecoderLayer(
+                input_norm=load(p + "input_layernorm.weight").to(device),
+                qkv=Linear(torch.cat([q, k, v]).to(device), bias),
+                o_proj=Linear(load(p + "self_attn.o_proj.weight").to(device)),
+                post_norm=load(p + "post_attention_layernorm.weight").to(device),
+                gate_up=Linear(torch.cat([load(p + "mlp.gate_proj.weight"),
+                                          load(p + "mlp.up_proj.weight")]).to(device)),
+                down=Linear(load(p + "mlp.down_proj.weight").to(device)),
+            )
+            if config.qk_norm:
+                layer.q_norm = load(p + "self_attn.q_norm.weight")[perm].contiguous().to(device)
+                layer.k_norm = load(p + "self_attn.k_norm.weight")[perm].contiguous().to(device)
+            self.layers.append(layer)
+        self.final_norm = load("model.norm.weight").to(device)
+        if config.tie_word_embeddings or "lm_head.weight" not in source:
+            self.lm_head = Linear(self.embed)
+        else:
+            self.lm_head = Linear(load("lm_head.weight").to(device))
+        self.rotations = rotation_table(config.rope, config.head_dim,
+                                        config.max_position_embeddings).to(device)
+
+    # -- building blocks --------------------------------------------------
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """residual += x; return rms_norm(residual) (fused on CPU)."""
+        if self.ops is not None:
+            self.ops.add_rms_norm(x, residual, weight, self.config.rms_norm_eps)
+            return x
+        residual.add_(x)
+        return self._norm(residual, weight)
+
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, rot: torch.Tensor):
+        c = self.config
+        t = x.shape[0]
+        qkv = layer.qkv(x)
+        q_size, kv_size = c.q_size, c.kv_size
+        v = qkv[:, q_size + kv_size:].view(t, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is None:
+            qk = apply_rotation(qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), rot)
+            return qk[:, :c.num_heads], qk[:, c.num_heads:], v
+        q = self._norm(qkv[:, :q_size].view(t, c.num_heads, c.head_dim), layer.q_norm)
+        k = self._norm(qkv[:, q_size:q_size + kv_size].view(t, c.num_kv_heads, c.head_dim), layer.k_norm)
+        return apply_rotation(q, rot), apply_rotation(k, rot), v
+
+    # -- forward ----------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, `[T, hidden]`, for a flat token batch."""
+        c = self.config
+        t = input_ids.shape[0]
+        rot = self.rotations[positions]
+        h = F.embedding(input_ids, self.embed)
+        residual = h.clone()
+        x = self._norm(h, self.layers[0].input_norm)
+        for i, layer in enumerate(self.layers):
+            if i > 0:
+                x = self._add_norm(h, residual, layer.input_norm)
+            q, k, v = self._qkv(layer, x, rot)
+            attn = attention(q, k, v, i, meta)
+            h = layer.o_proj(attn.reshape(t, c.q_size))
+            x = self._add_norm(h, residual, layer.post_norm)
+            gate_up = layer.gate_up(x)
+            inter = c.intermediate_size
+            h = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return self._add_norm(h, residual, self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[N, vocab]` for the given hidden rows."""
+        return self.lm_head(hidden).float()

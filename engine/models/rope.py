@@ -1,0 +1,57 @@
+"""Rotary position embeddings, as complex rotations of interleaved pairs.
+
+Hugging Face checkpoints rotate pairs (i, i + d/2) ("rotate_half"). The loader
+permutes the rows of the q and k projections so that those pairs become
+neighbours (2i, 2i + 1); a rotation is then one complex multiply. Attention
+scores are dot products of q and k, which do not change when both are permuted
+the same way, so the model computes the same function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Per-pair frequencies, with llama3 frequency scaling when configured."""
+    # float32 throughout, as transformers computes it, so angles agree bit for bit.
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.rope_type != "llama3":
+        return inv
+    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    # Long wavelengths are slowed by `factor`, short ones kept, and the band in
+    # between interpolated smoothly.
+    scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, blended, scaled)
+
+
+def rotation_table(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
+    """Complex unit rotations `[max_positions, head_dim // 2]` (complex64)."""
+    inv = inverse_frequencies(rope, head_dim)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def interleave_permutation(head_dim: int) -> torch.Tensor:
+    """Index map from HF's half-split pair layout to interleaved pairs."""
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+
+
+def apply_rotation(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[T, heads, head_dim]` (interleaved pairs) by `rotations` `[T, head_dim/2]`."""
+    t, heads, dim = x.shape
+    pairs = torch.view_as_complex(x.float().reshape(t, heads, dim // 2, 2))
+    out = torch.view_as_real(pairs * rotations[:, None, :]).reshape(t, heads, dim)
+    return out.to(x.dtype)

@@ -1,0 +1,55 @@
+"""Load tensors from a checkpoint's safetensors files (one file or a sharded index)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import CheckpointError
+
+
+class WeightSource:
+    """Name -> tensor lookup across all *.safetensors files of a checkpoint."""
+
+    def __init__(self, model_dir: str | Path):
+        root = Path(model_dir)
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = sorted({root / f for f in weight_map.values()})
+        else:
+            files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {root}")
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"checkpoint is missing {', '.join(missing)} (listed in the index)")
+        self._where: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                    self._where[name] = f
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> Iterable[str]:
+        return self._where.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        path = self._where.get(name)
+        if path is None:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        handle = self._open.get(path)
+        if handle is None:
+            handle = safe_open(str(path), framework="pt")
+            self._open[path] = handle
+        return handle.get_tensor(name).to(dtype)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._open.clear()

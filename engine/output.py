@@ -1,0 +1,128 @@
+"""Turning a request's tokens into streamed text, with stop strings.
+
+Stop strings are matched on text, across token boundaries. Text that could
+still be the beginning of a stop string is held back until it cannot, so a
+client never receives text that is later trimmed away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .context import GenerationStatus, TextContext, TokenLogprobs
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+FINISH_REASONS = {
+    GenerationStatus.END_OF_SEQUENCE: "eos",
+    GenerationStatus.STOP_TOKEN: "stop_token",
+    GenerationStatus.STOP_STRING: "stop_string",
+    GenerationStatus.MAXIMUM_LENGTH: "length",
+    GenerationStatus.CONTEXT_LENGTH: "length",
+    GenerationStatus.CANCELLED: "cancelled",
+    GenerationStatus.ERROR: "error",
+}
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (a delta)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    status: GenerationStatus = GenerationStatus.ACTIVE
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    forced_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status) if self.finished else None
+
+
+class OutputStream:
+    """Per-request detokenizer, stop-string matcher and delta builder."""
+
+    def __init__(self, ctx: TextContext, tokenizer: Tokenizer):
+        params = ctx.sampling_params
+        self.ctx = ctx
+        self.decoder: IncrementalDecoder = tokenizer.stream(ctx.prompt_tokens.tolist(),
+                                                            params.skip_special_tokens)
+        self.stops = params.stop
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+        self.decoded_tokens = 0
+        self.stop_reason: str | int | None = None
+        self.prompt_logprobs_sent = False
+
+    def _decode_new(self) -> None:
+        ctx = self.ctx
+        end = ctx.num_final_tokens
+        while ctx.prompt_len + self.decoded_tokens < end:
+            tok = int(ctx.tokens[ctx.prompt_len + self.decoded_tokens])
+            self.decoded_tokens += 1
+            piece = self.decoder.step(tok)
+            if not piece:
+                continue
+            before = len(self.text)
+            self.text += piece
+            if self.stops and self._match_stop(before):
+                return
+
+    def _match_stop(self, before: int) -> bool:
+        window_start = max(0, before - self.hold)
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = self.text.find(s, window_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        keep = i + len(s) if self.ctx.sampling_params.include_stop_str_in_output else i
+        self.text = self.text[:keep]
+        self.stop_reason = s
+        # Tokens decoded after the one completing the stop are dropped.
+        self.ctx.rollback(self.ctx.num_generated - self.decoded_tokens)
+        self.ctx.finish(GenerationStatus.STOP_STRING)
+        return True
+
+    def delta(self) -> RequestOutput:
+        """Everything new since the last call; call after each engine step."""
+        ctx = self.ctx
+        self._decode_new()
+        done = ctx.is_done
+        if done and self.stop_reason is None and ctx.status is GenerationStatus.STOP_TOKEN:
+            self.stop_reason = int(ctx.tokens[ctx.end_idx - 1])
+        limit = len(self.text) if done or not self.stops else max(self.sent_chars, len(self.text) - self.hold)
+        final_tokens = ctx.num_final_tokens - ctx.prompt_len
+        out = RequestOutput(
+            request_id=ctx.request_id,
+            token_ids=ctx.tokens[ctx.prompt_len + self.sent_tokens:ctx.prompt_len + final_tokens].tolist(),
+            text=self.text[self.sent_chars:limit],
+            logprobs=ctx.logprobs[self.sent_logprobs:final_tokens],
+            finished=done,
+            status=ctx.status,
+            stop_reason=self.stop_reason if done else None,
+            prompt_tokens=ctx.prompt_len,
+            completion_tokens=final_tokens,
+            cached_prompt_tokens=ctx.num_cached_prompt_tokens,
+            forced_tokens=ctx.num_forced_tokens,
+        )
+        if not self.prompt_logprobs_sent and ctx.sampling_params.prompt_logprobs is not None \
+                and len(ctx.prompt_logprobs) >= ctx.prompt_len:
+            out.prompt_logprobs = ctx.prompt_logprobs[:ctx.prompt_len]
+            self.prompt_logprobs_sent = True
+        self.sent_chars = limit
+        self.sent_tokens = final_tokens
+        self.sent_logprobs = min(len(ctx.logprobs), final_tokens)
+        return out

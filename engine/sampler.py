@@ -1,0 +1,220 @@
+"""Batched sampling on the device.
+
+Order per row: penalties -> logit_bias -> min_new_tokens EOS mask -> grammar
+mask (by the caller) -> greedy argmax, or temperature -> top-k -> top-p ->
+min-p -> Gumbel-max draw. Log-probabilities are of the raw model output.
+
+Randomness is per request, not per batch: a row's Gumbel noise comes from a
+generator seeded by (request seed, token position), so a seeded request draws
+the same tokens whatever else shares its batch, and after a preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .context import TextContext
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): a well-spread 63-bit generator seed."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs of one step, on the device."""
+
+    size: int
+    all_greedy: bool
+    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor  # [B] float, 1.0 on greedy rows
+    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled
+    top_p: torch.Tensor | None  # [B] float, > 1 where disabled
+    min_p: torch.Tensor | None  # [B] float
+    seeds: list[int]
+    positions: list[int]  # index of the token being sampled, per row
+    # Penalties (None when no row uses them).
+    frequency: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # [B, V] float counts of generated tokens
+    seen: torch.Tensor | None = None  # [B, V] bool: token in prompt or output
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, cols, values
+    eos_block: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, cols masked to -inf
+    num_logprobs: int | None = None  # top-N wanted by some row (None: no logprobs)
+
+
+def build_sampling_batch(contexts: Sequence[TextContext], vocab_size: int,
+                         device: torch.device) -> SamplingBatch:
+    """Collect the sampling options of `contexts` (one row each) into tensors."""
+    params = [c.sampling_params for c in contexts]
+    b = len(contexts)
+    greedy = [p.greedy for p in params]
+    batch = SamplingBatch(
+        size=b,
+        all_greedy=all(greedy),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                                 dtype=torch.float32, device=device),
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        seeds=[c.seed for c in contexts],
+        positions=[c.end_idx for c in contexts],
+    )
+    if not batch.all_greedy:
+        if any(p.top_k > 0 for p in params):
+            batch.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                                       dtype=torch.int64, device=device)
+        if any(p.top_p < 1.0 for p in params):
+            batch.top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params],
+                                       dtype=torch.float32, device=device)
+        if any(p.min_p > 0.0 for p in params):
+            batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    if any(p.uses_penalties for p in params):
+        _add_penalties(batch, contexts, vocab_size, device)
+    rows, cols, vals = [], [], []
+    for r, p in enumerate(params):
+        for tok, val in p.logit_bias.items():
+            if tok < vocab_size:
+                rows.append(r)
+                cols.append(tok)
+                vals.append(val)
+    if rows:
+        batch.bias = (torch.tensor(rows, device=device), torch.tensor(cols, device=device),
+                      torch.tensor(vals, dtype=torch.float32, device=device))
+    rows, cols = [], []
+    for r, c in enumerate(contexts):
+        if c.num_generated < c.sampling_params.min_new_tokens:
+            blocked = set(c.sampling_params.stop_token_ids)
+            if not c.sampling_params.ignore_eos:
+                blocked |= c.eos_token_ids
+            for tok in blocked:
+                if tok < vocab_size:
+                    rows.append(r)
+                    cols.append(tok)
+    if rows:
+        batch.eos_block = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    batch.num_logprobs = max(wanted) if wanted else None
+    return batch
+
+
+def _add_penalties(batch: SamplingBatch, contexts: Sequence[TextContext], vocab: int,
+                   device: torch.device) -> None:
+    params = [c.sampling_params for c in contexts]
+    batch.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+    batch.presence = torch.tensor([p.presence_penalty for p in params], device=device)
+    batch.repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
+    counts = np.zeros((len(contexts), vocab), dtype=np.float32)
+    seen = np.zeros((len(contexts), vocab), dtype=bool)
+    for r, c in enumerate(contexts):
+        if not c.sampling_params.uses_penalties:
+            continue
+        out = c.generated_tokens
+        out = out[(out >= 0) & (out < vocab)]
+        np.add.at(counts[r], out, 1.0)
+        prompt = c.prompt_tokens
+        seen[r, prompt[prompt < vocab]] = True
+        seen[r, out] = True
+    batch.output_counts = torch.from_numpy(counts).to(device)
+    batch.seen = torch.from_numpy(seen).to(device)
+
+
+def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place: repetition, frequency and presence penalties, logit_bias, EOS block."""
+    if batch.output_counts is not None:
+        assert batch.seen is not None and batch.repetition is not None
+        rep = batch.repetition[:, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(batch.seen, penalised, logits))
+        assert batch.frequency is not None and batch.presence is not None
+        logits -= batch.frequency[:, None] * batch.output_counts
+        logits -= batch.presence[:, None] * (batch.output_counts > 0).float()
+    if batch.bias is not None:
+        rows, cols, vals = batch.bias
+        logits.index_put_((rows, cols), vals, accumulate=True)
+    if batch.eos_block is not None:
+        rows, cols = batch.eos_block
+        logits[rows, cols] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks. Returns new logits."""
+    out = logits / batch.temperature[:, None]
+    if batch.top_k is not None or batch.top_p is not None:
+        sorted_logits, order = out.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if batch.top_k is not None:
+            ranks = torch.arange(out.shape[-1], device=out.device)[None, :]
+            remove |= ranks >= batch.top_k[:, None]
+        if batch.top_p is not None:
+            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove |= mass_before >= batch.top_p[:, None]
+        remove[:, 0] = False  # the most likely token always survives
+        out = out.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if batch.min_p is not None:
+        probs = out.softmax(dim=-1)
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        out = out.masked_fill(probs < threshold, float("-inf"))
+    return out
+
+
+def gumbel_noise(batch: SamplingBatch, vocab: int, device: torch.device,
+                 position_offset: int = 0) -> torch.Tensor:
+    """[B, V] Gumbel noise, each row from its request's (seed, position) generator."""
+    rows = []
+    for seed, pos in zip(batch.seeds, batch.positions, strict=True):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(mix_seed(seed, pos + position_offset))
+        rows.append(torch.rand(vocab, generator=gen, device=device))
+    uniform = torch.stack(rows)
+    return -torch.log(-torch.log(uniform))
+
+
+@dataclass
+class SamplerOutput:
+    """Device tensors from one sampling step."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprob: torch.Tensor | None = None  # [B] log p(sampled token) under the raw model
+    top_ids: torch.Tensor | None = None  # [B, N]
+    top_logprobs: torch.Tensor | None = None  # [B, N]
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, grammar_mask=None,
+           position_offset: int = 0) -> SamplerOutput:
+    """Choose one token per row of float32 `logits` [B, V] (modified in place).
+
+    `grammar_mask(logits)` masks disallowed tokens in place, if given.
+    `position_offset` advances every row's position (multi-step decoding).
+    """
+    raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
+    apply_penalties_and_bias(logits, batch)
+    if grammar_mask is not None:
+        grammar_mask(logits)
+    if batch.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        filtered = filter_logits(logits, batch)
+        noisy = filtered + gumbel_noise(batch, logits.shape[-1], logits.device, position_offset)
+        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
+    out = SamplerOutput(tokens=tokens)
+    if raw_logprobs is not None:
+        assert batch.num_logprobs is not None
+        out.logprob = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        if batch.num_logprobs > 0:
+            top = raw_logprobs.topk(batch.num_logprobs, dim=-1)
+            out.top_ids, out.top_logprobs = top.indices, top.values
+    return out

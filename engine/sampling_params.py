@@ -1,0 +1,110 @@
+"""How one request samples and when it stops."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .errors import InvalidRequest
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LENGTH = 256
+
+
+class InvalidSamplingParams(InvalidRequest):
+    """A sampling or stopping value out of range; `field` names it."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping options (MAX's SamplingParams, vLLM's names where they differ).
+
+    temperature 0 means greedy; top_k <= 0 means no top-k cut. max_new_tokens
+    None means "until the context is full". logprobs=N returns the sampled
+    token's log-probability plus the N most likely (N <= 20); prompt_logprobs
+    likewise for prompt tokens. Log-probabilities are of the model's raw
+    distribution (before penalties, temperature and filtering).
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise containers so the object stays immutable and hashable-ish.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias",
+                           MappingProxyType({int(k): float(v) for k, v in dict(self.logit_bias).items()}))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            raise InvalidSamplingParams(name, msg)
+
+        if not self.temperature >= 0.0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                bad(name, f"must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for tok, bias in self.logit_bias.items():
+            if tok < 0:
+                bad("logit_bias", f"token id {tok} is negative")
+            if not -100.0 <= bias <= 100.0:
+                bad("logit_bias", f"bias for token {tok} must be in [-100, 100], got {bias}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            bad("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            bad("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", f"({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s:
+                bad("stop", "stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_LENGTH:
+                bad("stop", f"stop strings must be at most {MAX_STOP_STRING_LENGTH} characters")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "token ids must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad("seed", f"must be in [0, 2^63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)

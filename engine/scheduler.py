@@ -1,0 +1,168 @@
+"""Continuous batching with chunked prefill, FCFS admission and preemption.
+
+Each step the scheduler hands out tokens under a budget: running requests
+first (in admission order: their decode token, forced tokens, or the next
+prompt chunk), then waiting requests in arrival order while the budget, the
+cap on running requests and free pages allow. When a running request cannot
+get a page, the most recently admitted request is preempted by recompute: its
+pages are released (full pages stay in the prefix cache), its context reset,
+and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .context import GenerationStatus, TextContext
+from .kv_cache import KVCacheManager
+from .pipeline import multi_step_ok
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_seq_len: int = 2048
+    num_steps: int = 1  # decode steps per scheduled decode-only batch
+    # Admission keeps this share of pages free so running requests can grow.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.num_steps < 1:
+            raise ValueError("num_steps must be >= 1")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: contexts with next_tokens set, and how many decode steps."""
+
+    contexts: list[TextContext]
+    num_steps: int
+    num_tokens: int
+    preempted: list[TextContext]
+
+
+class Scheduler:
+    """Decides which requests run in the next step and with how many tokens."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[TextContext] = deque()
+        self.running: list[TextContext] = []
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------
+    def add(self, ctx: TextContext) -> None:
+        self.waiting.append(ctx)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> TextContext | None:
+        for ctx in self.running:
+            if ctx.request_id == request_id:
+                return ctx
+        for ctx in self.waiting:
+            if ctx.request_id == request_id:
+                return ctx
+        return None
+
+    def remove(self, ctx: TextContext) -> None:
+        """Drop `ctx` from the queues and free its pages (finished or aborted)."""
+        if ctx in self.running:
+            self.running.remove(ctx)
+        elif ctx in self.waiting:
+            self.waiting.remove(ctx)
+        self.kv.release(ctx)
+
+    def remove_finished(self) -> list[TextContext]:
+        done = [c for c in self.running if c.is_done]
+        for ctx in done:
+            self.remove(ctx)
+        return done
+
+    # -- scheduling ---------------------------------------------------------
+    def _preempt(self, victim: TextContext) -> None:
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.reset()
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput | None:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[TextContext] = []
+        preempted: list[TextContext] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            ctx = self.running[i]
+            n = min(ctx.end_idx - ctx.start_idx, budget)
+            while not self.kv.reserve(ctx, ctx.start_idx + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is ctx:
+                    break
+            if ctx.is_done or ctx not in self.running:
+                continue  # ctx itself was preempted; nothing after it remains
+            ctx.set_chunk(n)
+            scheduled.append(ctx)
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(scheduled, budget)
+        if not scheduled:
+            return None
+        num_steps = self._num_steps(scheduled)
+        return SchedulerOutput(scheduled, num_steps, sum(c.active_length for c in scheduled), preempted)
+
+    def _admit(self, scheduled: list[TextContext], budget: int) -> None:
+        reserve_pages = int(self.config.watermark * self.kv.allocator.num_pages)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            ctx = self.waiting[0]
+            if ctx.is_done:  # aborted while waiting
+                self.waiting.popleft()
+                continue
+            # Requests asking for prompt log-probabilities need every prompt position computed.
+            hit = self.kv.claim(ctx, use_prefix_cache=ctx.sampling_params.prompt_logprobs is None)
+            n = min(ctx.end_idx - ctx.start_idx, budget)
+            pages_needed = -(-(ctx.start_idx + n) // self.kv.page_size) - self.kv.num_pages_held(ctx.request_id)
+            if pages_needed > self.kv.allocator.num_free - (reserve_pages if self.running else 0) \
+                    or not self.kv.reserve(ctx, ctx.start_idx + n):
+                self.kv.release(ctx)
+                if hit:
+                    ctx.reset()
+                    ctx.num_preemptions -= 1  # an undone prefix hit is not a preemption
+                if not self.running and not scheduled:
+                    # Nothing runs and it still does not fit: it never will.
+                    self.waiting.popleft()
+                    ctx.error = "request does not fit in the KV cache"
+                    ctx.finish(GenerationStatus.ERROR)
+                    continue
+                break
+            self.waiting.popleft()
+            self.running.append(ctx)
+            ctx.set_chunk(n)
+            scheduled.append(ctx)
+            budget -= n
+
+    def _num_steps(self, scheduled: list[TextContext]) -> int:
+        steps = self.config.num_steps
+        if steps == 1 or not all(multi_step_ok(c) for c in scheduled):
+            return 1
+        steps = min([steps] + [c.compute_num_available_steps(self.config.max_seq_len) for c in scheduled])
+        if steps <= 1:
+            return 1
+        # Pages for the extra tokens; fall back to a single step if they are short.
+        for ctx in scheduled:
+            if not self.kv.reserve(ctx, ctx.start_idx + steps):
+                return 1
+        return steps
