@@ -1,0 +1,188 @@
+"""JSON-Schema-Test-Suite (draft 2020-12) conformance of the grammar backends.
+
+For every schema group in the suite and every backend (xgrammar, llguidance,
+auto): compile the schema; feed each `valid: true` instance - serialized with
+`json.dumps(x, separators=(",", ":"))`, tokenized with the demo tokenizer - token
+by token (each token must be inside the filled bitmask and accepted, and a stop
+token must be allowed at the end); count the `valid: false` instances that are
+rejected somewhere (or cannot terminate). A schema that fails to compile (or
+times out) accepts none of its valid instances and rejects all invalid ones.
+
+    .venv/bin/python bench/grammar_conformance.py [--suite DIR] [--timeout S] [--json OUT]
+
+prints a markdown table per keyword (the suite's file name). tests/grammar/
+test_conformance.py runs the same `evaluate` function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SUITE = ROOT.parent / "shared/data/json-schema-test-suite"
+TOKENIZER_DIR = ROOT / "engine/presets/tokenizer"
+BACKENDS = ("xgrammar", "llguidance", "auto")
+MODEL_VOCAB = 8320  # a padded model vocabulary, as tiny-qwen2 has
+STOP_IDS = (1, 3)
+# Run as a script, this directory comes first on sys.path and its grammar.py
+# would shadow the grammar package.
+if str(ROOT) not in sys.path[:1]:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class Tally:
+    valid: int = 0
+    valid_accepted: int = 0
+    invalid: int = 0
+    invalid_rejected: int = 0
+    groups: int = 0
+    compiled: int = 0
+
+    def add(self, other: Tally) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class Report:
+    per_keyword: dict[str, dict[str, Tally]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def total(self, backend: str) -> Tally:
+        out = Tally()
+        for tallies in self.per_keyword.values():
+            out.add(tallies[backend])
+        return out
+
+
+def load_suite(suite_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """keyword (file stem) -> schema groups, for the suite's top-level files."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(suite_dir.glob("*.json"))}
+
+
+def _allowed(bitmask: Any, token: int) -> bool:
+    return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
+
+def run_instance(matcher: Any, tokens: list[int], bitmask: Any, stop_id: int) -> bool:
+    """True when every token is in the mask and accepted, and the output may end."""
+    matcher.reset()
+    for tok in tokens:
+        matcher.fill_bitmask(bitmask, 0)
+        if not _allowed(bitmask, tok) or not matcher.accept_token(tok):
+            return False
+    matcher.fill_bitmask(bitmask, 0)
+    return _allowed(bitmask, stop_id) and matcher.can_terminate()
+
+
+def evaluate(
+    compiler: Any,
+    suite: dict[str, list[dict[str, Any]]],
+    backends: Iterable[str] = BACKENDS,
+) -> Report:
+    from grammar import GrammarError, GrammarSpec
+
+    tok = compiler.tokenizer_data
+    stop_id = tok.eos_token_ids[0]
+    bitmask = compiler.allocate_bitmask(1)
+    report = Report()
+    start = time.perf_counter()
+    for keyword, groups in suite.items():
+        tallies = {b: Tally() for b in backends}
+        report.per_keyword[keyword] = tallies
+        for group in groups:
+            spec = GrammarSpec("json_schema", json.dumps(group["schema"]))
+            cases = [
+                (t["valid"], tok.encode(json.dumps(t["data"], separators=(",", ":"))))
+                for t in group["tests"]
+            ]
+            for backend in backends:
+                tally = tallies[backend]
+                tally.groups += 1
+                try:
+                    matcher = compiler.compile(spec, backend=backend)
+                    tally.compiled += 1
+                except GrammarError:
+                    matcher = None
+                for valid, tokens in cases:
+                    ok = matcher is not None and run_instance(matcher, tokens, bitmask, stop_id)
+                    if valid:
+                        tally.valid += 1
+                        tally.valid_accepted += ok
+                    else:
+                        tally.invalid += 1
+                        tally.invalid_rejected += not ok
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def markdown(report: Report, backends: Iterable[str] = BACKENDS) -> str:
+    backends = list(backends)
+    head = "| keyword | " + " | ".join(f"{b} valid ✓ | {b} invalid ✗" for b in backends) + " |"
+    sep = "|---|" + "---|---|" * len(backends)
+    lines = [head, sep]
+
+    def row(name: str, tallies: dict[str, Tally]) -> str:
+        cells = []
+        for b in backends:
+            t = tallies[b]
+            cells.append(f"{t.valid_accepted}/{t.valid}")
+            cells.append(f"{t.invalid_rejected}/{t.invalid}")
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    for keyword, tallies in report.per_keyword.items():
+        lines.append(row(keyword, tallies))
+    totals = {b: report.total(b) for b in backends}
+    lines.append(row("**total**", totals))
+    pct = []
+    for b in backends:
+        t = totals[b]
+        pct.append(f"{100 * t.valid_accepted / max(t.valid, 1):.1f}%")
+        pct.append(f"{100 * t.invalid_rejected / max(t.invalid, 1):.1f}%")
+    lines.append("| **rate** | " + " | ".join(pct) + " |")
+    compiled = " | ".join(f"{totals[b].compiled}/{totals[b].groups} | " for b in backends)
+    lines.append(f"| schemas compiled | {compiled}|")
+    return "\n".join(lines)
+
+
+def make_compiler(timeout_s: float) -> Any:
+    from transformers import AutoTokenizer
+
+    from grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    return GrammarCompiler(
+        tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=timeout_s
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", type=Path, default=DEFAULT_SUITE)
+    parser.add_argument("--timeout", type=float, default=5.0, help="per-schema compile timeout (s)")
+    parser.add_argument("--json", type=Path, help="also write the raw tallies here")
+    args = parser.parse_args(argv)
+    if not args.suite.is_dir():
+        print(f"suite not found at {args.suite}", file=sys.stderr)
+        return 2
+    suite = load_suite(args.suite)
+    with make_compiler(args.timeout) as compiler:
+        report = evaluate(compiler, suite)
+    print(markdown(report))
+    print(f"\n{sum(len(g) for g in suite.values())} schema groups, {report.seconds:.1f} s")
+    if args.json:
+        raw = {k: {b: vars(t) for b, t in v.items()} for k, v in report.per_keyword.items()}
+        args.json.write_text(json.dumps(raw, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

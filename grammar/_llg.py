@@ -1,0 +1,230 @@
+"""llguidance backend: spec -> grammar text, and its matcher.
+
+llguidance compiles lazily. Turning a spec into its internal grammar and
+building an `LLMatcher` is cheap (about a millisecond for typical schemas); the
+lexer's automaton is built on demand while masks are computed, and every mask
+step is bounded by fuel limits (`LLParserLimits`), so no single step can run
+away. The worker process therefore only has to prove that a spec converts,
+validates and yields a first mask within the time limit; it returns the grammar
+text, and the parent builds one template `LLMatcher` from it, which every
+request then copies (`deep_copy` costs well under a microsecond, a fresh
+matcher about half a millisecond).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import torch
+from llguidance.gbnf_to_lark import any_to_lark
+
+from .errors import GrammarError, clean_message
+from .matcher import Matcher
+
+if TYPE_CHECKING:
+    from .spec import GrammarSpec
+    from .tokenizer import TokenizerData
+
+BACKEND = "llguidance"
+_LABELS = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice list",
+    "ebnf": "EBNF grammar",
+    "lark": "Lark grammar",
+}
+
+
+def build_tokenizer(
+    tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...] | list[int]
+) -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+def limits() -> llguidance.LLParserLimits:
+    # verbose_errors=False keeps parser state and grammar dumps out of messages.
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def _json_options(spec: GrammarSpec) -> dict[str, Any]:
+    opts = spec.options
+    base: dict[str, Any] = {"lenient": False}  # fail, never silently ignore, a keyword
+    if opts.whitespace == "flexible":
+        pattern = rf"[\x20\x0A\x0D\x09]{{0,{opts.max_whitespace}}}"
+        return base | {"whitespace_flexible": True, "whitespace_pattern": pattern}
+    if opts.whitespace == "pretty":
+        pattern = rf"(\n {{0,{16 * opts.indent}}})?"
+        return base | {
+            "whitespace_flexible": True,
+            "whitespace_pattern": pattern,
+            "item_separator": ",",
+            "key_separator": ": ",
+        }
+    return base | {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar for `spec` (not yet validated)."""
+    try:
+        if spec.kind == "json_schema":
+            assert isinstance(spec.source, str)
+            source = spec.source
+            if source.strip() in ("true", "false"):
+                # Layout options only attach to object schemas; `true` is `{}`.
+                if source.strip() == "false":
+                    raise GrammarError(
+                        "cannot compile JSON schema: schema false accepts no value", backend=BACKEND
+                    )
+                source = "{}"
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                source,
+                overrides=_json_options(spec),  # type: ignore[arg-type]
+            )
+        if spec.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}',
+                overrides=_json_options(spec),  # type: ignore[arg-type]
+            )
+        if spec.kind == "regex":
+            assert isinstance(spec.source, str)
+            return llguidance.LLMatcher.grammar_from_regex(spec.source)
+        if spec.kind == "choice":
+            assert isinstance(spec.source, tuple)
+            alts = " | ".join(json.dumps(c) for c in dict.fromkeys(spec.source))
+            return llguidance.LLMatcher.grammar_from_lark(f"start: {alts}\n")
+        if spec.kind == "ebnf":
+            assert isinstance(spec.source, str)
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.source))
+        if spec.kind == "lark":
+            assert isinstance(spec.source, str)
+            return llguidance.LLMatcher.grammar_from_lark(spec.source)
+    except GrammarError:
+        raise
+    except Exception as e:  # the GBNF converter raises plain Exceptions
+        raise _error(spec, str(e)) from None
+    raise GrammarError(f"{spec.kind} is not supported by llguidance", backend=BACKEND)
+
+
+def _error(spec: GrammarSpec, raw: str) -> GrammarError:
+    msg = clean_message(raw, keep_positions=spec.kind in ("lark", "ebnf"))
+    reason = "too_large" if "too large" in msg or "too complex" in msg.lower() else "invalid"
+    return GrammarError(
+        f"cannot compile {_LABELS[spec.kind]}: {msg}", reason=reason, backend=BACKEND
+    )
+
+
+def check(tokenizer: llguidance.LLTokenizer, spec: GrammarSpec, grammar: str) -> None:
+    """Validate `grammar` fully: build a matcher and compute its first mask."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, tokenizer, limits=limits()
+    )
+    if is_error:
+        raise _error(spec, messages[0] if messages else "invalid grammar")
+    matcher = new_template(tokenizer, spec, grammar)
+    matcher.compute_bitmask()  # forces the initial lexer/parser work
+    if matcher.is_error():
+        raise _error(spec, matcher.get_error())
+
+
+def new_template(
+    tokenizer: llguidance.LLTokenizer, spec: GrammarSpec, grammar: str
+) -> llguidance.LLMatcher:
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits())
+    if matcher.is_error():
+        raise _error(spec, matcher.get_error())
+    return matcher
+
+
+class LLGuidanceMatcher(Matcher):
+    """Matcher over a copy of a template `LLMatcher`.
+
+    llguidance enters a permanent error state when fed a token it rejects, so
+    tokens are offered with `try_consume_tokens`, which leaves the state alone
+    on rejection. Stop tokens are handled here rather than consumed by the
+    library (which does not record them for rollback): one is accepted exactly
+    when the parser is in an accepting state.
+    """
+
+    backend = BACKEND
+
+    def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData, template: Any) -> None:
+        super().__init__(spec, tokenizer)
+        self._template = template
+        self._m = template.deep_copy()
+        self._eos = False
+        self._eos_ids = frozenset(tokenizer.eos_token_ids)
+        self._row_bytes = tokenizer.bitmask_words * 4
+
+    @property
+    def native(self) -> Any:
+        return self._m
+
+    def accept_token(self, token_id: int) -> bool:
+        token_id = int(token_id)  # numpy / 0-d tensor ids too
+        if self._eos or not self._valid_id(token_id) or self._m.is_error():
+            return False
+        if token_id in self._eos_ids:
+            if not self._m.is_accepting():
+                return False
+            self._eos = True
+        elif self._m.try_consume_tokens([token_id]) != 1:
+            return False
+        self._num_accepted += 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        if self._eos or self._m.is_error():
+            self._fill_eos_only(bitmask, row)
+            return
+        _check_bitmask(bitmask, self._tok.bitmask_words)
+        target = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(target.data_ptr(), self._row_bytes)
+
+    def forced_tokens(self) -> list[int]:
+        if self._eos or self._m.is_error():
+            return []
+        # llguidance already withholds a final token that could still merge
+        # with what follows, so these are canonical tokens.
+        return list(self._m.compute_ff_tokens())
+
+    def is_terminated(self) -> bool:
+        return self._eos
+
+    def can_terminate(self) -> bool:
+        return self._eos or (not self._m.is_error() and bool(self._m.is_accepting()))
+
+    def error(self) -> str | None:
+        if self._m.is_error():
+            return clean_message(self._m.get_error(), keep_positions=False)
+        return None
+
+    def reset(self) -> None:
+        # A fresh copy also clears a (sticky) error state, which reset() would not.
+        self._m = self._template.deep_copy()
+        self._eos = False
+        self._num_accepted = 0
+
+    def _rollback(self, num_tokens: int) -> None:
+        if self._eos:
+            self._eos = False
+            num_tokens -= 1
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
+
+def _check_bitmask(bitmask: torch.Tensor, words: int) -> None:
+    # llguidance writes through a raw pointer: refuse anything but the exact layout.
+    if (
+        bitmask.dtype != torch.int32
+        or bitmask.device.type != "cpu"
+        or bitmask.dim() != 2
+        or bitmask.shape[1] != words
+        or not bitmask.is_contiguous()
+    ):
+        raise ValueError(
+            f"bitmask must be a contiguous CPU int32 tensor of shape [batch, {words}], "
+            f"got {tuple(bitmask.shape)} {bitmask.dtype} on {bitmask.device}"
+        )

@@ -1,0 +1,223 @@
+"""Compile worker processes, owned by the parent: spawn, dispatch, kill on timeout.
+
+Why processes. A JSON schema compile is native code that cannot be interrupted:
+xgrammar expands nested `anyOf`/`oneOf` super-exponentially (measured here: a
+77 KB schema with six levels of nested anyOf took 7.4 s, ten levels did not
+finish in a minute) and holds a core the whole time. A thread that gives up
+waiting leaves that core burning; a process can simply be killed. Each worker
+is a plain `python -c` child (not `multiprocessing`, which would re-import the
+server's `__main__`), talking over two inherited pipes.
+
+Costs. A worker imports xgrammar (and with it torch) once at start-up, about
+1-3 s and a few hundred MB of memory, so workers are started ahead of need
+and a replacement is spawned as soon as one is killed. Per compile, the
+result crosses the pipe: xgrammar's CompiledGrammar as JSON (~0.3 MB and ~5 ms
+to rebuild for a small schema on an 8k vocabulary), llguidance's grammar text
+(the parent then rebuilds the matcher template, ~0.5 ms).
+
+Workers are spawned from one long-lived thread, because PR_SET_PDEATHSIG ties
+a child's life to the thread that forked it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Any
+
+from .errors import GrammarError
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+_BOOT = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from grammar._worker import main; main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))"
+)
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Crashed(Exception):
+    pass
+
+
+class WorkerProcess:
+    """One compile worker: a child process and the two pipe ends that reach it."""
+
+    def __init__(self, init_blob: bytes) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        env = dict(os.environ)
+        # One compile uses one core; keep torch/tokenizers in the child from
+        # starting thread pools it never uses.
+        env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, _PACKAGE_PARENT]
+                + [str(to_child_r), str(from_child_w), str(os.getpid())],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                # Native libraries log warnings to stderr; they are not ours to show.
+                stderr=subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._send = Connection(to_child_w, readable=False)
+        self._recv = Connection(from_child_r, writable=False)
+        self._ready = False
+        self._job = 0
+        # The init message can be megabytes; the child reads it only after its
+        # interpreter starts, so it is written from a helper thread.
+        threading.Thread(target=self._send_init, args=(init_blob,), daemon=True).start()
+
+    def _send_init(self, blob: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a dead child shows in wait_ready
+            self._send.send_bytes(blob)
+
+    def wait_ready(self, timeout: float) -> None:
+        if self._ready:
+            return
+        try:
+            if not self._recv.poll(timeout):
+                raise _Timeout
+            msg = self._recv.recv()
+        except (EOFError, OSError) as e:
+            raise _Crashed from e
+        if not (isinstance(msg, tuple) and msg and msg[0] == "ready"):
+            raise _Crashed
+        self._ready = True
+
+    def call(self, backend: str, spec: Any, max_bytes: int, timeout: float) -> tuple[Any, ...]:
+        self._job += 1
+        try:
+            self._send.send(("compile", self._job, backend, spec, max_bytes))
+            if not self._recv.poll(max(timeout, 0.0)):
+                raise _Timeout
+            reply = self._recv.recv()
+        except (EOFError, OSError, ValueError) as e:
+            raise _Crashed from e
+        if not isinstance(reply, tuple) or len(reply) != 4 or reply[1] != self._job:
+            raise _Crashed
+        return reply
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        for conn in (self._send, self._recv):
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+class WorkerPool:
+    """A fixed number of compile workers; a killed one is replaced at once."""
+
+    def __init__(self, init: dict[str, Any], size: int, startup_timeout_s: float) -> None:
+        self._blob = pickle.dumps(init, protocol=pickle.HIGHEST_PROTOCOL)
+        self._startup_timeout = startup_timeout_s
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-spawn")
+        self._idle: Queue[Future[WorkerProcess]] = Queue()
+        self._all: set[WorkerProcess] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        for _ in range(size):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._idle.put(self._spawner.submit(self._start))
+
+    def _start(self) -> WorkerProcess:
+        worker = WorkerProcess(self._blob)
+        with self._lock:
+            if self._closed:
+                worker.kill()
+                raise GrammarError("grammar compiler is closed", reason="crashed")
+            self._all.add(worker)
+        return worker
+
+    def _discard(self, worker: WorkerProcess) -> None:
+        worker.kill()
+        with self._lock:
+            self._all.discard(worker)
+        self._spawn()
+
+    def run(self, backend: str, spec: Any, max_bytes: int, timeout: float) -> tuple[Any, ...]:
+        """Compile in a worker; the reply tuple, or GrammarError on timeout/crash."""
+        worker = self._acquire()
+        try:
+            worker.wait_ready(self._startup_timeout)
+        except (_Timeout, _Crashed):
+            self._discard(worker)
+            raise GrammarError("grammar compile worker could not start", reason="crashed") from None
+        try:
+            reply = worker.call(backend, spec, max_bytes, timeout)
+        except _Timeout:
+            self._discard(worker)  # the only way to stop a native compile
+            raise GrammarError(
+                "grammar compile timed out", reason="timeout", backend=backend
+            ) from None
+        except _Crashed:
+            self._discard(worker)
+            raise GrammarError(
+                "grammar compile crashed", reason="crashed", backend=backend
+            ) from None
+        self._idle.put(_done(worker))
+        return reply
+
+    def _acquire(self) -> WorkerProcess:
+        # A worker that died while idle (OOM killer, operator) is replaced
+        # transparently: the request has no part in that failure.
+        for _ in range(3):
+            while True:
+                if self._closed:
+                    raise GrammarError("grammar compiler is closed", reason="crashed")
+                try:
+                    pending = self._idle.get(timeout=0.5)
+                    break
+                except Empty:
+                    continue
+            try:
+                worker = pending.result()
+            except Exception:
+                self._spawn()
+                continue
+            if worker.proc.poll() is None:
+                return worker
+            self._discard(worker)
+        raise GrammarError("grammar compile worker could not start", reason="crashed")
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [w.proc.pid for w in self._all]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers = list(self._all)
+            self._all.clear()
+        for worker in workers:
+            worker.kill()
+        self._spawner.shutdown(wait=False, cancel_futures=True)
+
+
+def _done(worker: WorkerProcess) -> Future[WorkerProcess]:
+    fut: Future[WorkerProcess] = Future()
+    fut.set_result(worker)
+    return fut

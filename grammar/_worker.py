@@ -1,0 +1,150 @@
+"""The compile worker: a child process that turns specs into picklable payloads.
+
+Started by `_pool.WorkerProcess` as `python -c ...` with two inherited pipe
+file descriptors. Protocol (pickled messages over
+`multiprocessing.connection.Connection`):
+
+    parent -> child   init dict (tokenizer JSON, xgrammar TokenizerInfo JSON, ...)
+    child  -> parent  ("ready", pid)
+    parent -> child   ("compile", job_id, backend, spec, max_compiled_bytes)
+    child  -> parent  ("ok", job_id, payload, seconds) | ("error", job_id, message, reason)
+
+The child exits when the parent closes its pipe, and is killed by the kernel
+(PR_SET_PDEATHSIG) if the parent dies while the child is stuck in native code.
+`CompileContext` is also used in-process by the compiler's "thread" isolation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .errors import GrammarError
+from .spec import GrammarSpec
+
+
+class CompileContext:
+    """Compiles specs for either backend, building each backend's tokenizer on first use."""
+
+    def __init__(self, init: dict[str, Any], *, serialize: bool = True) -> None:
+        self._init = init
+        self._serialize = serialize
+        self._xgr_compiler: Any = None
+        self._llg_tokenizer: Any = init.get("llg_tokenizer")
+
+    def compile(self, backend: str, spec: GrammarSpec, max_compiled_bytes: int) -> dict[str, Any]:
+        if backend == "xgrammar":
+            return self._compile_xgrammar(spec, max_compiled_bytes)
+        if backend == "llguidance":
+            return self._compile_llguidance(spec, max_compiled_bytes)
+        raise GrammarError(f"unknown backend {backend!r}")
+
+    def _compile_xgrammar(self, spec: GrammarSpec, max_bytes: int) -> dict[str, Any]:
+        from . import _xgr
+
+        if self._xgr_compiler is None:
+            info = self._init.get("xgr_info")
+            if info is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.deserialize_json(self._init["xgr_info_json"])
+            self._xgr_compiler = _xgr.new_compiler(info)
+        compiled = _xgr.compile_native(self._xgr_compiler, spec)
+        size = int(compiled.memory_size_bytes)
+        if size > max_bytes:
+            raise GrammarError(
+                f"compiled grammar is too large ({size >> 20} MiB > {max_bytes >> 20} MiB)",
+                reason="too_large",
+                backend="xgrammar",
+            )
+        if not self._serialize:
+            return {"compiled": compiled, "size": size}
+        return {"json": compiled.serialize_json(), "size": size}
+
+    def _compile_llguidance(self, spec: GrammarSpec, max_bytes: int) -> dict[str, Any]:
+        from . import _llg
+
+        if self._llg_tokenizer is None:
+            self._llg_tokenizer = _llg.build_tokenizer(
+                self._init["tokenizer_json"], self._init["vocab_size"], self._init["eos_token_ids"]
+            )
+        grammar = _llg.grammar_text(spec)
+        if len(grammar) > max_bytes:
+            raise GrammarError("grammar is too large", reason="too_large", backend="llguidance")
+        _llg.check(self._llg_tokenizer, spec, grammar)
+        return {"grammar": grammar, "size": len(grammar)}
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # non-Linux: rely on pipe EOF only
+        pass
+    if os.getppid() != parent_pid:  # parent already gone before prctl
+        os._exit(0)
+
+
+def _limit_memory(extra_bytes: int | None) -> None:
+    # Applied after imports, as headroom over what the worker already maps, so
+    # a runaway compile fails (or dies) here instead of swapping the host.
+    if not extra_bytes:
+        return
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        limit = mapped + extra_bytes
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (OSError, ValueError, ImportError):
+        pass
+
+
+def main(read_fd: int, write_fd: int, parent_pid: int) -> None:
+    """Entry point of the worker process."""
+    _die_with_parent(parent_pid)
+    from multiprocessing.connection import Connection
+
+    inbox = Connection(read_fd, writable=False)
+    outbox = Connection(write_fd, readable=False)
+    try:
+        init = inbox.recv()
+    except (EOFError, OSError):
+        return
+    # Import both libraries up front so the first compile is not charged for it.
+    import llguidance  # noqa: F401
+    import xgrammar  # noqa: F401
+
+    ctx = CompileContext(init)
+    _limit_memory(init.get("memory_limit_bytes"))
+    outbox.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = inbox.recv()
+        except (EOFError, OSError):
+            return
+        if not isinstance(msg, tuple) or not msg or msg[0] != "compile":
+            continue
+        _, job_id, backend, spec, max_bytes = msg
+        start = time.perf_counter()
+        try:
+            payload = ctx.compile(backend, spec, max_bytes)
+            reply: tuple[Any, ...] = ("ok", job_id, payload, time.perf_counter() - start)
+        except GrammarError as e:
+            reply = ("error", job_id, str(e), e.reason)
+        except MemoryError:
+            reply = ("error", job_id, "grammar is too large to compile", "too_large")
+        except Exception as e:  # a library bug must not take the worker down
+            reply = ("error", job_id, f"grammar compile failed ({type(e).__name__})", "crashed")
+        try:
+            outbox.send(reply)
+        except (OSError, ValueError):
+            return

@@ -1,0 +1,270 @@
+"""xgrammar backend: spec -> CompiledGrammar, and its matcher.
+
+xgrammar compiles eagerly (it precomputes token masks per parser state), which
+is what makes its masks fast and its compiles slow on large schemas; the
+compile runs in a worker process (see `_pool`), and the result crosses back as
+`CompiledGrammar.serialize_json()`, rebuilt here against the parent's
+`TokenizerInfo` (xgrammar 0.2.8 checks the tokenizer metadata matches).
+
+Three xgrammar 0.2.8 behaviours are corrected here: special tokens are read as
+literal text (fixed in `TokenizerData`), compact JSON keeps ", " inside
+free-form values (`_compact_fixup`), and references it cannot resolve are
+silently treated as "any value" (refused by `_unsupported_reference`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from .errors import GrammarError, clean_message
+from .matcher import Matcher
+
+if TYPE_CHECKING:
+    from .spec import GrammarSpec
+    from .tokenizer import TokenizerData
+
+BACKEND = "xgrammar"
+LABELS = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice list",
+    "ebnf": "EBNF grammar",
+    "lark": "Lark grammar",
+}
+
+
+def build_tokenizer_info(data: TokenizerData) -> xgr.TokenizerInfo:
+    """TokenizerInfo whose special tokens (other than stop tokens) have no text."""
+    # Let xgrammar detect the vocabulary encoding (byte-level, byte-fallback,
+    # prefix space) from the tokenizer, then rebuild the table without specials.
+    detected = xgr.TokenizerInfo.from_huggingface(
+        data.hf_tokenizer, vocab_size=data.vocab_size, stop_token_ids=list(data.eos_token_ids)
+    )
+    return xgr.TokenizerInfo(
+        data.encoded_vocab,
+        detected.vocab_type,
+        vocab_size=data.vocab_size,
+        stop_token_ids=list(data.eos_token_ids),
+        add_prefix_space=detected.add_prefix_space,
+    )
+
+
+def _whitespace_kwargs(spec: GrammarSpec) -> dict[str, Any]:
+    opts = spec.options
+    if opts.whitespace == "flexible":
+        return {"any_whitespace": True, "max_whitespace_cnt": opts.max_whitespace}
+    if opts.whitespace == "pretty":
+        return {"any_whitespace": False, "indent": opts.indent, "separators": (",", ": ")}
+    return {"any_whitespace": False, "separators": (",", ":")}
+
+
+def _ebnf_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch.isprintable() and ch != "\x7f":
+            out.append(ch)
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return '"' + "".join(out) + '"'
+
+
+def choice_ebnf(choices: tuple[str, ...]) -> str:
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in dict.fromkeys(choices))
+
+
+# xgrammar 0.2.8 writes the item separator of free-form arrays/objects (values
+# the schema leaves open) as ", " even when asked for (",", ":"), so compact
+# output such as `{"a":[1,2]}` would be rejected there. Those rules are fixed up
+# in the grammar text before compiling.
+_FREE_FORM_RULE = re.compile(r"^(basic_array_items|basic_object_properties)(_\d+)? ::=")
+
+
+def _compact_fixup(ebnf: str) -> str | None:
+    """The grammar text with compact free-form separators, or None if already right."""
+    lines = ebnf.splitlines()
+    changed = False
+    for i, line in enumerate(lines):
+        if _FREE_FORM_RULE.match(line) and '", "' in line:
+            lines[i] = line.replace('", "', '","')
+            changed = True
+    return "\n".join(lines) + "\n" if changed else None
+
+
+# xgrammar resolves only JSON-pointer references within the document; any other
+# reference (remote URL, `$id`-relative, `#anchor`, `$dynamicRef`) it silently
+# treats as "any value", which would fail open. Those schemas are refused here,
+# so `auto` can try llguidance, which resolves anchors and `$id`s or says no.
+_LOCAL_POINTER = re.compile(r"^#(/.*)?$")
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _unsupported_reference(node: Any) -> str | None:
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                if key in ("$dynamicRef", "$recursiveRef"):
+                    return f"{key} is not supported"
+                if key == "$ref" and isinstance(value, str) and not _LOCAL_POINTER.match(value):
+                    return f"only local $ref (like #/$defs/name) is supported, got {value[:80]!r}"
+                if key not in _DATA_KEYWORDS:
+                    stack.append(value)
+    return None
+
+
+def _compile_json(compiler: xgr.GrammarCompiler, schema: str, spec: GrammarSpec) -> Any:
+    problem = _unsupported_reference(json.loads(schema))
+    if problem:
+        raise GrammarError(f"cannot compile JSON schema: {problem}", backend=BACKEND)
+    kwargs = _whitespace_kwargs(spec)
+    if spec.options.whitespace != "compact":
+        return compiler.compile_json_schema(schema, strict_mode=False, **kwargs)
+    grammar = xgr.Grammar.from_json_schema(schema, strict_mode=False, **kwargs)
+    fixed = _compact_fixup(str(grammar))
+    return compiler.compile_grammar(fixed if fixed is not None else grammar)
+
+
+def compile_native(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    """Compile `spec`; library errors become a clean GrammarError."""
+    try:
+        if spec.kind == "json_schema":
+            assert isinstance(spec.source, str)
+            return _compile_json(compiler, spec.source, spec)
+        if spec.kind == "json_object":
+            return _compile_json(compiler, '{"type": "object"}', spec)
+        if spec.kind == "regex":
+            assert isinstance(spec.source, str)
+            return compiler.compile_regex(spec.source)
+        if spec.kind == "choice":
+            assert isinstance(spec.source, tuple)
+            return compiler.compile_grammar(choice_ebnf(spec.source))
+        if spec.kind == "ebnf":
+            assert isinstance(spec.source, str)
+            return compiler.compile_grammar(spec.source, root_rule_name="root")
+        if spec.kind == "lark":
+            assert isinstance(spec.source, str)
+            return compiler.compile_lark(spec.source)
+    except GrammarError:
+        raise
+    except (RuntimeError, ValueError, TypeError) as e:
+        if "bad_alloc" in str(e):
+            raise GrammarError(
+                "grammar is too large", reason="too_large", backend=BACKEND
+            ) from None
+        raise GrammarError(
+            f"cannot compile {LABELS[spec.kind]}: {clean_message(str(e))}", backend=BACKEND
+        ) from None
+    except MemoryError:
+        raise GrammarError("grammar is too large", reason="too_large", backend=BACKEND) from None
+    raise GrammarError(f"{spec.kind} is not supported by xgrammar", backend=BACKEND)
+
+
+def new_compiler(info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:
+    # Caching is ours (bounded LRU in the parent); xgrammar's cache is unbounded
+    # by default and would grow without limit in a long-lived worker.
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def load(payload: dict[str, Any], data: TokenizerData) -> tuple[xgr.CompiledGrammar, int]:
+    """Rebuild a CompiledGrammar sent by a worker; returns it and its size in bytes."""
+    compiled = xgr.CompiledGrammar.deserialize_json(payload["json"], data.xgrammar_info())
+    return compiled, int(compiled.memory_size_bytes)
+
+
+class XGrammarMatcher(Matcher):
+    """Matcher over an xgrammar CompiledGrammar."""
+
+    backend = BACKEND
+
+    def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData, compiled: Any) -> None:
+        super().__init__(spec, tokenizer)
+        self._m = xgr.GrammarMatcher(compiled, override_stop_tokens=list(tokenizer.eos_token_ids))
+        self._scratch: torch.Tensor | None = None
+
+    @property
+    def native(self) -> Any:
+        return self._m
+
+    def accept_token(self, token_id: int) -> bool:
+        token_id = int(token_id)  # numpy / 0-d tensor ids too
+        if not self._valid_id(token_id) or self._m.is_terminated():
+            return False
+        if self._m.accept_token(token_id):  # rejection leaves the state untouched
+            self._num_accepted += 1
+            return True
+        return False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        if self._m.is_terminated():
+            self._fill_eos_only(bitmask, row)
+        else:
+            self._m.fill_next_token_bitmask(bitmask, row)
+
+    def forced_tokens(self) -> list[int]:
+        if self._m.is_terminated():
+            return []
+        text = self._m.find_jump_forward_string()
+        if not text:
+            return []
+        tokens = self._tok.encode(text)
+        n = 0
+        for tok in tokens:
+            if not self._m.accept_token(tok):
+                break
+            n += 1
+        keep = n
+        try:
+            if n and n == len(tokens):
+                # The whole forced string was consumed; its last token may be a
+                # prefix of a longer token the model could produce next (e.g. `"`
+                # of `":"` vs `""`), and then the canonical tokenization of the
+                # final text would not contain it. Hold it back in that case.
+                self._m.rollback(1)
+                n -= 1
+                if self._extendable(tokens[n]):
+                    keep = n
+        finally:
+            if n:
+                self._m.rollback(n)
+        return tokens[:keep]
+
+    def _extendable(self, token_id: int) -> bool:
+        longer = self._tok.extensions(token_id)
+        if longer.size == 0:
+            return False
+        if self._scratch is None:
+            self._scratch = torch.empty((1, self._tok.bitmask_words), dtype=torch.int32)
+        self._m.fill_next_token_bitmask(self._scratch, 0)
+        words = self._scratch[0].numpy().view(np.uint32)
+        bits = (words[longer >> 5] >> (longer & 31).astype(np.uint32)) & 1
+        return bool(bits.any())
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def can_terminate(self) -> bool:
+        return bool(self._m.is_terminated() or self._m.is_completed())
+
+    def error(self) -> str | None:
+        return None  # rejected tokens never change xgrammar's state
+
+    def reset(self) -> None:
+        self._m.reset()
+        self._num_accepted = 0
+
+    def _rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)

@@ -1,0 +1,353 @@
+"""`GrammarCompiler`: specs in, per-request matchers out - cached, bounded, off-thread.
+
+Flow of `compile_async(spec)`:
+1. cache lookup by (tokenizer fingerprint, backend, spec); a hit (or a cached
+   failure) completes the returned future at once, on the caller's thread;
+2. otherwise one compile per distinct (spec, backend) is in flight at a time
+   (concurrent callers share it), on a compiler thread that hands the work to
+   a worker process (`_pool`) and waits at most `compile_timeout_s`;
+3. with backend "auto" the spec's preferred library is tried first and the
+   other one if the first cannot compile it, both within the same deadline;
+4. the compiled artifact is cached and each caller gets a fresh `Matcher`.
+
+Backend choice for "auto": EBNF -> xgrammar, Lark -> llguidance (their native
+syntaxes); regex and choice -> llguidance (its lazily built lexer compiles
+them in about a millisecond); JSON -> the library that accepted more valid
+instances of the JSON-Schema-Test-Suite (see `JSON_ORDER` and
+bench/grammar_conformance.py); "pretty" JSON -> xgrammar, which alone enforces
+the indentation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _llg, _xgr
+from ._pool import WorkerPool
+from ._worker import CompileContext
+from .bitmask import BitmaskFiller, allocate_bitmask, apply_token_bitmask_inplace
+from .cache import CacheInfo, GrammarCache
+from .config import CompilerConfig
+from .errors import GrammarError
+from .matcher import Matcher
+from .spec import JSON_KINDS, GrammarSpec
+from .tokenizer import TokenizerData
+
+BACKENDS = ("xgrammar", "llguidance")
+# From bench/grammar_conformance.py on the draft 2020-12 suite (see BENCHMARKS.md).
+JSON_ORDER = ("llguidance", "xgrammar")
+_KIND_ORDER = {
+    "regex": ("llguidance", "xgrammar"),
+    "choice": ("llguidance", "xgrammar"),
+    "ebnf": ("xgrammar", "llguidance"),
+    "lark": ("llguidance", "xgrammar"),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class _Artifact:
+    backend: str
+    spec: GrammarSpec
+    native: Any  # xgrammar CompiledGrammar, or llguidance template LLMatcher
+    size_bytes: int
+    compile_seconds: float
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs for one tokenizer into Matchers.
+
+    tokenizer: a `transformers` fast tokenizer. backend: "auto", "xgrammar" or
+    "llguidance" (the default for `compile`; each call may override it).
+    vocab_size: the model's vocabulary size (mask width), >= the tokenizer's.
+    eos_token_ids: the model's stop tokens. config / **options: `CompilerConfig`.
+    cache: a `GrammarCache` to share between compilers (default: a private one).
+
+    Thread-safe. Call `close()` (or use as a context manager) to stop workers.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        backend: str = "auto",
+        vocab_size: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        *,
+        config: CompilerConfig | None = None,
+        cache: GrammarCache | None = None,
+        **options: Any,
+    ) -> None:
+        if config is not None and options:
+            raise ValueError("pass either config or keyword options, not both")
+        self.config = config or CompilerConfig(**options)
+        self.backend = _check_backend(backend)
+        self.tokenizer_data = TokenizerData(
+            tokenizer, vocab_size, None if eos_token_ids is None else list(eos_token_ids)
+        )
+        self.vocab_size = self.tokenizer_data.vocab_size
+        cfg = self.config
+        self._cache = cache or GrammarCache(cfg.cache_entries, cfg.cache_bytes)
+        self._inflight: dict[tuple[GrammarSpec, str], Future[_Artifact]] = {}
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(
+            cfg.compile_workers, thread_name_prefix="grammar-compile"
+        )
+        self._filler = BitmaskFiller(self.tokenizer_data, cfg.mask_threads)
+        self._pool: WorkerPool | None = None
+        self._native_runner: ThreadPoolExecutor | None = None
+        if cfg.isolation == "process":
+            init = self.tokenizer_data.worker_payload()
+            init["memory_limit_bytes"] = cfg.worker_memory_bytes
+            self._pool = WorkerPool(init, cfg.compile_workers, cfg.worker_startup_timeout_s)
+        else:
+            self._ctx = CompileContext(
+                {
+                    "xgr_info": self.tokenizer_data.xgrammar_info(),
+                    "llg_tokenizer": self.tokenizer_data.llguidance_tokenizer(),
+                },
+                serialize=False,
+            )
+            self._native_runner = ThreadPoolExecutor(
+                cfg.compile_workers, thread_name_prefix="grammar-native"
+            )
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._pool, self._executor, self._native_runner
+        )
+
+    # ---- compiling ---------------------------------------------------------
+
+    def compile(self, spec: GrammarSpec, backend: str | None = None) -> Matcher:
+        """Compile (or fetch from cache) and return a fresh matcher; GrammarError on failure."""
+        return self.compile_async(spec, backend).result()
+
+    def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:
+        """Like `compile`, without blocking: the future is already done on a cache hit."""
+        out: Future[Matcher] = Future()
+        try:
+            artifact = self._artifact_future(spec, _check_backend(backend or self.backend))
+        except GrammarError as e:
+            out.set_exception(e)
+            return out
+
+        def deliver(done: Future[_Artifact]) -> None:
+            try:
+                out.set_result(self._new_matcher(done.result()))
+            except BaseException as e:  # GrammarError, or a bug surfaced to the caller
+                out.set_exception(e)
+
+        artifact.add_done_callback(deliver)
+        return out
+
+    def backends_for(self, spec: GrammarSpec, backend: str | None = None) -> tuple[str, ...]:
+        """The backends tried for `spec`, in order."""
+        backend = _check_backend(backend or self.backend)
+        if backend != "auto":
+            return (backend,)
+        if spec.kind in JSON_KINDS:
+            return ("xgrammar", "llguidance") if spec.options.whitespace == "pretty" else JSON_ORDER
+        return _KIND_ORDER[spec.kind]
+
+    def _artifact_future(self, spec: GrammarSpec, backend: str) -> Future[_Artifact]:
+        if not isinstance(spec, GrammarSpec):
+            raise TypeError(f"expected a GrammarSpec, got {type(spec).__name__}")
+        if self._finalizer.alive is False:
+            raise GrammarError("grammar compiler is closed", reason="crashed")
+        if spec.source_size > self.config.max_source_bytes:
+            raise GrammarError(
+                f"grammar source is too large ({spec.source_size} bytes; "
+                f"limit {self.config.max_source_bytes})",
+                reason="too_large",
+            )
+        order = self.backends_for(spec, backend)
+        cached = self._from_cache(spec, order)
+        if cached is not None:
+            return cached
+        key = (spec, backend)
+        with self._lock:
+            fut = self._inflight.get(key)
+            if fut is None:
+                try:
+                    fut = self._executor.submit(self._resolve, spec, order)
+                except RuntimeError:  # shut down by a concurrent close()
+                    raise GrammarError("grammar compiler is closed", reason="crashed") from None
+                self._inflight[key] = fut
+                fut.add_done_callback(lambda _f: self._forget(key))
+        return fut
+
+    def _forget(self, key: tuple[GrammarSpec, str]) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+
+    def _key(self, backend: str, spec: GrammarSpec) -> tuple[str, str, GrammarSpec]:
+        return (self.tokenizer_data.fingerprint, backend, spec)
+
+    def _from_cache(self, spec: GrammarSpec, order: tuple[str, ...]) -> Future[_Artifact] | None:
+        errors: list[GrammarError] = []
+        for b in order:
+            entry = self._cache.get(self._key(b, spec))
+            if entry is None:
+                return None
+            if isinstance(entry, _Artifact):
+                return _done(entry)
+            errors.append(entry)
+        return _done(None, _combine(errors))
+
+    def _resolve(self, spec: GrammarSpec, order: tuple[str, ...]) -> _Artifact:
+        deadline = time.monotonic() + self.config.compile_timeout_s
+        errors: list[GrammarError] = []
+        for b in order:
+            key = self._key(b, spec)
+            entry = self._cache.get(key)
+            if isinstance(entry, _Artifact):
+                return entry
+            if isinstance(entry, GrammarError):
+                errors.append(entry)
+                continue
+            try:
+                artifact = self._compile_one(b, spec, deadline - time.monotonic())
+            except GrammarError as e:
+                if e.reason == "timeout":
+                    e = GrammarError(
+                        f"grammar compile timed out after {self.config.compile_timeout_s:g} s",
+                        reason="timeout",
+                        backend=b,
+                    )
+                if e.backend is not None:  # not worker start-up or shutdown trouble
+                    self._cache.put(key, e, 512)
+                errors.append(e)
+                if e.reason == "timeout":
+                    break  # the deadline is spent; no time for a fallback
+                continue
+            self._cache.put(key, artifact, artifact.size_bytes)
+            return artifact
+        raise _combine(errors)
+
+    def _compile_one(self, backend: str, spec: GrammarSpec, timeout: float) -> _Artifact:
+        if timeout <= 0:
+            raise GrammarError("grammar compile timed out", reason="timeout", backend=backend)
+        limit = self.config.max_compiled_bytes
+        start = time.perf_counter()
+        if self._pool is not None:
+            status, _, payload, detail = self._pool.run(backend, spec, limit, timeout)
+            if status == "error":
+                raise GrammarError(payload, reason=detail, backend=backend)
+        else:
+            assert self._native_runner is not None
+            fut = self._native_runner.submit(self._ctx.compile, backend, spec, limit)
+            try:
+                payload = fut.result(timeout)  # on timeout the thread runs on: see isolation
+            except FutureTimeout:
+                raise GrammarError(
+                    "grammar compile timed out", reason="timeout", backend=backend
+                ) from None
+        try:
+            return self._load(backend, spec, payload, time.perf_counter() - start)
+        except GrammarError:
+            raise
+        except Exception as e:  # a library failure rebuilding the result, not the user's
+            raise GrammarError(
+                f"grammar compile failed ({type(e).__name__})", reason="crashed", backend=backend
+            ) from None
+
+    def _load(self, backend: str, spec: GrammarSpec, payload: dict, seconds: float) -> _Artifact:
+        tok = self.tokenizer_data
+        if backend == "xgrammar":
+            if "compiled" in payload:
+                native, size = payload["compiled"], payload["size"]
+            else:
+                native, size = _xgr.load(payload, tok)
+        else:
+            native = _llg.new_template(tok.llguidance_tokenizer(), spec, payload["grammar"])
+            # The template's lexer cache grows as masks are computed; a rough bound.
+            size = 16 * payload["size"] + (256 << 10)
+        return _Artifact(backend, spec, native, size, seconds)
+
+    def _new_matcher(self, artifact: _Artifact) -> Matcher:
+        if artifact.backend == "xgrammar":
+            return _xgr.XGrammarMatcher(artifact.spec, self.tokenizer_data, artifact.native)
+        return _llg.LLGuidanceMatcher(artifact.spec, self.tokenizer_data, artifact.native)
+
+    # ---- bitmasks ----------------------------------------------------------
+
+    def allocate_bitmask(self, batch_size: int, *, pin_memory: bool = False) -> torch.Tensor:
+        """An all-allowed int32 CPU bitmask [batch_size, ceil(vocab_size/32)]."""
+        return allocate_bitmask(batch_size, self.vocab_size, pin_memory=pin_memory)
+
+    def fill_bitmasks(
+        self,
+        matchers: Sequence[Matcher | None],
+        bitmask: torch.Tensor,
+        rows: Sequence[int] | None = None,
+    ) -> None:
+        """Fill `bitmask[rows[i]]` for `matchers[i]` in one native batch call per backend.
+
+        None entries (unconstrained requests) get all-allowed rows.
+        """
+        self._filler.fill(matchers, bitmask, rows)
+
+    apply_bitmask = staticmethod(apply_token_bitmask_inplace)
+
+    # ---- housekeeping ------------------------------------------------------
+
+    def cache_info(self) -> CacheInfo:
+        return self._cache.info()
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the compile workers (empty with thread isolation)."""
+        return self._pool.pids() if self._pool is not None else []
+
+    def close(self) -> None:
+        """Stop the compile workers and threads; further compiles fail."""
+        self._finalizer()
+
+    def __enter__(self) -> GrammarCompiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown grammar backend {backend!r}; use auto, xgrammar or llguidance")
+    return backend
+
+
+def _combine(errors: list[GrammarError]) -> GrammarError:
+    if len(errors) == 1:
+        return errors[0]
+    first = errors[0]
+    parts = []
+    for i, e in enumerate(errors):
+        text = str(e)
+        if i and text.startswith("cannot compile"):
+            text = text.split(": ", 1)[1]  # the label is already in the first message
+        parts.append(f"{text} [{e.backend}]" if e.backend else text)
+    return GrammarError("; ".join(parts), reason=first.reason, backend=first.backend)
+
+
+def _done(value: Any, error: BaseException | None = None) -> Future[Any]:
+    fut: Future[Any] = Future()
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+    return fut
+
+
+def _shutdown(
+    pool: WorkerPool | None, executor: ThreadPoolExecutor, runner: ThreadPoolExecutor | None
+) -> None:
+    if pool is not None:
+        pool.close()
+    executor.shutdown(wait=False, cancel_futures=True)
+    if runner is not None:
+        runner.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,108 @@
+"""The per-request matcher interface shared by both backends.
+
+Contract (what the engine relies on):
+- `accept_token` never raises for a token the grammar rejects; it returns False
+  and leaves the matcher as it was. Stop tokens are accepted only where the
+  grammar may end; accepting one terminates the matcher.
+- `fill_bitmask` writes one row of an int32 bitmask ([batch, ceil(vocab/32)],
+  bit i of word w = token 32*w+i). Ids past the tokenizer are never allowed.
+  After termination (or an internal error) the row allows only stop tokens, so
+  sampling from it always ends the request.
+- `forced_tokens` is a pure query: tokens the grammar allows no alternative to,
+  in the tokenizer's canonical tokenization, which the engine then feeds with
+  `accept_token` one by one. Stop tokens are never forced.
+- `rollback(n)` undoes the last n accepted tokens (stop tokens included).
+
+A matcher is not thread-safe; it belongs to one request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .spec import GrammarSpec
+    from .tokenizer import TokenizerData
+
+
+class Matcher(ABC):
+    """Tracks one request's output against its compiled grammar."""
+
+    backend: str = ""
+
+    def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData) -> None:
+        self.spec = spec
+        self._tok = tokenizer
+        self._num_accepted = 0
+
+    @property
+    def num_accepted(self) -> int:
+        """Tokens accepted since the start (or the last reset), net of rollbacks."""
+        return self._num_accepted
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        """Accept tokens in order until one is rejected; returns how many were accepted."""
+        n = 0
+        for tok in token_ids:
+            if not self.accept_token(tok):
+                break
+            n += 1
+        return n
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (and no change) if the grammar rejects it."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (CPU int32 tensor)."""
+
+    @abstractmethod
+    def forced_tokens(self) -> list[int]:
+        """Tokens that must come next whatever the model prefers (possibly empty)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token has been accepted."""
+
+    @abstractmethod
+    def can_terminate(self) -> bool:
+        """True when the output so far is complete (a stop token is allowed now)."""
+
+    @abstractmethod
+    def error(self) -> str | None:
+        """A user-facing message if the matcher hit an internal limit, else None."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Back to the initial state, as if no token had been accepted."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        if num_tokens < 0 or num_tokens > self._num_accepted:
+            raise ValueError(
+                f"cannot roll back {num_tokens} tokens; {self._num_accepted} were accepted"
+            )
+        if num_tokens:
+            self._rollback(num_tokens)
+            self._num_accepted -= num_tokens
+
+    @abstractmethod
+    def _rollback(self, num_tokens: int) -> None: ...
+
+    @property
+    @abstractmethod
+    def native(self) -> Any:
+        """The library's own matcher object (for batch operations)."""
+
+    def _fill_eos_only(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].copy_(self._tok.eos_only_row)
+
+    def _valid_id(self, token_id: int) -> bool:
+        return 0 <= token_id < self._tok.vocab_size
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} backend={self.backend} spec={self.spec!r}>"

@@ -1,0 +1,120 @@
+"""Bitmask allocation, batch filling and application to logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grammar import GrammarSpec, allocate_bitmask, apply_token_bitmask_inplace
+
+from .conftest import MODEL_VOCAB, STOP_IDS, allowed
+
+
+def _random_mask(batch: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(
+        -(2**31), 2**31 - 1, (batch, (vocab + 31) // 32), generator=g, dtype=torch.int32
+    )
+
+
+def _reference(logits: torch.Tensor, bitmask: torch.Tensor, rows=None) -> torch.Tensor:
+    out = logits.clone()
+    for r in range(out.shape[0]) if rows is None else rows:
+        ids = allowed(bitmask, r)
+        for t in range(out.shape[1]):
+            if t not in ids:
+                out[r, t] = float("-inf")
+    return out
+
+
+def test_allocate_shape_and_default():
+    mask = allocate_bitmask(4, MODEL_VOCAB)
+    assert mask.dtype == torch.int32 and tuple(mask.shape) == (4, 260)
+    assert bool((mask == -1).all())
+    with pytest.raises(ValueError):
+        allocate_bitmask(0, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_all_rows_and_selected_rows(dtype):
+    vocab = 300
+    mask = _random_mask(3, vocab)
+    logits = torch.randn(3, vocab).to(dtype)
+    expected = _reference(logits.float(), mask).to(dtype)
+    got = logits.clone()
+    apply_token_bitmask_inplace(got, mask)
+    assert torch.equal(got, expected)
+    got = logits.clone()
+    apply_token_bitmask_inplace(got, mask, rows=[0, 2])
+    assert torch.equal(got, _reference(logits.float(), mask, rows=[0, 2]).to(dtype))
+    assert torch.equal(got[1], logits[1])  # untouched row
+
+
+def test_apply_masks_ids_past_the_bitmask_and_1d_logits():
+    mask = torch.full((1, 2), -1, dtype=torch.int32)  # covers 64 tokens
+    logits = torch.zeros(1, 100)
+    apply_token_bitmask_inplace(logits, mask)
+    assert bool(torch.isinf(logits[0, 64:]).all()) and bool((logits[0, :64] == 0).all())
+    flat = torch.zeros(64)
+    one = torch.zeros(2, dtype=torch.int32)
+    one[0] = 1 << 5
+    apply_token_bitmask_inplace(flat, one)
+    assert torch.isfinite(flat).nonzero().flatten().tolist() == [5]
+
+
+def test_apply_non_contiguous_logits_uses_generic_path():
+    mask = _random_mask(2, 64, seed=3)
+    base = torch.randn(64, 2)
+    logits = base.t()  # stride(-1) != 1
+    expected = _reference(logits.contiguous(), mask)
+    apply_token_bitmask_inplace(logits, mask)
+    assert torch.equal(logits, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_apply_on_cuda_matches_cpu():
+    mask = _random_mask(4, MODEL_VOCAB)
+    logits = torch.randn(4, MODEL_VOCAB)
+    cpu = logits.clone()
+    apply_token_bitmask_inplace(cpu, mask, rows=[1, 3])
+    gpu = logits.cuda()
+    apply_token_bitmask_inplace(gpu, mask, rows=[1, 3])  # CPU bitmask, copied over
+    assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_batch_fill_matches_single_fills(compiler):
+    tok = compiler.tokenizer_data
+    specs = [
+        (
+            GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+            "xgrammar",
+        ),
+        (
+            GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+            "llguidance",
+        ),
+        (GrammarSpec.regex("[a-z]+@[a-z]+"), "xgrammar"),
+        (GrammarSpec.regex("[a-z]+@[a-z]+"), "llguidance"),
+        (GrammarSpec.choice(["done"]), "llguidance"),
+    ]
+    matchers = [compiler.compile(s, backend=b) for s, b in specs]
+    prefixes = ['{"a":', '{"a":1', "ab@", "ab@c", "done"]
+    for m, p in zip(matchers, prefixes, strict=True):
+        assert m.accept_tokens(tok.encode(p)) == len(tok.encode(p))
+    assert matchers[-1].accept_token(STOP_IDS[0])  # terminated: stop tokens only
+    batch = [*matchers, None]
+    rows = [6, 0, 2, 3, 5, 1]
+    bitmask = compiler.allocate_bitmask(7)
+    bitmask.zero_()
+    compiler.fill_bitmasks(batch, bitmask, rows)
+    single = compiler.allocate_bitmask(1)
+    for m, row in zip(matchers, rows[: len(matchers)], strict=True):
+        m.fill_bitmask(single, 0)
+        assert torch.equal(bitmask[row], single[0]), (m.backend, m.spec)
+    assert bool((bitmask[1] == -1).all())  # unconstrained row
+    assert allowed(bitmask, 5) == set(STOP_IDS)
+    assert bool((bitmask[4] == 0).all())  # untouched
+    with pytest.raises(IndexError):
+        compiler.fill_bitmasks([matchers[0]], bitmask, [7])
+    with pytest.raises(ValueError):
+        compiler.fill_bitmasks(matchers[:1], torch.zeros((1, 10), dtype=torch.int32))

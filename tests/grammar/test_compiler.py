@@ -1,0 +1,271 @@
+"""GrammarCompiler: caching, async compiles, auto backend choice, limits, isolation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import wait
+
+import pytest
+
+from grammar import GrammarCache, GrammarCompiler, GrammarError, GrammarOptions, GrammarSpec
+
+from .conftest import MODEL_VOCAB, STOP_IDS
+
+
+def nested_any_of(depth: int, width: int = 2) -> dict:
+    """Nested anyOf of objects and arrays: xgrammar's compile time explodes with depth."""
+    schema: dict = {"type": "string"}
+    for i in range(depth):
+        schema = {
+            "anyOf": [
+                {"type": "object", "properties": {f"k{i}_{j}": schema}, "required": [f"k{i}_{j}"]}
+                for j in range(width)
+            ]
+            + [{"type": "array", "items": schema}]
+        }
+    return schema
+
+
+def test_cache_hit_is_immediate(compiler):
+    spec = GrammarSpec.json_schema(
+        {"type": "object", "properties": {"cache_me": {"type": "integer"}}}
+    )
+    first = compiler.compile(spec, backend="xgrammar")
+    hits = compiler.cache_info().hits
+    fut = compiler.compile_async(spec, backend="xgrammar")
+    assert fut.done()  # completed on the caller's thread, no compile
+    second = fut.result()
+    assert compiler.cache_info().hits > hits
+    assert second is not first and second.backend == "xgrammar"
+
+
+def test_compile_async_runs_off_thread_and_dedupes(compiler):
+    specs = [GrammarSpec.regex(f"id-{i}[a-z]{{2,5}}") for i in range(4)]
+    futures = [compiler.compile_async(s) for s in specs] + [compiler.compile_async(specs[0])]
+    done, _ = wait(futures, timeout=30)
+    assert len(done) == len(futures)
+    matchers = [f.result() for f in futures]
+    assert matchers[0] is not matchers[-1]  # one compile, two matchers
+    tok = compiler.tokenizer_data
+    assert matchers[2].accept_tokens(tok.encode("id-2abc")) == len(tok.encode("id-2abc"))
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        (GrammarSpec.json_schema({"type": "integer"}), "llguidance"),
+        (GrammarSpec.ebnf('root ::= "a" | "b"'), "xgrammar"),
+        (GrammarSpec.lark('start: "a" | "b"'), "llguidance"),
+        (GrammarSpec.regex("[0-9]+"), "llguidance"),
+        (GrammarSpec.choice(["a", "b"]), "llguidance"),
+    ],
+)
+def test_auto_picks_a_backend_per_kind(compiler, spec, expected):
+    assert compiler.compile(spec).backend == expected
+    assert compiler.backends_for(spec)[0] == expected
+
+
+def test_auto_falls_back_when_the_first_backend_cannot_compile(compiler):
+    # llguidance refuses keywords it cannot enforce ("not"); xgrammar compiles it.
+    spec = GrammarSpec.json_schema({"type": "object", "not": {"required": ["x"]}})
+    with pytest.raises(GrammarError, match="not"):
+        compiler.compile(spec, backend="llguidance")
+    matcher = compiler.compile(spec)
+    assert matcher.backend == "xgrammar"
+    tok = compiler.tokenizer_data
+    assert matcher.accept_tokens(tok.encode('{"y":1}')) == len(tok.encode('{"y":1}'))
+    # The other way round: "pretty" prefers xgrammar, which lacks \p{...} classes.
+    unicode = GrammarSpec.json_schema(
+        {"type": "string", "pattern": "^\\p{L}+$"}, GrammarOptions("pretty")
+    )
+    assert compiler.backends_for(unicode) == ("xgrammar", "llguidance")
+    with pytest.raises(GrammarError):
+        compiler.compile(unicode, backend="xgrammar")
+    assert compiler.compile(unicode, backend="auto").backend == "llguidance"
+
+
+def test_error_when_every_backend_fails_names_both(compiler):
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nope"}}})
+    start = time.monotonic()
+    with pytest.raises(GrammarError) as info:
+        compiler.compile(spec)
+    assert time.monotonic() - start < 2.0
+    msg = str(info.value)
+    assert "[llguidance]" in msg and "[xgrammar]" in msg
+    assert info.value.reason == "invalid"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec.json_schema({"type": "strng"}),
+        GrammarSpec.json_schema({"type": "string", "pattern": "a(b"}),
+        GrammarSpec.regex("a(b"),
+        GrammarSpec.ebnf("root ::= undefined_rule"),
+        GrammarSpec.lark("start: undefined_rule"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_invalid_specs_fail_fast_with_clean_messages(compiler, spec, backend):
+    start = time.monotonic()
+    with pytest.raises(GrammarError) as info:
+        compiler.compile(spec, backend=backend)
+    assert time.monotonic() - start < 2.0
+    msg = str(info.value)
+    assert msg.startswith("cannot compile")
+    for leak in ("\n", "Traceback", ".cc:", "<state>", "<grammar>", "/project/"):
+        assert leak not in msg
+    assert len(msg) <= 300
+
+
+def test_cached_failures_are_not_recompiled(compiler):
+    spec = GrammarSpec.regex("unclosed[")
+    with pytest.raises(GrammarError):
+        compiler.compile(spec, backend="xgrammar")
+    fut = compiler.compile_async(spec, backend="xgrammar")
+    assert fut.done() and isinstance(fut.exception(), GrammarError)
+
+
+def test_source_size_is_bounded(tokenizer):
+    with GrammarCompiler(
+        tokenizer,
+        vocab_size=MODEL_VOCAB,
+        eos_token_ids=STOP_IDS,
+        max_source_bytes=1000,
+        isolation="thread",
+    ) as small:
+        with pytest.raises(GrammarError, match="too large") as info:
+            small.compile(GrammarSpec.choice([f"option {i}" for i in range(500)]))
+        assert info.value.reason == "too_large"
+        assert small.compile(GrammarSpec.choice(["a", "b"])).backend == "llguidance"
+
+
+def test_pathological_schema_times_out_and_compiler_recovers(tokenizer):
+    timeout = 1.0
+    with GrammarCompiler(
+        tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=timeout
+    ) as c:
+        c.compile(GrammarSpec.regex("warm"), backend="xgrammar")  # worker up
+        (worker,) = c.worker_pids()
+        spec = GrammarSpec.json_schema(nested_any_of(7))  # ~30 s in xgrammar
+        start = time.monotonic()
+        with pytest.raises(GrammarError, match="timed out") as info:
+            c.compile(spec, backend="xgrammar")
+        elapsed = time.monotonic() - start
+        assert info.value.reason == "timeout"
+        assert timeout <= elapsed < timeout + 2.0
+        # The stuck compile was killed, not left burning a core.
+        _wait_gone(worker)
+        assert worker not in c.worker_pids()
+        # Other compiles still work (a fresh worker took over), and the failure is cached.
+        ok = c.compile(GrammarSpec.json_schema({"type": "integer"}), backend="xgrammar")
+        assert ok.accept_tokens(c.tokenizer_data.encode("42")) == 1
+        again = time.monotonic()
+        with pytest.raises(GrammarError, match="timed out"):
+            c.compile(spec, backend="xgrammar")
+        assert time.monotonic() - again < 0.5
+
+
+def _wait_gone(pid: int, limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"worker {pid} still running")
+
+
+def test_a_dead_worker_is_replaced_transparently(tokenizer):
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS) as c:
+        c.compile(GrammarSpec.regex("x+"), backend="xgrammar")
+        (pid,) = c.worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid)
+        m = c.compile(GrammarSpec.regex("y+"), backend="xgrammar")
+        assert m.accept_tokens(c.tokenizer_data.encode("yy")) >= 1
+        assert pid not in c.worker_pids()
+
+
+def test_thread_isolation_and_shared_cache(tokenizer, compiler):
+    shared = GrammarCache(max_entries=8)
+    spec = GrammarSpec.json_schema({"type": "array", "items": {"type": "boolean"}})
+    with (
+        GrammarCompiler(
+            tokenizer,
+            vocab_size=MODEL_VOCAB,
+            eos_token_ids=STOP_IDS,
+            isolation="thread",
+            cache=shared,
+        ) as a,
+        GrammarCompiler(
+            tokenizer,
+            vocab_size=MODEL_VOCAB,
+            eos_token_ids=STOP_IDS,
+            isolation="thread",
+            cache=shared,
+        ) as b,
+    ):
+        assert a.worker_pids() == [] and a.compile(spec).backend == "llguidance"
+        hits = shared.info().hits
+        assert b.compile(spec).backend == "llguidance"
+        assert shared.info().hits > hits  # same tokenizer fingerprint -> shared entry
+    # A different model vocabulary is a different cache key.
+    with GrammarCompiler(
+        tokenizer, vocab_size=8192, eos_token_ids=STOP_IDS, isolation="thread", cache=shared
+    ) as other:
+        assert other.tokenizer_data.fingerprint != compiler.tokenizer_data.fingerprint
+        assert other.allocate_bitmask(1).shape[1] == 256
+
+
+def test_cache_is_bounded():
+    cache = GrammarCache(max_entries=3, max_bytes=100)
+    for i in range(5):
+        cache.put(i, f"v{i}", 10)
+    assert cache.info().entries == 3 and cache.get(0) is None and cache.get(4) == "v4"
+    cache.put("big", "x", 95)
+    assert cache.info().bytes <= 100
+    cache.put("huge", "x", 1000)  # never stored
+    assert cache.get("huge") is None
+
+
+def test_closed_compiler_refuses(tokenizer):
+    c = GrammarCompiler(tokenizer, eos_token_ids=STOP_IDS, isolation="thread")
+    c.close()
+    with pytest.raises(GrammarError, match="closed"):
+        c.compile(GrammarSpec.regex("a"))
+
+
+def test_config_validation(tokenizer):
+    with pytest.raises(ValueError):
+        GrammarCompiler(tokenizer, backend="outlines")
+    with pytest.raises(ValueError):
+        GrammarCompiler(tokenizer, compile_timeout_s=0)
+    with pytest.raises(ValueError):
+        GrammarCompiler(tokenizer, vocab_size=100)
+    with pytest.raises(TypeError):
+        GrammarCompiler(tokenizer, isolation="thread").compile(json.dumps({"type": "object"}))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "http://example.com/schema.json"},
+        {"$id": "http://x.test/root", "$defs": {"a": {"$id": "a.json"}}, "$ref": "a.json"},
+        {"$defs": {"a": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"},
+        {"$dynamicRef": "#items", "$defs": {"i": {"$dynamicAnchor": "items"}}},
+    ],
+)
+def test_xgrammar_refuses_references_it_would_ignore(compiler, schema):
+    # xgrammar reads these as "any value" (fails open); they must not compile there.
+    with pytest.raises(GrammarError, match="supported"):
+        compiler.compile(GrammarSpec.json_schema(schema), backend="xgrammar")
+    # Data that merely looks like a reference is fine.
+    data = {"const": {"$ref": "http://example.com"}}
+    assert compiler.compile(GrammarSpec.json_schema(data), backend="xgrammar")

@@ -1,0 +1,307 @@
+"""Every spec kind on every backend: token-by-token acceptance, rejection, EOS, masks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from grammar import GrammarOptions, GrammarSpec
+
+from .conftest import BACKENDS, MODEL_VOCAB, SPECIAL_NON_STOP, STOP_IDS, allowed, feed
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+CASES = {
+    "json_schema": (
+        GrammarSpec.json_schema(PERSON),
+        ['{"name":"Bob","age":12}', '{"name":"Ann \\"A\\"","age":-3}'],
+        [
+            '{"name":12,"age":1}',
+            '{"name":"Bob","age":"x"}',
+            '{"name": "Bob","age":1}',
+            '{"name":"Bob"}',
+        ],
+        ['{"name":"Bob"', '{"name":"Bob","age":1'],
+    ),
+    "json_object": (
+        GrammarSpec.json_object(),
+        ['{"a":[1,{"b":null}],"c":"d"}', "{}"],
+        ["[1]", '"x"', '{"a": 1}'],
+        ['{"a":1', "{"],
+    ),
+    "regex": (
+        GrammarSpec.regex(r"\d{3}-\d{4}"),
+        ["555-1234"],
+        ["5551234", "555-12345", "abc"],
+        ["555-", "555-123"],
+    ),
+    "choice": (
+        GrammarSpec.choice(["yes", "no", "maybe so"]),
+        ["yes", "no", "maybe so"],
+        ["yess", "nope", "maybe not"],
+        ["ye", "maybe"],
+    ),
+    "ebnf": (
+        GrammarSpec.ebnf('root ::= "(" num ("," num)* ")"\nnum ::= [0-9]+'),
+        ["(1,22,333)", "(7)"],
+        ["(1,,2)", "(a)", "(1))"],
+        ["(1,", "(12"],
+    ),
+    "lark": (
+        GrammarSpec.lark('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]+/'),
+        ["(1,22,333)", "(7)"],
+        ["(1,,2)", "(a)", "(1))"],
+        ["(1,", "(12"],
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", list(CASES))
+def test_kind_on_backend(compiler, backend, kind):
+    spec, valid, invalid, incomplete = CASES[kind]
+    matcher = compiler.compile(spec, backend=backend)
+    assert matcher.backend == backend
+    tok = compiler.tokenizer_data
+    bitmask = compiler.allocate_bitmask(1)
+    for text in valid:
+        matcher.reset()
+        assert feed(matcher, tok.encode(text), bitmask), text
+        assert matcher.can_terminate() and not matcher.is_terminated()
+        assert matcher.accept_token(torch.tensor(STOP_IDS[1]))  # sampler output as-is
+        assert matcher.is_terminated()
+        assert not matcher.accept_token(tok.encode("x")[0])  # nothing after the stop token
+        matcher.fill_bitmask(bitmask, 0)
+        assert allowed(bitmask) == set(STOP_IDS)
+    for text in invalid:
+        matcher.reset()
+        assert not feed(matcher, tok.encode(text), bitmask), text
+        assert matcher.error() is None  # a rejected token is not an error
+    for text in incomplete:
+        matcher.reset()
+        assert feed(matcher, tok.encode(text), bitmask), text
+        assert not matcher.can_terminate()
+        assert not any(matcher.accept_token(s) for s in STOP_IDS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rejected_token_leaves_matcher_unchanged(compiler, backend):
+    matcher = compiler.compile(GrammarSpec.json_schema(PERSON), backend=backend)
+    tok = compiler.tokenizer_data
+    bitmask = compiler.allocate_bitmask(2)
+    prefix = tok.encode('{"name":"Bob"')
+    assert matcher.accept_tokens(prefix) == len(prefix)
+    before = matcher.num_accepted
+    matcher.fill_bitmask(bitmask, 0)
+    # `}` (age is required), `{`, a stop token, a special token, padding ids, junk ids
+    for bad in [*tok.encode("}"), *tok.encode("{"), STOP_IDS[0], 2, 8191 + 50, MODEL_VOCAB + 5, -1]:
+        assert not matcher.accept_token(bad), bad
+    matcher.fill_bitmask(bitmask, 1)
+    assert matcher.num_accepted == before
+    assert allowed(bitmask, 0) == allowed(bitmask, 1)
+    assert matcher.error() is None
+    assert feed(matcher, tok.encode(',"age":3}'), bitmask) and matcher.can_terminate()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_never_allows_specials_or_padding(compiler, backend):
+    matcher = compiler.compile(GrammarSpec.json_schema(PERSON), backend=backend)
+    tok = compiler.tokenizer_data
+    bitmask = compiler.allocate_bitmask(3)
+    assert tuple(bitmask.shape) == (3, (MODEL_VOCAB + 31) // 32)
+    assert tok.tokenizer_size == 8192 < compiler.vocab_size == MODEL_VOCAB
+    matcher.accept_tokens(tok.encode('{"name":"'))  # inside a string: almost anything goes
+    matcher.fill_bitmask(bitmask, 2)
+    ids = allowed(bitmask, 2)
+    assert len(ids) > 7000
+    assert not ids & set(SPECIAL_NON_STOP)  # <|im_start|> is not string text
+    assert not ids & set(STOP_IDS)  # cannot stop inside a string
+    assert max(ids) < tok.tokenizer_size  # padded ids never allowed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollback_and_reset(compiler, backend):
+    matcher = compiler.compile(GrammarSpec.json_schema(PERSON), backend=backend)
+    tok = compiler.tokenizer_data
+    bitmask = compiler.allocate_bitmask(1)
+    tokens = tok.encode('{"name":"Bob","age":12}')
+    assert feed(matcher, tokens, bitmask)
+    assert matcher.accept_token(STOP_IDS[0]) and matcher.is_terminated()
+    matcher.rollback(1)  # un-stop
+    assert not matcher.is_terminated() and matcher.can_terminate()
+    matcher.rollback(3)
+    assert not matcher.can_terminate()
+    assert matcher.num_accepted == len(tokens) - 3
+    assert feed(matcher, tokens[-3:], bitmask)
+    assert matcher.accept_token(STOP_IDS[1])
+    with pytest.raises(ValueError):
+        matcher.rollback(len(tokens) + 5)
+    matcher.reset()
+    assert matcher.num_accepted == 0 and not matcher.is_terminated()
+    assert feed(matcher, tokens, bitmask) and matcher.can_terminate()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matchers_are_independent(compiler, backend):
+    spec = GrammarSpec.choice(["alpha", "beta"])
+    a, b = compiler.compile(spec, backend=backend), compiler.compile(spec, backend=backend)
+    tok = compiler.tokenizer_data
+    assert a.accept_tokens(tok.encode("alpha")) == len(tok.encode("alpha"))
+    assert b.num_accepted == 0 and not b.can_terminate()
+    assert b.accept_tokens(tok.encode("beta")) == len(tok.encode("beta"))
+
+
+# ---- forced (jump-ahead) tokens ---------------------------------------------
+
+KEYED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+        },
+    },
+    "required": ["name", "age", "address"],
+}
+
+
+def _check_forced(matcher, tok) -> list[int]:
+    forced = matcher.forced_tokens()
+    before = matcher.num_accepted
+    assert matcher.forced_tokens() == forced  # a pure query
+    assert matcher.num_accepted == before
+    text = tok._encoder.decode(forced) if forced else ""
+    assert tok.encode(text) == forced, "forced tokens must be the canonical tokenization"
+    assert all(t not in STOP_IDS for t in forced)
+    assert matcher.accept_tokens(forced) == len(forced)
+    return forced
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forced_tokens_for_key_heavy_schema(compiler, backend):
+    matcher = compiler.compile(GrammarSpec.json_schema(KEYED), backend=backend)
+    tok = compiler.tokenizer_data
+    forced = _check_forced(matcher, tok)
+    # `{"name":` is forced; the opening quote of the value is held back because
+    # it could merge with what the model writes next (e.g. into `""` or `","`).
+    assert tok._encoder.decode(forced) == '{"name":'
+    assert forced == tok.encode('{"name":"')[: len(forced)]
+    # The model writes the value; the next key and its punctuation are forced.
+    assert matcher.accept_tokens(tok.encode('"Bob"')) == len(tok.encode('"Bob"'))
+    forced = _check_forced(matcher, tok)
+    assert tok._encoder.decode(forced) == ',"age":'
+    assert matcher.accept_tokens(tok.encode("41")) == 1
+    # After a number the model may still add digits, so nothing is forced.
+    assert matcher.forced_tokens() == []
+    assert matcher.accept_tokens(tok.encode(',"address":{"city":"Oslo","zip":"0150"}}')) > 0
+    assert matcher.can_terminate()
+    assert matcher.forced_tokens() == []  # stop tokens are never forced
+
+
+def test_forced_tokens_agree_across_backends(compiler):
+    tok = compiler.tokenizer_data
+    for spec in [
+        GrammarSpec.json_schema(KEYED),
+        GrammarSpec.choice(["application/json", "application/xml"]),
+        GrammarSpec.regex(r"item-[0-9]+"),
+        GrammarSpec.choice(["hello world"]),
+    ]:
+        results = [_check_forced(compiler.compile(spec, backend=b), tok) for b in BACKENDS]
+        assert results[0] == results[1], spec
+        assert results[0], spec
+
+
+def test_forced_tokens_whole_remaining_output(compiler):
+    # When nothing can follow, the last token is not held back.
+    tok = compiler.tokenizer_data
+    for backend in BACKENDS:
+        matcher = compiler.compile(GrammarSpec.choice(["hello world"]), backend=backend)
+        assert matcher.forced_tokens() == tok.encode("hello world")
+
+
+# ---- whitespace styles ------------------------------------------------------
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}}},
+    },
+}
+VALUE = {"id": 7, "tags": ["a", "b"], "meta": {"ok": True}}
+
+
+def _inside_string(prefix: str) -> bool:
+    inside = escaped = False
+    for ch in prefix:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and inside:
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+def _whitespace_only(tok) -> list[int]:
+    return [
+        i
+        for i in range(tok.tokenizer_size)
+        if tok.token_bytes(i) and not tok.token_bytes(i).strip(b" \t\r\n")
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compact_default_allows_no_whitespace(compiler, backend):
+    tok = compiler.tokenizer_data
+    spec = GrammarSpec.json_schema(NESTED)
+    matcher = compiler.compile(spec, backend=backend)
+    bitmask = compiler.allocate_bitmask(1)
+    blanks = set(_whitespace_only(tok))
+    text = json.dumps(VALUE, separators=(",", ":"))
+    tokens = tok.encode(text)
+    for i, token in enumerate(tokens):
+        matcher.fill_bitmask(bitmask, 0)
+        if not _inside_string(tok._encoder.decode(tokens[:i])):
+            assert not allowed(bitmask) & blanks, "a whitespace run must be impossible"
+        assert matcher.accept_token(token)
+    assert matcher.can_terminate()
+    matcher.reset()
+    assert not feed(matcher, tok.encode(json.dumps(VALUE)), bitmask)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flexible_whitespace_is_bounded(compiler, backend):
+    tok = compiler.tokenizer_data
+    spec = GrammarSpec.json_schema(NESTED, GrammarOptions("flexible", max_whitespace=4))
+    matcher = compiler.compile(spec, backend=backend)
+    bitmask = compiler.allocate_bitmask(1)
+    for text in [json.dumps(VALUE), '{ "id" : 7 ,\n "tags" : [ "a" ] }', '{"id":1}']:
+        matcher.reset()
+        assert feed(matcher, tok.encode(text), bitmask), text
+        assert matcher.can_terminate()
+    for text in ['{"id":     7}', "{" + " " * 40]:
+        matcher.reset()
+        assert not feed(matcher, tok.encode(text), bitmask), text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pretty_accepts_indented_json(compiler, backend):
+    tok = compiler.tokenizer_data
+    spec = GrammarSpec.json_schema(NESTED, GrammarOptions("pretty", indent=2))
+    matcher = compiler.compile(spec, backend=backend)
+    bitmask = compiler.allocate_bitmask(1)
+    assert feed(matcher, tok.encode(json.dumps(VALUE, indent=2)), bitmask)
+    assert matcher.can_terminate()
+    matcher.reset()
+    assert not feed(matcher, tok.encode('{"id":' + " " * 80), bitmask)
