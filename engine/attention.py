@@ -216,8 +216,10 @@ class KernelAttention(AttentionBackend):
         if short:
             idx = np.concatenate([np.arange(s.q_start, s.q_end) for s in short]).astype(np.int32)
             meta.short_tokens = torch.from_numpy(idx)
-        meta.extra["long"] = long
-        self._gather_long_spans(meta, lookup_table, long)
+        fresh_runs, cached = _fresh_runs(long)
+        meta.extra["fresh_runs"] = fresh_runs
+        meta.extra["cached"] = cached
+        self._gather_long_spans(meta, lookup_table, cached)
 
     def __call__(self, q, k, v, layer, meta):
         self.ops.write_kv(k, v, self.cache, layer, meta.slot_page, meta.slot_offset)
@@ -225,9 +227,34 @@ class KernelAttention(AttentionBackend):
         if meta.short_tokens is not None:
             self.ops.paged_attention(out, q, self.cache, layer, meta.short_tokens, meta.token_seq,
                                      meta.token_ctx, meta.lookup_table, self.scale)
-        for span in meta.extra["long"]:  # type: ignore[union-attr]
+        for start, count, length in meta.extra["fresh_runs"]:  # type: ignore[union-attr]
+            # Equal-length fresh prompt chunks lying side by side: one batched call.
+            sl = slice(start, start + count * length)
+            shape = (count, length)
+            res = F.scaled_dot_product_attention(
+                q[sl].unflatten(0, shape).transpose(1, 2), k[sl].unflatten(0, shape).transpose(1, 2),
+                v[sl].unflatten(0, shape).transpose(1, 2), is_causal=True, scale=self.scale,
+                enable_gqa=q.shape[1] != k.shape[1])
+            out[sl].unflatten(0, shape).copy_(res.transpose(1, 2))
+        for span in meta.extra["cached"]:  # type: ignore[union-attr]
             out[span.q_start:span.q_end] = self._span_attention(q, k, v, layer, meta, span)
         return out
+
+
+def _fresh_runs(spans: list[SeqSpan]) -> tuple[list[tuple[int, int, int]], list[SeqSpan]]:
+    """Split long spans into runs of adjacent, equal-length chunks with no cached
+    context (start, count, length) and the rest, which need their pages."""
+    runs: list[tuple[int, int, int]] = []
+    rest: list[SeqSpan] = []
+    for span in spans:
+        if span.cache_len:
+            rest.append(span)
+        elif runs and runs[-1][2] == span.q_len and runs[-1][0] + runs[-1][1] * span.q_len == span.q_start:
+            start, count, length = runs[-1]
+            runs[-1] = (start, count + 1, length)
+        else:
+            runs.append((span.q_start, 1, span.q_len))
+    return runs, rest
 
 
 class VarlenAttention(AttentionBackend):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +35,8 @@ class EngineCore:
     Not thread-safe: one thread drives `step()`; the service wraps it.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, wrap_model: Callable[[Any], Any] | None = None):
+        """`wrap_model` may wrap the loaded model (tests use it for scripted logits)."""
         self.config = config
         self.model_config = mc = load_model_config(config.model)
         self.tokenizer = Tokenizer(config.model)
@@ -42,6 +44,8 @@ class EngineCore:
         source = WeightSource(config.model)
         self.model = LlamaFamilyModel(mc, source, device, dtype, cpu_ops() if device.type == "cpu" else None)
         source.close()
+        if wrap_model is not None:
+            self.model = wrap_model(self.model)
 
         max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         num_pages = pages_for_budget(config.kv_cache_gib, mc.num_layers, config.page_size,
@@ -69,7 +73,6 @@ class EngineCore:
         eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids = frozenset(eos)
         self._streams: dict[str, OutputStream] = {}
-        self._finished_elsewhere: list[TextContext] = []
         log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s",
                  mc.architecture, device, dtype, num_pages, config.page_size, self.attention.name)
 
@@ -123,12 +126,11 @@ class EngineCore:
         if ctx is None:
             return False
         ctx.finish(GenerationStatus.CANCELLED)
-        self.scheduler.remove(ctx)
-        self._finished_elsewhere.append(ctx)
+        self.scheduler.abort(ctx)
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._finished_elsewhere)
+        return self.scheduler.has_work() or bool(self.scheduler.dropped)
 
     @property
     def num_requests(self) -> int:
@@ -143,9 +145,7 @@ class EngineCore:
             self.pipeline.next_token(sched.contexts, sched.num_steps)
             touched = sched.contexts
         # Requests that ended outside a step (aborted, or could never fit).
-        touched = touched + self._finished_elsewhere
-        self._finished_elsewhere = []
-        touched += [c for c in list(self.scheduler.waiting) if c.is_done]
+        touched = touched + self.scheduler.take_dropped()
         outputs = []
         for ctx in touched:
             stream = self._streams.get(ctx.request_id)
@@ -158,8 +158,5 @@ class EngineCore:
                 del self._streams[ctx.request_id]
             if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs:
                 outputs.append(delta)
-        for ctx in list(self.scheduler.waiting):
-            if ctx.is_done:
-                self.scheduler.waiting.remove(ctx)
         self.scheduler.remove_finished()
         return outputs

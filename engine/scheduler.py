@@ -57,6 +57,9 @@ class Scheduler:
         self.kv = kv_manager
         self.waiting: deque[TextContext] = deque()
         self.running: list[TextContext] = []
+        # Requests that ended without running a step (aborted, or can never fit);
+        # the engine drains this to send their final outputs.
+        self.dropped: list[TextContext] = []
         self.num_preemptions = 0
 
     # -- queue management ---------------------------------------------------
@@ -82,6 +85,15 @@ class Scheduler:
         elif ctx in self.waiting:
             self.waiting.remove(ctx)
         self.kv.release(ctx)
+
+    def abort(self, ctx: TextContext) -> None:
+        """End `ctx` now: free its pages and report it as dropped."""
+        self.remove(ctx)
+        self.dropped.append(ctx)
+
+    def take_dropped(self) -> list[TextContext]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def remove_finished(self) -> list[TextContext]:
         done = [c for c in self.running if c.is_done]
@@ -128,9 +140,6 @@ class Scheduler:
         reserve_pages = int(self.config.watermark * self.kv.allocator.num_pages)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             ctx = self.waiting[0]
-            if ctx.is_done:  # aborted while waiting
-                self.waiting.popleft()
-                continue
             # Requests asking for prompt log-probabilities need every prompt position computed.
             hit = self.kv.claim(ctx, use_prefix_cache=ctx.sampling_params.prompt_logprobs is None)
             n = min(ctx.end_idx - ctx.start_idx, budget)
@@ -146,6 +155,7 @@ class Scheduler:
                     self.waiting.popleft()
                     ctx.error = "request does not fit in the KV cache"
                     ctx.finish(GenerationStatus.ERROR)
+                    self.dropped.append(ctx)
                     continue
                 break
             self.waiting.popleft()

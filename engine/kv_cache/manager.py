@@ -93,13 +93,13 @@ class KVCacheManager:
             ctx.skip_cached_tokens(hit)
         return hit
 
-    def reserve(self, ctx: TextContext, num_tokens: int) -> bool:
-        """Make sure pages exist for positions [0, start_idx + num_tokens).
+    def reserve(self, ctx: TextContext, upto: int) -> bool:
+        """Make sure pages exist for token positions [0, upto).
 
         Either allocates everything needed or nothing (returns False).
         """
         state = self._seqs[ctx.request_id]
-        need = -(-(ctx.start_idx + num_tokens) // self.page_size) - len(state.pages)
+        need = -(-upto // self.page_size) - len(state.pages)
         if need <= 0:
             return True
         try:
@@ -107,12 +107,6 @@ class KVCacheManager:
         except OutOfPages:
             return False
         return True
-
-    def can_reserve(self, ctx: TextContext, num_tokens: int) -> bool:
-        state = self._seqs.get(ctx.request_id)
-        held = len(state.pages) if state else 0
-        need = -(-(ctx.start_idx + num_tokens) // self.page_size) - held
-        return need <= self.allocator.num_free
 
     def commit(self, ctx: TextContext) -> None:
         """Publish full pages whose tokens are computed and final."""

@@ -103,6 +103,12 @@ class LlamaFamilyModel:
         residual.add_(x)
         return self._norm(residual, weight)
 
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.silu_mul(gate_up)
+        inter = self.config.intermediate_size
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
     def _qkv(self, layer: DecoderLayer, x: torch.Tensor, rot: torch.Tensor):
         c = self.config
         t = x.shape[0]
@@ -133,9 +139,7 @@ class LlamaFamilyModel:
             attn = attention(q, k, v, i, meta)
             h = layer.o_proj(attn.reshape(t, c.q_size))
             x = self._add_norm(h, residual, layer.post_norm)
-            gate_up = layer.gate_up(x)
-            inter = c.intermediate_size
-            h = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+            h = layer.down(self._silu_mul(layer.gate_up(x)))
         return self._add_norm(h, residual, self.final_norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

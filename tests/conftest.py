@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny checkpoints, engines that are checked for page leaks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+# Keep tests off the user's cache and make them reproducible across runs.
+os.environ.setdefault("STENCILD_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from engine import LLM  # noqa: E402
+from engine.presets import ensure_preset  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def preset() -> Callable[[str], Path]:
+    return ensure_preset
+
+
+def assert_no_page_leak(llm: LLM) -> None:
+    """Every page is free or held only by the prefix cache once nothing runs."""
+    eng = llm.engine
+    alloc = eng.allocator
+    alloc.check_consistency()
+    assert not eng.scheduler.has_work(), "requests still queued"
+    assert eng.kv_manager.num_active == 0, "a finished request still holds pages"
+    assert alloc.num_used == 0, f"{alloc.num_used} pages still referenced"
+    assert alloc.num_free == alloc.num_pages
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., LLM]]:
+    """Build LLMs on presets; after the test, check none of them leaked a page."""
+    made: list[LLM] = []
+
+    def factory(name: str = "tiny-llama", **kwargs) -> LLM:
+        llm = LLM(ensure_preset(name), **kwargs)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        assert_no_page_leak(llm)

@@ -1,0 +1,83 @@
+"""Reference results from `transformers` for the same tiny checkpoints."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine import LLM, SamplingParams
+from engine.presets import ensure_preset
+
+# Mixed prompt lengths, from 3 to 60 tokens (pages are 16 tokens).
+PROMPT_LENGTHS = [3, 60, 17, 33, 5, 48, 25, 9]
+
+
+def prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 8000, size=length).tolist() for length in PROMPT_LENGTHS[:n]]
+
+
+@functools.cache
+def hf_model(name: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ensure_preset(name), dtype=torch.float32).eval()
+
+
+@functools.cache
+def _hf_greedy(name: str, prompt: tuple[int, ...], new_tokens: int) -> tuple[int, ...]:
+    model = hf_model(name)
+    out: list[int] = []
+    past = None
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            r = model(input_ids=x, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            tok = int(r.logits[0, -1].argmax())
+            out.append(tok)
+            x = torch.tensor([[tok]])
+    return tuple(out)
+
+
+def hf_greedy(name: str, prompt: list[int], new_tokens: int = 32) -> list[int]:
+    """Greedy continuation by plain argmax (no generation-time processors)."""
+    return list(_hf_greedy(name, tuple(prompt), new_tokens))
+
+
+def hf_logits(name: str, tokens: list[int]) -> torch.Tensor:
+    """Logits at every position of `tokens`, [len, vocab]."""
+    with torch.no_grad():
+        return hf_model(name)(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def engine_logits(llm: LLM, tokens: list[int], chunks: list[int]) -> torch.Tensor:
+    """Our logits at every position, computed in the given chunks (prefill pieces
+    and single decode tokens) through the paged cache."""
+    eng = llm.engine
+    assert sum(chunks) == len(tokens)
+    ctx = eng.make_context(tokens, SamplingParams(max_new_tokens=1))
+    eng.kv_manager.claim(ctx, use_prefix_cache=False)
+    runner = eng.pipeline.runner
+    rows = []
+    try:
+        for n in chunks:
+            ctx.set_chunk(n)
+            assert eng.kv_manager.reserve(ctx, ctx.active_idx)
+            fwd = runner.prepare([ctx])
+            with torch.inference_mode():
+                rows.append(eng.model.logits(runner.forward(fwd)))
+            ctx.mark_chunk_done()
+    finally:
+        eng.kv_manager.release(ctx)
+    return torch.cat(rows)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+
+
+def preset_path(name: str) -> Path:
+    return ensure_preset(name)

@@ -1,0 +1,152 @@
+"""Paged KV cache: allocator, prefix cache, page accounting, preemption."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.context import TextContext
+from engine.kv_cache import KVCacheManager, OutOfPages, PageAllocator, chain_hash
+
+from .reference import GREEDY, hf_greedy, prompts
+
+
+def test_allocator_refcounts_and_free_list():
+    a = PageAllocator(4, page_size=2)
+    pages = a.allocate(3)
+    assert a.num_free == 1 and a.num_used == 3
+    a.retain(pages[0])
+    a.release(pages[0])
+    assert a.refcount[pages[0]] == 1
+    for p in pages:
+        a.release(p)
+    assert a.num_free == 4 and a.num_used == 0
+    with pytest.raises(OutOfPages):
+        a.allocate(5)
+    with pytest.raises(AssertionError):
+        a.release(pages[0])
+    a.check_consistency()
+
+
+def test_prefix_cache_compares_tokens_and_evicts_lru():
+    a = PageAllocator(3, page_size=2)
+    p0, p1, p2 = a.allocate(3)
+    h0 = chain_hash(None, (1, 2))
+    a.publish(p0, h0, (1, 2))
+    a.publish(p1, chain_hash(h0, (3, 4)), (3, 4))
+    assert a.lookup(h0, (1, 2)) == p0
+    # Same hash, other tokens: a collision must not be served.
+    assert a.lookup(h0, (9, 9)) is None
+    for p in (p1, p0, p2):  # p1 becomes the least recently released cached page
+        a.release(p)
+    assert a.num_free == 3 and a.num_cached == 2
+    a.allocate(1)  # the unpublished free page goes first
+    assert a.num_cached == 2
+    a.allocate(1)  # then the LRU cached page (p1) is evicted
+    assert a.lookup(h0, (1, 2)) == p0 and a.evictions == 1
+    a.check_consistency()
+
+
+def _ctx(tokens, rid="r") -> TextContext:
+    return TextContext(tokens=np.array(tokens), max_length=64, request_id=rid)
+
+
+def test_manager_claims_cached_pages_but_computes_the_last_token():
+    a = PageAllocator(16, page_size=4)
+    m = KVCacheManager(torch.zeros(16, 2, 1, 4, 1, 2), a)
+    first = _ctx(list(range(1, 13)), "a")  # 12 tokens = 3 full pages
+    assert m.claim(first) == 0
+    assert m.reserve(first, 12)
+    first.update(99)  # all 12 computed
+    m.commit(first)
+    assert first.committed_idx == 12 and a.num_cached == 3
+    m.release(first)
+    again = _ctx(list(range(1, 13)), "b")
+    # Only 2 of the 3 cached pages: the last prompt token must be recomputed.
+    assert m.claim(again) == 8 and again.start_idx == 8
+    longer = _ctx(list(range(1, 15)), "c")
+    assert m.claim(longer) == 12
+    other = _ctx([1, 2, 3, 5, 5, 6, 7, 8, 1], "d")
+    assert m.claim(other) == 0
+    for c in (again, longer, other):
+        m.release(c)
+    a.check_consistency()
+    assert a.num_used == 0
+
+
+def test_placeholders_are_never_published():
+    a = PageAllocator(8, page_size=2)
+    m = KVCacheManager(torch.zeros(8, 2, 1, 2, 1, 2), a)
+    c = _ctx([1, 2, 3], "a")
+    m.claim(c)
+    m.reserve(c, 4)
+    c.update_with_future_token()  # token at index 3 is not known yet
+    c.set_chunk(1)
+    c.update_with_future_token()  # and index 3 has been computed
+    m.commit(c)
+    assert c.committed_idx == 2  # page [2, 3] holds a placeholder
+    c.realize_future_token(7)
+    c.realize_future_token(8)
+    m.commit(c)
+    assert c.committed_idx == 4
+    m.release(c)
+
+
+def test_pages_freed_after_finish_and_abort(make_llm):
+    llm = make_llm("tiny-llama")
+    eng = llm.engine
+    batch = prompts(8)
+    for p in batch:
+        eng.add_request(eng.make_context(p, GREEDY))
+    for _ in range(5):
+        eng.step()
+    assert eng.allocator.num_used > 0
+    victims = [c.request_id for c in eng.scheduler.running[::2]]
+    for rid in victims:
+        assert eng.abort(rid)
+    finals = {}
+    while eng.has_work():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out.finish_reason
+    assert all(finals[r] == "cancelled" for r in victims)
+    assert sum(r == "length" for r in finals.values()) == 8 - len(victims)
+    eng.allocator.check_consistency()
+    assert eng.allocator.num_used == 0  # make_llm re-checks every page after the test
+
+
+def test_preemption_under_a_tiny_cache_keeps_greedy_output(make_llm):
+    # 12 pages of 16 tokens for 8 requests of up to 92 tokens: they cannot all fit.
+    per_page = 2 * 2 * 16 * 2 * 16 * 4  # layers, kv, page, kv_heads, head_dim, fp32
+    llm = make_llm("tiny-llama", kv_cache_gib=12 * per_page / 2**30, max_model_len=192)
+    assert llm.engine.allocator.num_pages == 12
+    batch = prompts(8)
+    results = llm.generate(batch, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, res in zip(batch, results, strict=True):
+        assert res.token_ids == hf_greedy("tiny-llama", prompt)
+
+
+def test_request_larger_than_the_cache_fails_cleanly(make_llm):
+    per_page = 2 * 2 * 16 * 2 * 16 * 4
+    llm = make_llm("tiny-llama", kv_cache_gib=4 * per_page / 2**30)
+    assert llm.engine.max_model_len == 64  # the context is capped to what the cache holds
+    out = llm.generate([list(range(5, 60))], SamplingParams(temperature=0, max_new_tokens=9))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 9
+
+
+def test_request_that_can_never_fit_ends_with_an_error(make_llm):
+    per_page = 2 * 2 * 16 * 2 * 16 * 4
+    llm = make_llm("tiny-llama", kv_cache_gib=4 * per_page / 2**30)
+    eng = llm.engine
+    # Bypass make_context's length check to hand the scheduler an impossible request.
+    big = eng.make_context(list(range(5, 60)), SamplingParams(temperature=0, max_new_tokens=9))
+    big.tokens[:200] = 7
+    big.end_idx = big.active_idx = big.prompt_len = 80
+    eng.add_request(big)
+    outs = eng.step()
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "error"
+    assert "does not fit" in (outs[0].error or "")
+    assert not eng.has_work()

@@ -1,0 +1,77 @@
+"""Our engine against `transformers` on tiny random checkpoints of every architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.presets import ARCHITECTURE_PRESETS
+
+from .reference import GREEDY, engine_logits, hf_greedy, hf_logits, prompts
+
+ARCHS = ARCHITECTURE_PRESETS
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_batch1_and_batch8(make_llm, arch):
+    llm = make_llm(arch)
+    single = prompts(1, seed=7)
+    assert llm.generate(single, GREEDY)[0].token_ids == hf_greedy(arch, single[0])
+    batch = prompts(8)
+    results = llm.generate(batch, GREEDY)
+    for prompt, res in zip(batch, results, strict=True):
+        assert res.token_ids == hf_greedy(arch, prompt)
+        assert res.finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_prefill_chunks(make_llm, arch):
+    # A 7-token budget per step: long prompts are spread over many steps and
+    # share steps with other requests' decode tokens.
+    llm = make_llm(arch, max_num_batched_tokens=7)
+    batch = prompts(8)
+    for prompt, res in zip(batch, llm.generate(batch, GREEDY), strict=True):
+        assert res.token_ids == hf_greedy(arch, prompt)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_second_run_hits_prefix_cache(make_llm, arch):
+    llm = make_llm(arch)
+    batch = prompts(8)
+    first = llm.generate(batch, GREEDY)
+    second = llm.generate(batch, GREEDY)
+    for prompt, a, b in zip(batch, first, second, strict=True):
+        assert a.token_ids == b.token_ids == hf_greedy(arch, prompt)
+        assert a.cached_prompt_tokens == 0
+        # Every full page but the one holding the last prompt token is reused.
+        assert b.cached_prompt_tokens == (len(prompt) - 1) // 16 * 16
+    assert llm.engine.allocator.hits > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_logits_within_1e4(make_llm, arch):
+    llm = make_llm(arch)
+    tokens = prompts(2)[1]  # 60 tokens
+    ref = hf_logits(arch, tokens)
+    # One long prefill; then chunked prefill with a cached prefix and single
+    # decode tokens, which run through the paged attention kernel.
+    for chunks in ([60], [20, 33, 1, 1, 5]):
+        ours = engine_logits(llm, tokens, chunks)
+        assert ours.shape == ref.shape
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3"])
+def test_torch_fallback_path_matches(make_llm, monkeypatch, arch):
+    """Without native kernels (no compiler, or STENCILD_NO_KERNELS=1) the pure-torch
+    attention and norms give the same answers."""
+    monkeypatch.setenv("STENCILD_NO_KERNELS", "1")
+    llm = make_llm(arch, attention="torch", max_num_batched_tokens=40)
+    assert llm.engine.attention.name == "torch"
+    assert llm.engine.model.ops is None
+    batch = prompts(8)
+    for prompt, res in zip(batch, llm.generate(batch, GREEDY), strict=True):
+        assert res.token_ids == hf_greedy(arch, prompt)
+    tokens = prompts(2)[1]
+    torch.testing.assert_close(engine_logits(llm, tokens, [20, 33, 1, 1, 5]), hf_logits(arch, tokens),
+                               atol=1e-4, rtol=0)

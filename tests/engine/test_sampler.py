@@ -1,0 +1,154 @@
+"""Sampler: exact support of top-k/top-p/min-p, penalty definitions, seeds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.context import TextContext
+from engine.sampler import apply_penalties_and_bias, build_sampling_batch, filter_logits, sample
+
+VOCAB = 10
+
+
+def ctx(params: SamplingParams, prompt=(1, 2), generated=(), eos=frozenset({9})) -> TextContext:
+    c = TextContext(tokens=np.array(prompt), max_length=100, sampling_params=params, eos_token_ids=eos,
+                    seed=params.seed or 0)
+    for t in generated:
+        c.update(t)
+    return c
+
+
+def batch_for(*contexts: TextContext):
+    return build_sampling_batch(list(contexts), VOCAB, torch.device("cpu"))
+
+
+def support(logits: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(logits)).flatten().tolist())
+
+
+# Distinct logits: token i has logit 0.5 * i, so rank order is 9, 8, ..., 0.
+LOGITS = torch.arange(VOCAB, dtype=torch.float32)[None, :] * 0.5
+
+
+def test_top_k_keeps_exactly_k():
+    for k in (1, 3, 9):
+        out = filter_logits(LOGITS.clone(), batch_for(ctx(SamplingParams(top_k=k))))
+        assert support(out[0]) == set(range(VOCAB - k, VOCAB))
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = LOGITS[0].softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    for p in (0.05, 0.3, 0.6, 0.9, 0.99):
+        expected, mass = set(), 0.0
+        for tok in order:
+            expected.add(tok)
+            mass += float(probs[tok])
+            if mass >= p:
+                break
+        out = filter_logits(LOGITS.clone(), batch_for(ctx(SamplingParams(top_p=p))))
+        assert support(out[0]) == expected, p
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    probs = LOGITS[0].softmax(-1)
+    for min_p in (0.1, 0.3, 0.7):
+        expected = {i for i in range(VOCAB) if probs[i] >= min_p * probs.max()}
+        out = filter_logits(LOGITS.clone(), batch_for(ctx(SamplingParams(min_p=min_p))))
+        assert support(out[0]) == expected
+
+
+def test_filters_apply_per_row_and_after_temperature():
+    rows = [ctx(SamplingParams(top_k=2)), ctx(SamplingParams()), ctx(SamplingParams(top_p=0.5, temperature=0.5))]
+    out = filter_logits(LOGITS.repeat(3, 1), batch_for(*rows))
+    assert support(out[0]) == {8, 9}
+    assert support(out[1]) == set(range(VOCAB))
+    sharpened = (LOGITS[0] / 0.5).softmax(-1)
+    assert sharpened[9] >= 0.5 and support(out[2]) == {9}
+    torch.testing.assert_close(out[1], LOGITS[0])
+
+
+def test_penalties_match_their_definitions():
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3)
+    c = ctx(params, prompt=(1, 2), generated=(3, 3, 4))
+    raw = torch.tensor([[0.5, 1.0, -2.0, 2.0, -1.0, 0.7, 0.0, 0.0, 0.0, 0.0]])
+    out = raw.clone()
+    apply_penalties_and_bias(out, batch_for(c))
+    counts = {3: 2, 4: 1}
+    expected = raw.clone()[0]
+    for tok in range(VOCAB):
+        if tok in (1, 2, 3, 4):  # seen in prompt or output: repetition penalty
+            expected[tok] = expected[tok] / 1.5 if expected[tok] > 0 else expected[tok] * 1.5
+        n = counts.get(tok, 0)
+        expected[tok] -= 0.4 * n + (0.3 if n else 0.0)
+    torch.testing.assert_close(out[0], expected)
+
+
+def test_logit_bias_and_min_new_tokens_block_eos():
+    params = SamplingParams(logit_bias={2: 5.0, 7: -1.0}, min_new_tokens=2, stop_token_ids=(8,))
+    c = ctx(params, generated=(4,))
+    out = torch.zeros(1, VOCAB)
+    apply_penalties_and_bias(out, batch_for(c))
+    assert out[0, 2] == 5.0 and out[0, 7] == -1.0
+    assert out[0, 9] == -math.inf and out[0, 8] == -math.inf  # EOS and stop token blocked
+    done = ctx(params, generated=(4, 5))
+    out = torch.zeros(1, VOCAB)
+    apply_penalties_and_bias(out, batch_for(done))
+    assert torch.isfinite(out).all()
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw():
+    c = ctx(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0))
+    logits = torch.tensor([[0.1, 3.0, 0.2, 2.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    out = sample(logits.clone(), batch_for(c))
+    # Token 1 appears in the prompt, so the penalty halves it and 3 wins.
+    assert out.tokens.tolist() == [3]
+    raw = logits.log_softmax(-1)
+    assert out.logprob is not None and out.top_ids is not None and out.top_logprobs is not None
+    assert abs(float(out.logprob[0]) - float(raw[0, 3])) < 1e-6
+    assert out.top_ids[0].tolist() == [1, 3, 2]
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, math.log(2.0), math.log(5.0)] + [-math.inf] * (VOCAB - 3)])
+    counts = np.zeros(VOCAB)
+    for seed in range(3000):
+        c = ctx(SamplingParams(temperature=1.0, seed=seed))
+        counts[int(sample(logits.clone(), batch_for(c)).tokens[0])] += 1
+    freq = counts[:3] / counts.sum()
+    np.testing.assert_allclose(freq, [1 / 8, 2 / 8, 5 / 8], atol=0.03)
+    assert counts[3:].sum() == 0
+
+
+def test_same_seed_same_tokens_alone_and_in_a_batch(make_llm):
+    llm = make_llm("tiny-llama")
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=24, seed=1234, ignore_eos=True)
+    prompt = [11, 22, 33, 44, 55]
+    alone = llm.generate([prompt], params)[0].token_ids
+    rng = np.random.default_rng(3)
+    others = [rng.integers(5, 8000, size=n).tolist() for n in (4, 30, 12, 7)]
+    mixed = llm.generate(others[:2] + [prompt] + others[2:],
+                         [SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)] * 2 + [params]
+                         + [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)] * 2)
+    assert mixed[2].token_ids == alone
+    other_seed = llm.generate([prompt], SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=24,
+                                                       seed=99, ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("frequency_penalty", 3.0), ("logprobs", 21), ("prompt_logprobs", -1),
+    ("max_new_tokens", 0), ("stop", ("",)),
+])
+def test_invalid_values_name_their_field(field, value):
+    from engine import InvalidSamplingParams
+
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field
