@@ -27,6 +27,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_steps: int = 1
     attention: str = "auto"
+    grammar_backend: str = "auto"
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -39,6 +41,10 @@ class EngineConfig:
             raise ValueError("page_size must be in [1, 64]")
         if self.attention not in ("auto", "torch"):
             raise ValueError("attention must be auto or torch")
+        if self.grammar_backend not in ("auto", "xgrammar", "llguidance"):
+            raise ValueError("grammar_backend must be auto, xgrammar or llguidance")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

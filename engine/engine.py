@@ -24,6 +24,7 @@ from .pipeline import TextGenerationPipeline
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .structured import StructuredOutput
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,21 +58,25 @@ class EngineCore:
                         num_pages * config.page_size, max_len)
             max_len = num_pages * config.page_size
         self.max_model_len = max_len
-        kv_blocks = torch.zeros(page_tensor_shape(num_pages, mc.num_layers, config.page_size,
+        # Every slot is written before it is read, so no need to zero (or touch) it.
+        kv_blocks = torch.empty(page_tensor_shape(num_pages, mc.num_layers, config.page_size,
                                                   mc.num_kv_heads, mc.head_dim), dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(kv_blocks, self.allocator)
         self.attention = make_attention(kv_blocks, mc.num_heads, mc.head_dim, config.attention)
         runner = ModelRunner(self.model, self.kv_manager, self.attention)
-        self.pipeline = TextGenerationPipeline(runner, self.kv_manager, mc.vocab_size, max_len)
+        eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids = frozenset(eos)
+        self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
+                                           config.grammar_backend, config.grammar_compile_timeout_s)
+        self.pipeline = TextGenerationPipeline(runner, self.kv_manager, mc.vocab_size, max_len,
+                                               self.structured)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_seq_len=max_len, num_steps=config.num_steps),
             self.kv_manager,
         )
-        eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.eos_token_ids = frozenset(eos)
         self._streams: dict[str, OutputStream] = {}
         log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s",
                  mc.architecture, device, dtype, num_pages, config.page_size, self.attention.name)
@@ -82,8 +87,12 @@ class EngineCore:
         return self.model_config.vocab_size
 
     def make_context(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> TextContext:
-        """Validate a tokenized prompt and its parameters; build its context."""
+                     request_id: str | None = None, matcher: Any = None) -> TextContext:
+        """Validate a tokenized prompt and its parameters; build its context.
+
+        `matcher` is a compiled grammar matcher (see `structured.compile_async`)
+        when the output is constrained; compile it before calling this.
+        """
         params = params or SamplingParams()
         ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if ids.size == 0:
@@ -112,7 +121,7 @@ class EngineCore:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         kwargs = {"request_id": request_id} if request_id else {}
         return TextContext(tokens=ids, max_length=max_length, sampling_params=params,
-                           eos_token_ids=self.eos_token_ids, seed=seed, **kwargs)
+                           eos_token_ids=self.eos_token_ids, seed=seed, matcher=matcher, **kwargs)
 
     def add_request(self, ctx: TextContext) -> None:
         if ctx.request_id in self._streams:
@@ -128,6 +137,10 @@ class EngineCore:
         ctx.finish(GenerationStatus.CANCELLED)
         self.scheduler.abort(ctx)
         return True
+
+    def close(self) -> None:
+        """Stop background helpers (the grammar compiler's worker)."""
+        self.structured.close()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.dropped)

@@ -60,19 +60,30 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Generate for every prompt (text or token ids); results in prompt order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 constraint: Any = None) -> list[CompletionOutput]:
+        """Generate for every prompt (text or token ids); results in prompt order.
+
+        `constraint` is a `grammar.GrammarSpec` for all prompts, or a list with
+        one spec (or None) per prompt. An invalid spec raises GrammarError.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        specs = list(constraint) if isinstance(constraint, list | tuple) else [constraint] * len(prompts)
+        if len(specs) != len(prompts):
+            raise ValueError("give one constraint, or one (or None) per prompt")
+        # Compile everything first, so a bad spec fails before any work starts.
+        futures = [self.engine.structured.compile_async(s) if s is not None else None for s in specs]
+        matchers = [f.result() if f is not None else None for f in futures]
         results: dict[str, CompletionOutput] = {}
         order: list[str] = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p, matcher in zip(prompts, params, matchers, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            ctx = self.engine.make_context(ids, p)
+            ctx = self.engine.make_context(ids, p, matcher=matcher)
             self.engine.add_request(ctx)
             out = CompletionOutput(ctx.request_id, ids, logprobs=[] if p.logprobs is not None else None)
             results[ctx.request_id] = out
@@ -87,3 +98,6 @@ class LLM:
                 if delta.finished:
                     pending.discard(delta.request_id)
         return [results[r] for r in order]
+
+    def close(self) -> None:
+        self.engine.close()

@@ -9,7 +9,7 @@ conditions (EOS, stop token ids, max_new_tokens, context length).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +18,7 @@ from .context import GenerationStatus, TextContext, TokenLogprobs
 from .kv_cache import KVCacheManager
 from .runner import ModelRunner
 from .sampler import SamplerOutput, SamplingBatch, build_sampling_batch, sample
+from .structured import StructuredOutput
 
 
 @dataclass
@@ -41,20 +42,17 @@ class TextGenerationOutput:
     status: GenerationStatus
 
 
-GrammarMaskFn = Callable[[torch.Tensor, Sequence[TextContext]], None]
-
-
 class TextGenerationPipeline:
     """Runs scheduled steps: forward, sample, update contexts."""
 
     def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager, vocab_size: int,
-                 max_seq_len: int):
+                 max_seq_len: int, structured: StructuredOutput | None = None):
         self.runner = runner
         self.kv_manager = kv_manager
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.device = runner.device
-        self.grammar_mask: GrammarMaskFn | None = None
+        self.structured = structured
         self.forward_passes = 0
 
     # -- TokenGenerator interface ------------------------------------------------
@@ -98,11 +96,10 @@ class TextGenerationPipeline:
         with torch.inference_mode():
             logits = self.runner.model.logits(hidden)
             mask = None
-            if self.grammar_mask is not None:
-                grammar_mask = self.grammar_mask
-
+            structured = self.structured
+            if structured is not None and any(c.matcher is not None for c in contexts):
                 def mask(lg: torch.Tensor) -> None:
-                    grammar_mask(lg, contexts)
+                    structured.mask(lg, contexts)
             return sample(logits, sbatch, mask, position_offset=step)
 
     def process(self, handle: StepHandle) -> dict[str, TextGenerationOutput]:
@@ -132,6 +129,9 @@ class TextGenerationPipeline:
                             if top_ids is not None else []
                         ctx.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
                     self.check_stop(ctx, tok)
+                    if ctx.matcher is not None and self.structured is not None \
+                            and ctx.status is not GenerationStatus.ERROR:
+                        self.structured.advance(ctx, tok, self.check_stop)
             self.kv_manager.commit(ctx)
             results[ctx.request_id] = TextGenerationOutput(ctx.request_id, new, ctx.status)
         return results

@@ -95,7 +95,9 @@ def build_sampling_batch(contexts: Sequence[TextContext], vocab_size: int,
                       torch.tensor(vals, dtype=torch.float32, device=device))
     rows, cols = [], []
     for r, c in enumerate(contexts):
-        if c.num_generated < c.sampling_params.min_new_tokens:
+        # A constrained request ends when its grammar says the output is
+        # complete; min_new_tokens must not block the only allowed token.
+        if c.num_generated < c.sampling_params.min_new_tokens and c.matcher is None:
             blocked = set(c.sampling_params.stop_token_ids)
             if not c.sampling_params.ignore_eos:
                 blocked |= c.eos_token_ids

@@ -1,0 +1,112 @@
+"""Structured output in the engine: masks, jump-ahead, and finish reasons."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.presets import ensure_preset
+from grammar import GrammarError, GrammarSpec
+
+from ..conftest import assert_no_page_leak
+from .reference import hf_greedy, prompts
+from .scripted import scripted
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "active"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine_llm = LLM(ensure_preset("tiny-llama"))
+    yield engine_llm
+    assert_no_page_leak(engine_llm)
+    engine_llm.close()
+
+
+def test_json_schema_outputs_validate_and_use_forced_tokens(llm):
+    spec = GrammarSpec.json_schema(json.dumps(PERSON))
+    params = [SamplingParams(temperature=t, seed=i, max_new_tokens=80) for i, t in enumerate([0, 0.7, 1.0, 1.0])]
+    before = llm.engine.pipeline.forward_passes
+    outs = llm.generate(["a", "b", "c", "d"], params, constraint=spec)
+    passes = llm.engine.pipeline.forward_passes - before
+    for out in outs:
+        assert out.finish_reason == "eos", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+        assert out.forced_tokens > 0
+    # Keys and punctuation are forced: well over one output token per forward pass.
+    assert max(len(o.token_ids) for o in outs) / passes > 1.2
+
+
+def test_regex_and_choice(llm):
+    pattern = r"[a-z]{2,6}-[0-9]{3}"
+    outs = llm.generate(["p", "q"], SamplingParams(temperature=1.0, seed=3, max_new_tokens=30),
+                        constraint=GrammarSpec.regex(pattern))
+    for out in outs:
+        assert re.fullmatch(pattern, out.text) and out.finish_reason == "eos"
+    choices = ["red", "green", "blue violet"]
+    outs = llm.generate(["r", "s", "t"], SamplingParams(temperature=1.0, seed=5, max_new_tokens=10),
+                        constraint=GrammarSpec.choice(choices))
+    assert all(o.text in choices and o.finish_reason == "eos" for o in outs)
+
+
+def test_mixed_batch_leaves_unconstrained_rows_alone(llm):
+    batch = prompts(4)
+    spec = GrammarSpec.json_schema(json.dumps(PERSON))
+    params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    outs = llm.generate(batch, params, constraint=[None, spec, None, spec])
+    for i in (0, 2):
+        assert outs[i].token_ids == hf_greedy("tiny-llama", batch[i])
+    for i in (1, 3):
+        jsonschema.validate(json.loads(outs[i].text), PERSON)
+
+
+def test_cut_by_max_new_tokens_says_length(llm):
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    out = llm.generate(["x"], SamplingParams(temperature=1.0, seed=1, max_new_tokens=6),
+                       constraint=GrammarSpec.json_schema(json.dumps(schema)))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+
+
+def test_ignore_eos_still_ends_when_the_grammar_is_complete(llm):
+    out = llm.generate(["x"], SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=40),
+                       constraint=GrammarSpec.choice(["yes", "no"]))[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "eos"
+
+
+def test_invalid_spec_fails_before_any_request_runs(llm):
+    with pytest.raises(GrammarError):
+        llm.generate(["x"], SamplingParams(max_new_tokens=5), constraint=GrammarSpec.json_schema('{"type": 12}'))
+    with pytest.raises(ValueError):
+        llm.generate(["x"], SamplingParams(max_new_tokens=5), constraint=GrammarSpec.regex("(unclosed"))
+    assert not llm.engine.has_work()
+
+
+def test_model_that_wants_invalid_tokens_still_follows_the_grammar(make_llm):
+    probe = make_llm("tiny-llama")
+    words = probe.tokenizer.encode("hello there, no json at all", add_special_tokens=False)
+    # After token 5 the model insists on prose, token after token.
+    table = dict(zip([5] + words, words, strict=False))
+    llm = make_llm("tiny-llama", wrap_model=scripted(table))
+    free = llm.generate([[9, 5]], SamplingParams(temperature=0, max_new_tokens=len(words)))[0]
+    assert free.token_ids == words
+    spec = GrammarSpec.json_schema(json.dumps(PERSON))
+    out = llm.generate([[9, 5]], SamplingParams(temperature=0, max_new_tokens=60), constraint=spec)[0]
+    assert out.finish_reason == "eos"
+    jsonschema.validate(json.loads(out.text), PERSON)
+    llm.close()
