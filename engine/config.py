@@ -13,7 +13,9 @@ class EngineConfig:
 
     dtype None means float32 on CPU and bfloat16 on CUDA. kv_cache_gib sizes the
     page tensor; max_model_len None means the model's own context length.
-    num_steps > 1 lets decode-only batches run several steps per schedule.
+    num_steps > 1 lets decode-only batches run several steps per schedule
+    (overlap off only). overlap runs the forward pass of step N+1 while the
+    host processes step N.
     """
 
     model: str
@@ -27,6 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_steps: int = 1
     attention: str = "auto"
+    overlap: bool = True
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 10.0
 
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError("grammar_backend must be auto, xgrammar or llguidance")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
+        if self.overlap and self.num_steps > 1:
+            raise ValueError("num_steps > 1 needs overlap=False")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +83,15 @@ class TextContext:
         self.active_idx = self.prompt_len
         self.end_idx = self.prompt_len
         self.committed_idx = 0
-        self._pending_futures = 0
-        self.num_forced_tokens = 0
+        # Positions of placeholders, oldest first. Forced tokens may follow a
+        # placeholder, so futures are not always at the tail.
+        self._futures: deque[int] = deque()
+        # Tokens [prompt_len, grammar_idx) have been fed to the matcher.
+        self.grammar_idx = self.prompt_len
+        # Row of this request in the device token buffer (set by the pipeline).
+        self.slot: int | None = None
+        # Positions of tokens the grammar forced (output without a model choice).
+        self.forced_positions: set[int] = set()
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprobs] = []
@@ -117,12 +125,12 @@ class TextContext:
 
     @property
     def pending_futures(self) -> int:
-        return self._pending_futures
+        return len(self._futures)
 
     @property
     def num_final_tokens(self) -> int:
-        """Tokens whose values the host knows (everything but placeholders)."""
-        return self.end_idx - self._pending_futures
+        """Length of the leading run of tokens the host knows (up to the first placeholder)."""
+        return self._futures[0] if self._futures else self.end_idx
 
     @property
     def in_prefill(self) -> bool:
@@ -132,6 +140,10 @@ class TextContext:
     @property
     def is_done(self) -> bool:
         return self.status.is_done
+
+    @property
+    def num_forced_tokens(self) -> int:
+        return len(self.forced_positions)
 
     @property
     def max_new_tokens(self) -> int:
@@ -176,25 +188,37 @@ class TextContext:
 
     def jump_ahead(self, token: int) -> None:
         """Append a grammar-forced token: it is output, and computed in the next step."""
+        self.forced_positions.add(self.end_idx)
         self._append(int(token))
         self.active_idx = self.end_idx
-        self.num_forced_tokens += 1
 
     def update_with_future_token(self) -> None:
         """Like update(), with a placeholder for a token not yet on the host."""
         self.start_idx = self.active_idx
+        self._futures.append(self.end_idx)
         self._append(FUTURE_TOKEN)
         self.active_idx = self.end_idx
-        self._pending_futures += 1
 
-    def realize_future_token(self, token: int) -> None:
-        """Write the oldest placeholder's real value."""
-        if self._pending_futures == 0:
+    def realize_future_token(self, token: int) -> int:
+        """Write the oldest placeholder's real value; returns its position."""
+        if not self._futures:
             raise ValueError("no future token to realize")
-        self.tokens[self.end_idx - self._pending_futures] = int(token)
-        self._pending_futures -= 1
+        index = self._futures.popleft()
+        self.tokens[index] = int(token)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        return index
+
+    def drop_futures(self) -> None:
+        """Cut the buffer at the first placeholder (the request ended before it)."""
+        if not self._futures:
+            return
+        cut = self._futures[0]
+        self._futures.clear()
+        self.forced_positions = {p for p in self.forced_positions if p < cut}
+        self.end_idx = cut
+        self.active_idx = min(self.active_idx, cut)
+        self.start_idx = min(self.start_idx, max(cut - 1, 0))
 
     def rollback(self, num_tokens: int) -> None:
         """Drop the last `num_tokens` generated tokens (never prompt tokens)."""
@@ -203,17 +227,20 @@ class TextContext:
         if num_tokens == 0:
             return
         self.end_idx -= num_tokens
-        self._pending_futures = max(0, self._pending_futures - num_tokens)
+        while self._futures and self._futures[-1] >= self.end_idx:
+            self._futures.pop()
+        self.forced_positions = {p for p in self.forced_positions if p < self.end_idx}
         # The last remaining token is recomputed to get fresh logits after it.
         self.start_idx = min(self.start_idx, self.end_idx - 1)
         self.active_idx = self.end_idx
         self.committed_idx = min(self.committed_idx, self.start_idx)
         del self.logprobs[self.num_generated:]
+        self.grammar_idx = min(self.grammar_idx, self.end_idx)
 
     def reset(self) -> None:
         """After preemption: everything known is recomputed from scratch."""
-        if self._pending_futures:
-            raise ValueError("cannot reset a context with unrealized future tokens")
+        # Work in flight for this request is discarded; its placeholders go.
+        self.drop_futures()
         self.start_idx = 0
         self.active_idx = self.end_idx
         self.committed_idx = 0

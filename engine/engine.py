@@ -20,7 +20,7 @@ from .models.config import load_model_config
 from .models.llama import LlamaFamilyModel
 from .models.weights import WeightSource
 from .output import OutputStream, RequestOutput
-from .pipeline import TextGenerationPipeline
+from .pipeline import StepHandle, TextGenerationPipeline
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -70,13 +70,16 @@ class EngineCore:
         self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
                                            config.grammar_backend, config.grammar_compile_timeout_s)
         self.pipeline = TextGenerationPipeline(runner, self.kv_manager, mc.vocab_size, max_len,
-                                               self.structured)
+                                               self.structured, overlap=config.overlap,
+                                               max_slots=config.max_num_seqs + 1)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_seq_len=max_len, num_steps=config.num_steps),
             self.kv_manager,
+            release=self.pipeline.release,
         )
+        self._inflight: StepHandle | None = None
         self._streams: dict[str, OutputStream] = {}
         log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s",
                  mc.architecture, device, dtype, num_pages, config.page_size, self.attention.name)
@@ -139,11 +142,12 @@ class EngineCore:
         return True
 
     def close(self) -> None:
-        """Stop background helpers (the grammar compiler's worker)."""
+        """Stop background helpers (the step worker, the grammar compiler's worker)."""
+        self.pipeline.close()
         self.structured.close()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.dropped)
+        return self.scheduler.has_work() or bool(self.scheduler.dropped) or self._inflight is not None
 
     @property
     def num_requests(self) -> int:
@@ -151,12 +155,29 @@ class EngineCore:
 
     # -- stepping -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return what each touched request produced."""
-        touched: list[TextContext] = []
+        """Run one scheduled step; return what each request produced.
+
+        With overlap on, this launches step N+1 and then processes step N while
+        N+1 computes, so outputs trail the launches by one step.
+        """
         sched = self.scheduler.schedule()
-        if sched is not None:
-            self.pipeline.next_token(sched.contexts, sched.num_steps)
-            touched = sched.contexts
+        handle = self.pipeline.launch(sched.contexts, sched.num_steps) if sched is not None else None
+        touched: list[TextContext] = []
+        if not self.pipeline.overlap:
+            if handle is not None:
+                self.pipeline.fill_grammar(handle)
+                self.pipeline.process(handle)
+                touched = handle.contexts
+        else:
+            previous, self._inflight = self._inflight, handle
+            try:
+                if previous is not None:
+                    self.pipeline.process(previous)
+                    touched = previous.contexts
+            finally:
+                if handle is not None:
+                    # Matchers have now seen step N's tokens: release N+1's sampling.
+                    self.pipeline.fill_grammar(handle)
         # Requests that ended outside a step (aborted, or could never fit).
         touched = touched + self.scheduler.take_dropped()
         outputs = []

@@ -97,6 +97,9 @@ class LLM:
                 out._add(delta)
                 if delta.finished:
                     pending.discard(delta.request_id)
+        # With overlap a speculative step may still be in flight: finish it.
+        while self.engine.has_work():
+            self.engine.step()
         return [results[r] for r in order]
 
     def close(self) -> None:

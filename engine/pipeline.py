@@ -1,36 +1,60 @@
 """The text generation pipeline the scheduler drives (MAX's TokenGenerator).
 
-`next_token(batch, num_steps)` runs one scheduled step and updates the
-contexts. It is two calls so an overlap scheduler can put work between them:
-`launch` starts the forward pass(es) and sampling and returns device tensors;
-`process` reads them on the host, updates contexts and checks token-level stop
-conditions (EOS, stop token ids, max_new_tokens, context length).
+`next_token(batch, num_steps)` runs one scheduled step. It is two calls so an
+overlap scheduler can put host work between them:
+
+- `launch` builds the step's inputs, advances every sampling context with
+  future-token placeholders (so the next step can be scheduled at once), and
+  submits the device job: forward pass, grammar mask, sampling. A placeholder
+  input is read on the device from the token buffer row of its request (the
+  token sampled by the previous step), never through the host.
+- `process` waits for the job, realizes the placeholders with the real tokens,
+  checks token-level stops (EOS, stop token ids, lengths) and advances grammars.
+
+Overlap off runs the same code: the job runs inline and `process` follows
+`launch` at once, so outputs are identical either way.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .context import GenerationStatus, TextContext, TokenLogprobs
+from .context import FUTURE_TOKEN, GenerationStatus, TextContext, TokenLogprobs
+from .executor import DeferredJob, StepExecutor
 from .kv_cache import KVCacheManager
-from .runner import ModelRunner
+from .runner import ForwardBatch, ModelRunner
 from .sampler import SamplerOutput, SamplingBatch, build_sampling_batch, sample
 from .structured import StructuredOutput
 
 
 @dataclass
 class StepHandle:
-    """A launched step: contexts in batch order plus device results."""
+    """A launched step: contexts in batch order, and the device job's future."""
 
     contexts: list[TextContext]
+    epochs: list[int]  # ctx.num_preemptions at launch: a change means the row is stale
     sampled: list[int]  # rows of `contexts` that sample a token
     num_steps: int
-    outputs: list[SamplerOutput] = field(default_factory=list)
-    prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]] = \
-        field(default_factory=dict)
+    job: Future | DeferredJob | None = None
+    # Set once every constrained row's matcher has caught up (see fill_grammar).
+    grammar_ready: threading.Event | None = None
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
+    prompt_targets: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    """What the device job hands back."""
+
+    outputs: list[SamplerOutput]
+    prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
 
 @dataclass
@@ -46,149 +70,241 @@ class TextGenerationPipeline:
     """Runs scheduled steps: forward, sample, update contexts."""
 
     def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager, vocab_size: int,
-                 max_seq_len: int, structured: StructuredOutput | None = None):
+                 max_seq_len: int, structured: StructuredOutput | None = None,
+                 overlap: bool = False, max_slots: int = 64):
         self.runner = runner
         self.kv_manager = kv_manager
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.device = runner.device
         self.structured = structured
+        self.executor = StepExecutor(self.device, overlap)
         self.forward_passes = 0
+        # Last sampled token of every request slot, on the device.
+        self.token_buffer = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def overlap(self) -> bool:
+        return self.executor.overlap
 
     # -- TokenGenerator interface ------------------------------------------------
     def next_token(self, batch: Mapping[str, TextContext] | Sequence[TextContext],
                    num_steps: int = 1) -> dict[str, TextGenerationOutput]:
-        return self.process(self.launch(batch, num_steps))
+        handle = self.launch(batch, num_steps)
+        self.fill_grammar(handle)
+        return self.process(handle)
 
     def release(self, ctx: TextContext) -> None:
         self.kv_manager.release(ctx)
+        if ctx.slot is not None:
+            # Safe to reuse at once: steps run in order, so a later owner's
+            # reads come after any in-flight write by this request.
+            self._free_slots.append(ctx.slot)
+            ctx.slot = None
 
-    # -- the two halves of a step ------------------------------------------------
+    def close(self) -> None:
+        self.executor.close()
+
+    def _slot(self, ctx: TextContext) -> int:
+        if ctx.slot is None:
+            if not self._free_slots:
+                grown = torch.zeros(2 * len(self.token_buffer), dtype=torch.int64, device=self.device)
+                grown[: len(self.token_buffer)] = self.token_buffer
+                self._free_slots = list(range(len(grown) - 1, len(self.token_buffer) - 1, -1))
+                self.token_buffer = grown
+            ctx.slot = self._free_slots.pop()
+        return ctx.slot
+
+    # -- launch ---------------------------------------------------------------------
     def launch(self, batch: Mapping[str, TextContext] | Sequence[TextContext],
                num_steps: int = 1) -> StepHandle:
+        """Build inputs, advance contexts with placeholders, submit the device job."""
         contexts = list(batch.values()) if isinstance(batch, Mapping) else list(batch)
         sampled = [i for i, c in enumerate(contexts) if c.active_idx == c.end_idx]
         if num_steps > 1 and not all(multi_step_ok(c) for c in contexts):
             raise ValueError("multi-step decoding needs a decode-only batch without EOS blocks")
-        handle = StepHandle(contexts, sampled, num_steps)
-        fwd = self.runner.prepare(contexts, num_steps)
-        hidden = self.runner.forward(fwd)
-        self.forward_passes += 1
-        self._collect_prompt_logprobs(handle, fwd.spans, hidden)
-        if not sampled:
-            return handle
-        rows = torch.tensor([fwd.spans[i].q_end - 1 for i in sampled], device=self.device)
+        handle = StepHandle(contexts, [c.num_preemptions for c in contexts], sampled, num_steps)
+
+        host_ids = np.concatenate([c.next_tokens for c in contexts])
+        future_rows = np.flatnonzero(host_ids == FUTURE_TOKEN)
+        future_slots: list[int] = []
+        for ctx in contexts:
+            future_slots += [self._slot(ctx)] * int(np.count_nonzero(ctx.next_tokens == FUTURE_TOKEN))
+        fwd = self.runner.prepare(contexts, num_steps, input_ids=np.where(host_ids < 0, 0, host_ids))
+        for row, ctx in enumerate(contexts):
+            n = ctx.sampling_params.prompt_logprobs
+            if n is not None and ctx.start_idx < ctx.prompt_len:
+                last = min(ctx.active_idx, ctx.prompt_len - 1)
+                if last > ctx.start_idx:
+                    handle.prompt_targets[row] = (fwd.spans[row].q_start, ctx.start_idx, last)
+
         sample_ctx = [contexts[i] for i in sampled]
-        sbatch = build_sampling_batch(sample_ctx, self.vocab_size, self.device)
-        out = self._sample(hidden.index_select(0, rows), sbatch, sample_ctx, 0)
-        handle.outputs.append(out)
-        for step in range(1, num_steps):
-            fwd = self.runner.decode_step_after(fwd, out.tokens)
+        sbatch = build_sampling_batch(sample_ctx, self.vocab_size, self.device) if sampled else None
+        sample_rows = torch.tensor([fwd.spans[i].q_end - 1 for i in sampled], device=self.device)
+        sample_slots = torch.tensor([self._slot(contexts[i]) for i in sampled], dtype=torch.int64,
+                                    device=self.device)
+        # Penalties count the previous token too, which may still be on the device.
+        penalty_fix = None
+        if sbatch is not None and sbatch.output_counts is not None:
+            rows = [k for k, c in enumerate(sample_ctx) if c.next_tokens[0] == FUTURE_TOKEN
+                    and c.sampling_params.uses_penalties]
+            if rows:
+                penalty_fix = (torch.tensor(rows, device=self.device),
+                               torch.tensor([sample_ctx[k].slot for k in rows], device=self.device))
+        if any(c.matcher is not None for c in sample_ctx):
+            handle.grammar_ready = threading.Event()
+
+        targets = {row: torch.from_numpy(ctx.tokens[s + 1:last + 1].copy())
+                   for row, (_, s, last) in handle.prompt_targets.items() for ctx in [contexts[row]]}
+
+        # Host bookkeeping now, so the next step can be scheduled before this one ends.
+        for row, ctx in enumerate(contexts):
+            if row in sampled:
+                for _ in range(num_steps):
+                    ctx.update_with_future_token()
+            else:
+                ctx.mark_chunk_done()
+
+        future_idx = torch.from_numpy(future_rows).to(self.device)
+        future_src = torch.tensor(future_slots, dtype=torch.int64, device=self.device)
+
+        def job() -> StepResult:
+            if len(future_rows):
+                fwd.input_ids[future_idx] = self.token_buffer[future_src]
             hidden = self.runner.forward(fwd)
             self.forward_passes += 1
-            _count_new_tokens(sbatch, out.tokens)
-            out = self._sample(hidden, sbatch, sample_ctx, step)
-            handle.outputs.append(out)
+            prompt_lp = {row: self._prompt_logprobs(hidden, q_start, targets[row],
+                                                    contexts[row].sampling_params.prompt_logprobs or 0)
+                         for row, (q_start, _, _) in handle.prompt_targets.items()}
+            outputs: list[SamplerOutput] = []
+            if sbatch is None:
+                return StepResult(outputs, prompt_lp)
+            if penalty_fix is not None:
+                _count_tokens(sbatch, self.token_buffer[penalty_fix[1]], penalty_fix[0])
+            out = self._sample(hidden.index_select(0, sample_rows), sbatch, handle, 0)
+            outputs.append(out)
+            step_fwd: ForwardBatch = fwd
+            for step in range(1, num_steps):
+                step_fwd = self.runner.decode_step_after(step_fwd, out.tokens)
+                hidden = self.runner.forward(step_fwd)
+                self.forward_passes += 1
+                _count_tokens(sbatch, out.tokens)
+                out = self._sample(hidden, sbatch, handle, step)
+                outputs.append(out)
+            self.token_buffer.index_copy_(0, sample_slots, out.tokens)
+            for o in outputs:  # start the copies to the host; process() reads them
+                o.to_host_async()
+            return StepResult(outputs, prompt_lp)
+
+        handle.job = self.executor.submit(job)
         return handle
 
-    def _sample(self, hidden: torch.Tensor, sbatch: SamplingBatch, contexts: list[TextContext],
+    def _sample(self, hidden: torch.Tensor, sbatch: SamplingBatch, handle: StepHandle,
                 step: int) -> SamplerOutput:
-        with torch.inference_mode():
-            logits = self.runner.model.logits(hidden)
-            mask = None
-            structured = self.structured
-            if structured is not None and any(c.matcher is not None for c in contexts):
-                def mask(lg: torch.Tensor) -> None:
-                    structured.mask(lg, contexts)
-            return sample(logits, sbatch, mask, position_offset=step)
+        logits = self.runner.model.logits(hidden)
+        mask = None
+        if handle.grammar_ready is not None:
+            def mask(lg: torch.Tensor) -> None:
+                # The host fills the bitmask once the previous step's tokens are in.
+                handle.grammar_ready.wait()
+                if handle.bitmask is not None:
+                    assert self.structured is not None
+                    self.structured.apply(lg, handle.bitmask, handle.bitmask_rows)
+        return sample(logits, sbatch, mask, position_offset=step)
 
+    def _prompt_logprobs(self, hidden: torch.Tensor, q_start: int, targets: torch.Tensor, n: int):
+        logits = self.runner.model.logits(hidden[q_start:q_start + len(targets)])
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, targets.to(self.device)[:, None])[:, 0]
+        top = logprobs.topk(n, dim=-1) if n > 0 else None
+        return chosen, top.indices if top else None, top.values if top else None
+
+    # -- grammar ----------------------------------------------------------------------
+    def fill_grammar(self, handle: StepHandle) -> None:
+        """Fill the step's bitmask rows from the matchers and release its sampling.
+
+        Call when every matcher has consumed the tokens before its sample
+        position: right after `launch` with overlap off, after processing the
+        previous step with overlap on.
+        """
+        if handle.grammar_ready is None:
+            return
+        try:
+            contexts = [handle.contexts[i] for i in handle.sampled]
+            live = [c.matcher if c.matcher is not None and not c.is_done else None for c in contexts]
+            if self.structured is not None and any(m is not None for m in live):
+                handle.bitmask, handle.bitmask_rows = self.structured.fill(live)
+        finally:
+            handle.grammar_ready.set()
+
+    # -- process ---------------------------------------------------------------------
     def process(self, handle: StepHandle) -> dict[str, TextGenerationOutput]:
-        """Read the step's tokens on the host and advance every context."""
-        results: dict[str, TextGenerationOutput] = {}
-        host = [_to_host(o) for o in handle.outputs]
+        """Wait for the step and advance every context with its real tokens."""
+        assert handle.job is not None
+        result: StepResult = handle.job.result()
+        host = [o.host() for o in result.outputs]
         sampled_row = {ctx_row: k for k, ctx_row in enumerate(handle.sampled)}
+        results: dict[str, TextGenerationOutput] = {}
         for row, ctx in enumerate(handle.contexts):
-            self._store_prompt_logprobs(handle, row, ctx)
+            if ctx.is_done or ctx.num_preemptions != handle.epochs[row]:
+                continue  # finished, aborted or preempted while this step ran
+            self._store_prompt_logprobs(ctx, result.prompt_logprobs.get(row), handle.prompt_targets.get(row))
             k = sampled_row.get(row)
             new: list[int] = []
-            if k is None:
-                ctx.mark_chunk_done()
-            else:
-                for step in range(handle.num_steps):
-                    if ctx.is_done:
-                        break
-                    tokens, lp, top_ids, top_lp = host[step]
+            if k is not None:
+                for tokens, lp, top_ids, top_lp in host:
                     tok = int(tokens[k])
-                    # In a multi-step decode the previous token was computed on the
-                    # device; update() moves start_idx past it, as it should.
-                    ctx.update(tok)
+                    index = ctx.realize_future_token(tok)
                     new.append(tok)
-                    if ctx.sampling_params.logprobs is not None and lp is not None:
-                        n = ctx.sampling_params.logprobs
+                    params = ctx.sampling_params
+                    if params.logprobs is not None and lp is not None:
+                        n = params.logprobs
                         top = list(zip(top_ids[k, :n].tolist(), top_lp[k, :n].tolist(), strict=True)) \
                             if top_ids is not None else []
                         ctx.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
-                    self.check_stop(ctx, tok)
-                    if ctx.matcher is not None and self.structured is not None \
-                            and ctx.status is not GenerationStatus.ERROR:
-                        self.structured.advance(ctx, tok, self.check_stop)
+                    self.check_stop(ctx, tok, index)
+                    if ctx.is_done:
+                        break
+                if ctx.matcher is not None and self.structured is not None and not ctx.is_done:
+                    self.structured.advance(ctx, self.check_stop)
+                if ctx.is_done:
+                    ctx.drop_futures()
             self.kv_manager.commit(ctx)
             results[ctx.request_id] = TextGenerationOutput(ctx.request_id, new, ctx.status)
         return results
 
-    def check_stop(self, ctx: TextContext, token: int) -> None:
-        """Token-level stop conditions after `token` was appended."""
+    def check_stop(self, ctx: TextContext, token: int, index: int) -> None:
+        """Token-level stop conditions for the token now known at `index`."""
         params = ctx.sampling_params
-        if ctx.num_generated >= params.min_new_tokens:
+        generated = index + 1 - ctx.prompt_len
+        if generated >= params.min_new_tokens or ctx.matcher is not None:
             if token in params.stop_token_ids:
                 ctx.finish(GenerationStatus.STOP_TOKEN)
                 return
             if not params.ignore_eos and token in ctx.eos_token_ids:
                 ctx.finish(GenerationStatus.END_OF_SEQUENCE)
                 return
-        if ctx.end_idx >= ctx.max_length:
+        # Length limits apply once everything before the limit is known.
+        if ctx.pending_futures == 0 and ctx.end_idx >= min(ctx.max_length, self.max_seq_len):
             limited_by_request = params.max_new_tokens is not None and \
                 ctx.num_generated >= params.max_new_tokens
             ctx.finish(GenerationStatus.MAXIMUM_LENGTH if limited_by_request
                        else GenerationStatus.CONTEXT_LENGTH)
-        elif ctx.end_idx >= self.max_seq_len:
-            ctx.finish(GenerationStatus.CONTEXT_LENGTH)
 
-    # -- prompt log-probabilities ---------------------------------------------------
-    def _collect_prompt_logprobs(self, handle: StepHandle, spans, hidden: torch.Tensor) -> None:
-        for row, ctx in enumerate(handle.contexts):
-            n = ctx.sampling_params.prompt_logprobs
-            if n is None or ctx.start_idx >= ctx.prompt_len:
-                continue
-            span = spans[row]
-            # Positions p in the chunk predict token p + 1, while that is a prompt token.
-            last = min(ctx.active_idx, ctx.prompt_len - 1)
-            count = last - ctx.start_idx
-            if count <= 0:
-                continue
-            with torch.inference_mode():
-                logits = self.runner.model.logits(hidden[span.q_start:span.q_start + count])
-                logprobs = logits.log_softmax(dim=-1)
-            targets = torch.from_numpy(ctx.tokens[ctx.start_idx + 1:last + 1].copy()).to(self.device)
-            chosen = logprobs.gather(1, targets[:, None])[:, 0]
-            top = logprobs.topk(n, dim=-1) if n > 0 else None
-            handle.prompt_logprobs[row] = (chosen, top.indices if top else None,
-                                           top.values if top else None, ctx.start_idx + 1)
-
-    def _store_prompt_logprobs(self, handle: StepHandle, row: int, ctx: TextContext) -> None:
+    def _store_prompt_logprobs(self, ctx: TextContext, item, target) -> None:
         if ctx.sampling_params.prompt_logprobs is not None and not ctx.prompt_logprobs:
             ctx.prompt_logprobs.append(None)  # the first prompt token has no prediction
-        item = handle.prompt_logprobs.get(row)
-        if item is None:
+        if item is None or target is None:
             return
-        chosen, top_ids, top_lp, first = item
+        chosen, top_ids, top_lp = item
+        first = target[1] + 1
         chosen_h = chosen.cpu().tolist()
         ids_h = top_ids.cpu().tolist() if top_ids is not None else None
         lp_h = top_lp.cpu().tolist() if top_lp is not None else None
         for j, value in enumerate(chosen_h):
-            tok = int(ctx.tokens[first + j])
             top = list(zip(ids_h[j], lp_h[j], strict=True)) if ids_h is not None and lp_h is not None else []
-            ctx.prompt_logprobs.append(TokenLogprobs(tok, value, top))
+            ctx.prompt_logprobs.append(TokenLogprobs(int(ctx.tokens[first + j]), value, top))
 
 
 def multi_step_ok(ctx: TextContext) -> bool:
@@ -197,18 +313,12 @@ def multi_step_ok(ctx: TextContext) -> bool:
             and ctx.num_generated >= ctx.sampling_params.min_new_tokens)
 
 
-def _count_new_tokens(sbatch: SamplingBatch, tokens: torch.Tensor) -> None:
-    """Keep penalty state current between the steps of a multi-step decode."""
-    if sbatch.output_counts is not None and sbatch.seen is not None:
-        idx = tokens[:, None]
-        sbatch.output_counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=sbatch.output_counts.dtype))
-        sbatch.seen.scatter_(1, idx, True)
-
-
-def _to_host(out: SamplerOutput):
-    tokens = out.tokens.cpu().numpy()
-    lp = out.logprob.cpu().numpy() if out.logprob is not None else None
-    ids = out.top_ids.cpu().numpy() if out.top_ids is not None else None
-    tlp = out.top_logprobs.cpu().numpy() if out.top_logprobs is not None else None
-    return tokens, lp, ids, tlp
-
+def _count_tokens(sbatch: SamplingBatch, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Add `tokens` (one per row, or per `rows`) to the penalty state."""
+    if sbatch.output_counts is None or sbatch.seen is None:
+        return
+    if rows is None:
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+    sbatch.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=sbatch.output_counts.dtype),
+                                    accumulate=True)
+    sbatch.seen[rows, tokens] = True

@@ -12,6 +12,7 @@ and it goes back to the front of the queue.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .context import GenerationStatus, TextContext
@@ -52,9 +53,12 @@ class SchedulerOutput:
 class Scheduler:
     """Decides which requests run in the next step and with how many tokens."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 release: Callable[[TextContext], None] | None = None):
+        """`release` frees a finished or preempted request's resources (pages, slot)."""
         self.config = config
         self.kv = kv_manager
+        self._release = release or kv_manager.release
         self.waiting: deque[TextContext] = deque()
         self.running: list[TextContext] = []
         # Requests that ended without running a step (aborted, or can never fit);
@@ -84,7 +88,7 @@ class Scheduler:
             self.running.remove(ctx)
         elif ctx in self.waiting:
             self.waiting.remove(ctx)
-        self.kv.release(ctx)
+        self._release(ctx)
 
     def abort(self, ctx: TextContext) -> None:
         """End `ctx` now: free its pages and report it as dropped."""
@@ -104,7 +108,7 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------
     def _preempt(self, victim: TextContext) -> None:
         self.running.remove(victim)
-        self.kv.release(victim)
+        self._release(victim)
         victim.reset()
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
@@ -116,6 +120,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             ctx = self.running[i]
+            if ctx.end_idx >= min(ctx.max_length, self.config.max_seq_len):
+                i += 1  # nothing left to compute; waiting for in-flight tokens
+                continue
             n = min(ctx.end_idx - ctx.start_idx, budget)
             while not self.kv.reserve(ctx, ctx.start_idx + n):
                 victim = self.running[-1]
@@ -146,7 +153,7 @@ class Scheduler:
             pages_needed = -(-(ctx.start_idx + n) // self.kv.page_size) - self.kv.num_pages_held(ctx.request_id)
             if pages_needed > self.kv.allocator.num_free - (reserve_pages if self.running else 0) \
                     or not self.kv.reserve(ctx, ctx.start_idx + n):
-                self.kv.release(ctx)
+                self._release(ctx)
                 if hit:
                     ctx.reset()
                     ctx.num_preemptions -= 1  # an undone prefix hit is not a preemption

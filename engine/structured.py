@@ -22,7 +22,7 @@ import torch
 
 from .context import GenerationStatus, TextContext
 
-StopCheck = Callable[[TextContext, int], None]
+StopCheck = Callable[[TextContext, int, int], None]
 
 
 class StructuredOutput:
@@ -66,38 +66,60 @@ class StructuredOutput:
                 self._compiler = None
 
     # -- per step -------------------------------------------------------------
-    def mask(self, logits: torch.Tensor, contexts: Sequence[TextContext]) -> None:
-        """Apply the grammar bitmask of every constrained row of `logits` in place."""
-        rows = [i for i, c in enumerate(contexts) if c.matcher is not None]
-        if not rows:
-            return
+    def fill(self, matchers: Sequence[Any]) -> tuple[torch.Tensor, list[int]]:
+        """Bitmask rows for the non-None matchers; returns (bitmask, those rows)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
         compiler = self.compiler
-        if self._bitmask is None or self._bitmask.shape[0] < len(contexts):
-            self._bitmask = compiler.allocate_bitmask(max(len(contexts), 64))
-        bitmask = self._bitmask[: len(contexts)]
-        compiler.fill_bitmasks([contexts[i].matcher for i in rows], bitmask, rows)
-        compiler.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
+        if self._bitmask is None or self._bitmask.shape[0] < len(matchers):
+            self._bitmask = compiler.allocate_bitmask(max(len(matchers), 64))
+        # One buffer is enough: a step's bitmask is filled only after the
+        # previous step (its last reader) has finished.
+        bitmask = self._bitmask[: len(matchers)]
+        compiler.fill_bitmasks([matchers[i] for i in rows], bitmask, rows)
+        return bitmask, rows
 
-    def advance(self, ctx: TextContext, token: int, check_stop: StopCheck) -> None:
-        """Feed the sampled `token` to ctx's matcher, then jump ahead over forced tokens."""
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Mask disallowed tokens of `rows` of `logits` in place (on its device)."""
+        self.compiler.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), list(rows))
+
+    def advance(self, ctx: TextContext, check_stop: StopCheck) -> None:
+        """Feed ctx's newly known tokens to its matcher, then append forced tokens.
+
+        The matcher only sees tokens in order, up to the first placeholder. When
+        one placeholder remains (the step in flight samples the next position),
+        the grammar's first forced token is what that step will sample (its
+        mask allows nothing else), so only the rest are appended behind it.
+        """
         matcher = ctx.matcher
-        if not matcher.accept_token(token):
-            ctx.error = f"token {token} was rejected by the grammar"
-            ctx.finish(GenerationStatus.ERROR)
-            return
-        if self._finished_by_grammar(ctx):
-            return
-        if ctx.is_done:
-            return
-        for forced in matcher.forced_tokens():
-            ctx.jump_ahead(forced)
-            if not matcher.accept_token(forced):
-                ctx.error = f"forced token {forced} was rejected by the grammar"
+        end = ctx.num_final_tokens
+        while ctx.grammar_idx < end:
+            token = int(ctx.tokens[ctx.grammar_idx])
+            if not matcher.accept_token(token):
+                ctx.error = f"token {token} was rejected by the grammar"
                 ctx.finish(GenerationStatus.ERROR)
                 return
-            check_stop(ctx, forced)
-            if ctx.is_done or self._finished_by_grammar(ctx):
+            ctx.grammar_idx += 1
+            if self._finished_by_grammar(ctx):
                 return
+        in_flight = ctx.end_idx - ctx.grammar_idx
+        if in_flight > 1:
+            return  # tokens behind a placeholder are consumed when it is realized
+        forced = matcher.forced_tokens()
+        if in_flight == 1 and forced:
+            # The placeholder's token is forced too: its step may sample nothing else.
+            ctx.forced_positions.add(ctx.end_idx - 1)
+            forced = forced[1:]
+        room = min(ctx.max_length, ctx.end_idx + len(forced)) - ctx.end_idx
+        for token in forced[:max(room, 0)]:
+            ctx.jump_ahead(token)
+            if in_flight == 0:
+                if not matcher.accept_token(token):
+                    ctx.error = f"forced token {token} was rejected by the grammar"
+                    ctx.finish(GenerationStatus.ERROR)
+                    return
+                ctx.grammar_idx += 1
+        if forced:
+            check_stop(ctx, int(ctx.tokens[ctx.end_idx - 1]), ctx.end_idx - 1)
 
     @staticmethod
     def _finished_by_grammar(ctx: TextContext) -> bool:

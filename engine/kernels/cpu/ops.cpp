@@ -311,8 +311,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("silu_mul", &silu_mul, "silu(gate) * up for a fused gate|up projection");
-  m.def("write_kv", &write_kv, "write new keys/values into the paged cache");
-  m.def("paged_attention", &paged_attention, "paged attention for short queries");
-  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm, in place");
+  // Release the GIL so the engine's host thread runs while a forward pass computes.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for a fused gate|up projection", release());
+  m.def("write_kv", &write_kv, "write new keys/values into the paged cache", release());
+  m.def("paged_attention", &paged_attention, "paged attention for short queries", release());
+  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm, in place", release());
 }

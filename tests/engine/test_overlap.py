@@ -1,0 +1,149 @@
+"""Overlap scheduling: the same outputs with overlap on and off, no page leaks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine import SamplingParams
+from grammar import GrammarSpec
+
+from .reference import hf_greedy, prompts
+
+SCHEMA = GrammarSpec.json_schema(json.dumps({
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "tag": {"enum": ["alpha", "beta", "gamma"]},
+                   "name": {"type": "string", "maxLength": 6}},
+    "required": ["id", "tag", "name"],
+}))
+REGEX = GrammarSpec.regex(r"[a-f]{3,8}(-[0-9]{2}){1,3}")
+
+
+def mixed_workload(stop: str | None = None):
+    batch = prompts(8)
+    params, specs = [], []
+    for i in range(len(batch)):
+        if i in (1, 5):
+            params.append(SamplingParams(temperature=0, max_new_tokens=48))
+            specs.append(SCHEMA)
+        elif i == 3:
+            params.append(SamplingParams(temperature=0, max_new_tokens=40))
+            specs.append(REGEX)
+        elif i == 6:
+            params.append(SamplingParams(temperature=0.9, seed=11, max_new_tokens=20, ignore_eos=True,
+                                         frequency_penalty=0.7, repetition_penalty=1.2))
+            specs.append(None)
+        else:
+            # Finish at different steps.
+            params.append(SamplingParams(temperature=0, max_new_tokens=5 + 4 * i, ignore_eos=True,
+                                         stop=(stop,) if stop and i == 2 else ()))
+            specs.append(None)
+    return batch, params, specs
+
+
+def outputs(llm, batch, params, specs):
+    return [(o.token_ids, o.text, o.finish_reason, o.forced_tokens)
+            for o in llm.generate(batch, params, constraint=specs)]
+
+
+def test_mixed_batch_identical_with_and_without_overlap(make_llm):
+    on = make_llm("tiny-llama", overlap=True)
+    off = make_llm("tiny-llama", overlap=False)
+    assert on.engine.pipeline.overlap and not off.engine.pipeline.overlap
+    batch, params, specs = mixed_workload()
+    reference = outputs(off, batch, params, specs)
+    # A stop string taken from request 2's own output, a few tokens in.
+    stop = reference[2][1][6:9]
+    batch, params, specs = mixed_workload(stop=stop)
+    a, b = outputs(off, batch, params, specs), outputs(on, batch, params, specs)
+    assert a == b
+    assert a[2][2] == "stop_string"
+    assert a[1][3] > 0 and a[5][3] > 0  # the JSON requests used forced tokens
+    assert a[0][0] == hf_greedy("tiny-llama", batch[0], 5)
+    on.close()
+    off.close()
+
+
+def test_preemption_with_overlap(make_llm):
+    per_page = 2 * 2 * 16 * 2 * 16 * 4
+    kwargs = dict(kv_cache_gib=12 * per_page / 2**30, max_model_len=192)
+    on = make_llm("tiny-llama", overlap=True, **kwargs)
+    batch = prompts(8)
+    params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    results = on.generate(batch, params)
+    assert on.engine.scheduler.num_preemptions > 0
+    for prompt, res in zip(batch, results, strict=True):
+        assert res.token_ids == hf_greedy("tiny-llama", prompt)
+
+
+def run_with_aborts(llm, batch, params, abort_at: dict[int, int]):
+    """Step the engine, aborting request i at step abort_at[i]; collect outputs."""
+    eng = llm.engine
+    ids = []
+    for p in batch:
+        ctx = eng.make_context(p, params)
+        eng.add_request(ctx)
+        ids.append(ctx.request_id)
+    got: dict[str, list[int]] = {r: [] for r in ids}
+    reasons: dict[str, str | None] = {}
+    step = 0
+    while eng.has_work():
+        for i, when in abort_at.items():
+            if when == step:
+                eng.abort(ids[i])
+        for out in eng.step():
+            got[out.request_id] += out.token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        step += 1
+    return [got[r] for r in ids], [reasons[r] for r in ids]
+
+
+def test_aborts_mid_stream_leave_others_unchanged(make_llm):
+    batch = prompts(8)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    off = make_llm("tiny-llama", overlap=False)
+    on = make_llm("tiny-llama", overlap=True)
+    aborts = {1: 3, 4: 6, 6: 1}
+    tokens_off, reasons_off = run_with_aborts(off, batch, params, aborts)
+    tokens_on, reasons_on = run_with_aborts(on, batch, params, aborts)
+    for i in range(8):
+        if i in aborts:
+            assert reasons_on[i] == reasons_off[i] == "cancelled"
+            # Whatever was streamed before the abort is a prefix of the full answer.
+            full = hf_greedy("tiny-llama", batch[i], 24)
+            assert tokens_on[i] == full[:len(tokens_on[i])]
+        else:
+            assert tokens_on[i] == tokens_off[i] == hf_greedy("tiny-llama", batch[i], 24)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_abort_storm_never_leaks_or_double_frees(make_llm, seed):
+    per_page = 2 * 2 * 16 * 2 * 16 * 4
+    llm = make_llm("tiny-llama", overlap=True, kv_cache_gib=24 * per_page / 2**30, max_model_len=160,
+                   max_num_batched_tokens=64)
+    eng = llm.engine
+    rng = np.random.default_rng(seed)
+    batch = [rng.integers(5, 8000, size=int(n)).tolist() for n in rng.integers(2, 60, size=32)]
+    specs = [SCHEMA if i % 5 == 0 else None for i in range(32)]
+    matchers = [eng.structured.compile(s) if s else None for s in specs]
+    ids = []
+    for p, m in zip(batch, matchers, strict=True):
+        ctx = eng.make_context(p, SamplingParams(temperature=0.8, seed=1, max_new_tokens=40), matcher=m)
+        eng.add_request(ctx)
+        ids.append(ctx.request_id)
+    finished = set()
+    while eng.has_work():
+        for rid in rng.choice(ids, size=3, replace=False):
+            if rng.random() < 0.3:
+                eng.abort(str(rid))  # aborting twice, or after the end, is harmless
+        for out in eng.step():
+            if out.finished:
+                assert out.request_id not in finished, "a request finished twice"
+                finished.add(out.request_id)
+        eng.allocator.check_consistency()
+    assert finished == set(ids)
+    llm.close()
