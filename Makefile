@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH  := torch==2.13.0
 
-.PHONY: setup serve test bench lint protos clean
+.PHONY: setup serve test bench bench-serve lint protos clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,14 @@ test: setup
 
 bench: setup
 	$(PY) bench/throughput.py
+
+# Python stubs for every proto under protos/ into service/gen/ (a test keeps them in sync).
+protos: setup
+	$(PY) -m service.protogen
+
+# gRPC serving vs the offline engine, concurrency 1/4/16 on the bench preset.
+bench-serve: setup
+	$(PY) bench/serve.py
 
 lint: setup
 	$(VENV)/bin/ruff check engine grammar service tests bench

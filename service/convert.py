@@ -1,0 +1,256 @@
+"""Proto <-> engine: validate a request at the edge, build the engine's objects,
+and turn per-step engine outputs back into stream messages.
+
+Validation errors name the offending field by its path in the request
+(`sampling.top_p`, `token_ids.ids[3]`, `chat.messages[0].role`), as
+google.rpc.BadRequest field violations do.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine import EngineCore, GenerationStatus, InvalidRequest, RequestOutput, SamplingParams
+from engine.context import TextContext, TokenLogprobs
+from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from engine.tokenizer import Tokenizer
+
+from .errors import failed_precondition, invalid_argument
+from .gen.stencil.v1 import generate_pb2 as pb
+
+MAX_REQUEST_ID_LENGTH = 256
+
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+             "repetition_penalty", "seed")
+_STOPPING = ("max_new_tokens", "min_new_tokens", "ignore_eos", "include_stop_str_in_output")
+_RESPONSE = ("logprobs", "prompt_logprobs", "skip_special_tokens")
+
+# Engine parameter name -> path of the proto field it came from.
+FIELD_PATHS: dict[str, str] = {
+    **{name: f"sampling.{name}" for name in (*_SAMPLING, "logit_bias")},
+    **{name: f"stopping.{name}" for name in (*_STOPPING, "stop", "stop_token_ids")},
+    **{name: f"response.{name}" for name in _RESPONSE},
+    "request_id": "request_id",
+}
+
+Finish = pb.GenerateComplete.FinishReason
+FINISH_REASONS: dict[GenerationStatus, pb.GenerateComplete.FinishReason] = {
+    GenerationStatus.END_OF_SEQUENCE: Finish.EOS,
+    GenerationStatus.STOP_STRING: Finish.STOP_STRING,
+    GenerationStatus.STOP_TOKEN: Finish.STOP_TOKEN,
+    GenerationStatus.MAXIMUM_LENGTH: Finish.LENGTH,
+    GenerationStatus.CONTEXT_LENGTH: Finish.CONTEXT_LENGTH,
+    GenerationStatus.CANCELLED: Finish.CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What each stream message carries besides text."""
+
+    return_token_ids: bool = True
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated Generate request, ready for the engine."""
+
+    context: TextContext
+    options: OutputOptions
+
+    @property
+    def request_id(self) -> str:
+        return self.context.request_id
+
+
+# -- requests -----------------------------------------------------------------
+def request_id_of(req: pb.GenerateRequest) -> str:
+    rid = req.request_id
+    if not rid:
+        return uuid.uuid4().hex
+    if len(rid) > MAX_REQUEST_ID_LENGTH:
+        raise invalid_argument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters")
+    if not rid.isprintable():
+        raise invalid_argument("request_id", "must be printable characters")
+    return rid
+
+
+def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+    """SamplingParams from the request; unset fields keep the engine's defaults."""
+    s, st, r = req.sampling, req.stopping, req.response
+    kwargs: dict[str, object] = {}
+    for msg, names in ((s, _SAMPLING), (st, _STOPPING), (r, _RESPONSE)):
+        for name in names:
+            if msg.HasField(name):
+                kwargs[name] = getattr(msg, name)
+    if s.logit_bias:
+        kwargs["logit_bias"] = dict(s.logit_bias)
+    if st.stop:
+        kwargs["stop"] = tuple(st.stop)
+    if st.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(st.stop_token_ids)
+    try:
+        return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    except InvalidRequest as err:
+        raise invalid_argument(FIELD_PATHS.get(err.field, err.field), err.description) from None
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    arr = np.asarray(ids, dtype=np.int64)
+    bad = np.flatnonzero(arr >= vocab_size)
+    if bad.size:
+        i = int(bad[0])
+        raise invalid_argument(f"{field}[{i}]", f"token id {int(arr[i])} is outside the "
+                                                f"vocabulary [0, {vocab_size})")
+
+
+def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat") -> list[int]:
+    """Render chat messages with the model's template."""
+    if not tokenizer.has_chat_template:
+        raise failed_precondition("the loaded model has no chat template; send text or token_ids")
+    if not chat.messages:
+        raise invalid_argument(f"{field}.messages", "at least one message is required")
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise invalid_argument(f"{field}.messages[{i}].role", "the role is empty")
+    add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in chat.messages],
+                                             add_generation_prompt=add_prompt)
+    except jinja2.TemplateError as err:
+        raise invalid_argument(f"{field}.messages", f"the chat template rejected them: {err}") from None
+
+
+def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str]:
+    """The prompt's token ids and the path of the input field they came from."""
+    which = req.WhichOneof("input")
+    if which is None:
+        raise invalid_argument("input", "set one of text, token_ids or chat")
+    if which == "text":
+        if not req.text:
+            raise invalid_argument("text", "the prompt is empty")
+        add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+        return tokenizer.encode(req.text, add_special_tokens=add), "text"
+    if which == "token_ids":
+        ids = list(req.token_ids.ids)
+        if not ids:
+            raise invalid_argument("token_ids.ids", "the prompt is empty")
+        check_token_ids(ids, vocab_size, "token_ids.ids")
+        return ids, "token_ids.ids"
+    return chat_prompt(req.chat, tokenizer), "chat.messages"
+
+
+def prepare_generate(req: pb.GenerateRequest, engine: EngineCore) -> PreparedRequest:
+    """Validate a Generate request and build its engine context (no engine state is touched)."""
+    request_id = request_id_of(req)
+    params = sampling_params(req)
+    ids, input_field = prompt_ids(req, engine.tokenizer, engine.vocab_size)
+    try:
+        ctx = engine.make_context(ids, params, request_id)
+    except InvalidRequest as err:
+        path = input_field if err.field == "prompt" else FIELD_PATHS.get(err.field, err.field)
+        raise invalid_argument(path, err.description) from None
+    r = req.response
+    options = OutputOptions(
+        return_token_ids=r.return_token_ids if r.HasField("return_token_ids") else True,
+        logprobs=params.logprobs is not None,
+        prompt_logprobs=params.prompt_logprobs is not None,
+    )
+    return PreparedRequest(ctx, options)
+
+
+# -- responses ----------------------------------------------------------------
+def _logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def chunk_response(request_id: str, outputs: Sequence[RequestOutput],
+                   options: OutputOptions) -> pb.GenerateResponse | None:
+    """One chunk for the outputs of one or more engine steps; None if there is nothing new."""
+    text = "".join(o.text for o in outputs)
+    chunk = pb.GenerateChunk(text=text)
+    has_tokens = False
+    for o in outputs:
+        has_tokens = has_tokens or bool(o.token_ids)
+        if options.return_token_ids:
+            chunk.token_ids.extend(o.token_ids)
+        if options.logprobs:
+            chunk.logprobs.extend(_logprob(lp) for lp in o.logprobs)
+        if options.prompt_logprobs and o.prompt_logprobs:
+            chunk.prompt_logprobs.extend(_logprob(lp) for lp in o.prompt_logprobs if lp is not None)
+    if not (text or has_tokens or len(chunk.prompt_logprobs)):
+        return None
+    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
+
+
+def complete_response(request_id: str, final: RequestOutput) -> pb.GenerateResponse:
+    """The closing message of a stream, from the request's final output."""
+    done = pb.GenerateComplete(
+        finish_reason=FINISH_REASONS.get(final.status, Finish.FINISH_REASON_UNSPECIFIED),
+        usage=pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+                       cached_prompt_tokens=final.cached_prompt_tokens),
+    )
+    if isinstance(final.stop_reason, str):
+        done.stop_string = final.stop_reason
+    elif isinstance(final.stop_reason, int):
+        done.stop_token_id = final.stop_reason
+    return pb.GenerateResponse(request_id=request_id, complete=done)
+
+
+# -- the other RPCs -----------------------------------------------------------
+def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer) -> pb.TokenizeResponse:
+    which = req.WhichOneof("input")
+    if which is None:
+        raise invalid_argument("input", "set one of text or chat")
+    if which == "chat":
+        if req.return_offsets:
+            raise invalid_argument("return_offsets", "offsets are only given for text input")
+        return pb.TokenizeResponse(token_ids=chat_prompt(req.chat, tokenizer))
+    add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+    if not req.return_offsets:
+        return pb.TokenizeResponse(token_ids=tokenizer.encode(req.text, add_special_tokens=add))
+    enc = tokenizer.hf(req.text, add_special_tokens=add, return_offsets_mapping=True)
+    return pb.TokenizeResponse(
+        token_ids=enc["input_ids"],
+        offsets=[pb.TokenOffset(start=s, end=e) for s, e in enc["offset_mapping"]],
+    )
+
+
+def detokenize(req: pb.DetokenizeRequest, tokenizer: Tokenizer, vocab_size: int) -> pb.DetokenizeResponse:
+    ids = list(req.token_ids)
+    check_token_ids(ids, vocab_size, "token_ids")
+    skip = req.skip_special_tokens if req.HasField("skip_special_tokens") else True
+    return pb.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
+
+
+def model_info(engine: EngineCore, model_name: str, server_version: str) -> pb.GetModelInfoResponse:
+    mc, cfg = engine.model_config, engine.config
+    return pb.GetModelInfoResponse(
+        model=model_name,
+        architecture=mc.architecture,
+        vocab_size=engine.vocab_size,
+        max_model_len=engine.max_model_len,
+        eos_token_ids=sorted(engine.eos_token_ids),
+        has_chat_template=engine.tokenizer.has_chat_template,
+        device=str(cfg.torch_device),
+        dtype=str(cfg.torch_dtype).removeprefix("torch."),
+        num_layers=mc.num_layers,
+        hidden_size=mc.hidden_size,
+        num_attention_heads=mc.num_heads,
+        num_kv_heads=mc.num_kv_heads,
+        kv_cache_pages=engine.allocator.num_pages,
+        page_size=cfg.page_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_logprobs=MAX_LOGPROBS,
+        max_stop_strings=MAX_STOP_STRINGS,
+        server_version=server_version,
+    )

@@ -1,0 +1,295 @@
+"""The engine thread, its bridge to asyncio, and admission control.
+
+`EngineCore` is not thread-safe, so exactly one thread drives it: it takes
+commands (add, abort, call) from a queue, runs `step()` while there is work and
+blocks on the queue when there is none. Commands are applied between steps, so
+an abort frees a request's pages before the next step starts. Each step's
+outputs go back to the event loop in one `call_soon_threadsafe`, which hands
+every output to its request's `RequestStream`.
+
+Admission is ours: grpc's `maximum_concurrent_rpcs` has queued calls instead of
+rejecting them, so requests beyond the limits are refused here with
+RESOURCE_EXHAUSTED before they reach the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from engine import EngineCore, RequestOutput
+from engine.context import TextContext
+
+from .errors import ServiceError, resource_exhausted, unavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """How much work may be in flight (queued or running) at once.
+
+    A request's token cost is its prompt plus the most it may generate
+    (max_new_tokens, or up to the context length): the KV tokens it may claim.
+    max_pending_tokens None means four times the KV cache's capacity.
+    """
+
+    max_pending_requests: int = 256
+    max_pending_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_pending_requests < 1:
+            raise ValueError("max_pending_requests must be >= 1")
+        if self.max_pending_tokens is not None and self.max_pending_tokens < 1:
+            raise ValueError("max_pending_tokens must be >= 1")
+
+
+class EngineFailed(Exception):
+    """The engine thread died; no request can run any more."""
+
+
+@dataclass
+class LoopStats:
+    """Counters kept on the event loop (for GetServerInfo-style reporting and tests)."""
+
+    added: int = 0
+    rejected: int = 0
+    finished: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class RequestStream:
+    """One request's engine outputs, delivered on the event loop."""
+
+    def __init__(self, request_id: str, cost: int):
+        self.request_id = request_id
+        self.cost = cost
+        self.finished = False
+        # Set when the server, not the client, ended the request (shutdown).
+        self.shutdown_reason: str | None = None
+        self.abort_sent = False
+        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def next_outputs(self) -> list[RequestOutput]:
+        """Wait for output; return everything delivered since the last call."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        items = list(self._items)
+        self._items.clear()
+        out: list[RequestOutput] = []
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item)
+        return out
+
+
+class EngineLoop:
+    """Drives an EngineCore on its own thread; the asyncio side registers requests."""
+
+    def __init__(self, engine: EngineCore, limits: AdmissionLimits | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
+        self.engine = engine
+        self.limits = limits or AdmissionLimits()
+        capacity = engine.allocator.num_pages * engine.config.page_size
+        self.max_pending_tokens = self.limits.max_pending_tokens or 4 * capacity
+        self.stats = LoopStats()
+        self._on_failure = on_failure
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
+        self._pending_tokens = 0
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="stencild-engine", daemon=True)
+
+    # -- lifecycle (event loop) ---------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will own the requests."""
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the engine thread (after abort_all, or when nothing runs)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._commands.put(("stop",))
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join)
+        # Requests still registered will get no more output from the engine.
+        streams, self._streams = self._streams, {}
+        self._pending_tokens = 0
+        for stream in streams.values():
+            stream.finished = True
+            stream._push(unavailable("the server is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._failure is None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests admitted and not yet finished."""
+        return len(self._streams)
+
+    @property
+    def pending_tokens(self) -> int:
+        return self._pending_tokens
+
+    # -- requests (event loop) ----------------------------------------------
+    def submit(self, ctx: TextContext) -> RequestStream:
+        """Admit a request or refuse it (RESOURCE_EXHAUSTED, UNAVAILABLE, ALREADY_EXISTS)."""
+        if not self.alive:
+            raise unavailable("the engine is not running")
+        rid = ctx.request_id
+        if rid in self._streams:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
+        limit = self.limits.max_pending_requests
+        if len(self._streams) >= limit:
+            self.stats.rejected += 1
+            raise resource_exhausted(f"the server is at capacity ({limit} requests in flight); retry later")
+        cost = ctx.max_length
+        # An idle server takes any valid request, so a large one is never refused forever.
+        if self._streams and self._pending_tokens + cost > self.max_pending_tokens:
+            self.stats.rejected += 1
+            raise resource_exhausted(f"the server's token budget is full ({self._pending_tokens} of "
+                                     f"{self.max_pending_tokens} tokens in flight); retry later")
+        stream = RequestStream(rid, cost)
+        self._streams[rid] = stream
+        self._pending_tokens += cost
+        self.stats.added += 1
+        self._commands.put(("add", ctx))
+        return stream
+
+    def abort(self, request_id: str, shutdown_reason: str | None = None) -> bool:
+        """Abort a running request; False if no such request is in flight."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        if shutdown_reason and stream.shutdown_reason is None:
+            stream.shutdown_reason = shutdown_reason
+        if not stream.abort_sent:
+            stream.abort_sent = True
+            self._commands.put(("abort", request_id))
+        return True
+
+    def abort_all(self, shutdown_reason: str) -> int:
+        ids = list(self._streams)
+        for rid in ids:
+            self.abort(rid, shutdown_reason)
+        return len(ids)
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(engine)` on the engine thread, between steps, and return its result."""
+        if not self.alive:
+            raise EngineFailed("the engine is not running")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    # -- delivery (event loop) ----------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]
+                self._pending_tokens -= stream.cost
+                self.stats.finished[out.finish_reason or "unknown"] += 1
+            stream._push(out)
+
+    def _reject(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+            self._pending_tokens -= stream.cost
+            stream._push(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        streams, self._streams = self._streams, {}
+        self._pending_tokens = 0
+        for stream in streams.values():
+            stream.finished = True
+            stream._push(EngineFailed("the engine failed"))
+        if self._on_failure is not None:
+            self._on_failure(exc)
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        # A closed loop raises RuntimeError: nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- the engine thread --------------------------------------------------
+    def _take_commands(self, block: bool) -> list[tuple[Any, ...]]:
+        cmds = [self._commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # The engine's helpers (step worker, grammar compiler) end with the thread.
+            try:
+                self.engine.close()
+            except Exception:
+                log.exception("error while closing the engine")
+
+    def _serve(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                for cmd in self._take_commands(block=not engine.has_work()):
+                    kind = cmd[0]
+                    if kind == "stop":
+                        return
+                    if kind == "add":
+                        try:
+                            engine.add_request(cmd[1])
+                        except Exception as exc:  # refused by the engine: fail this request only
+                            log.warning("engine refused request %s: %s", cmd[1].request_id, exc)
+                            self._to_loop(self._reject, cmd[1].request_id, exc)
+                    elif kind == "abort":
+                        engine.abort(cmd[1])
+                    elif kind == "call":
+                        fn, fut = cmd[1], cmd[2]
+                        try:
+                            fut.set_result(fn(engine))
+                        except Exception as exc:
+                            fut.set_exception(exc)
+                if engine.has_work():
+                    outputs = engine.step()
+                    if outputs:
+                        self._to_loop(self._deliver, outputs)
+        except BaseException as exc:
+            log.exception("the engine failed; no request can run any more")
+            # Whoever waits on a call must not wait forever.
+            for cmd in self._take_commands(block=False):
+                if cmd[0] == "call":
+                    cmd[2].set_exception(EngineFailed("the engine failed"))
+            self._to_loop(self._fail, exc)

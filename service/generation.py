@@ -1,0 +1,143 @@
+"""The stencil.v1.Generation servicer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from engine import GenerationStatus
+
+from . import convert
+from .engine_loop import EngineFailed, EngineLoop
+from .errors import internal, rpc_guard, unavailable
+from .gen.stencil.v1 import generate_pb2 as pb
+from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+REQUEST_ID_METADATA = "x-request-id"
+# Requests larger than this are tokenized on a worker thread, so one long prompt
+# does not hold up every other stream on the event loop.
+OFF_LOOP_BYTES = 32 * 1024
+
+T = TypeVar("T")
+
+
+async def _run_maybe_off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+class ServingState:
+    """What the servicer needs from the server: the engine once loaded, and
+    whether new calls are still taken. Also counts Generate calls in flight so
+    a drain can wait for them."""
+
+    def __init__(self, model_name: str, server_version: str):
+        self.model_name = model_name
+        self.server_version = server_version
+        self.engine_loop: EngineLoop | None = None
+        self.draining = False
+        self._calls = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def require_engine(self) -> EngineLoop:
+        """The engine loop, or UNAVAILABLE while loading, draining or after a failure."""
+        if self.draining:
+            raise unavailable("the server is shutting down")
+        loop = self.engine_loop
+        if loop is None:
+            raise unavailable("the model is still loading")
+        if not loop.alive:
+            raise unavailable("the engine is not running")
+        return loop
+
+    @property
+    def calls_in_flight(self) -> int:
+        return self._calls
+
+    def call_started(self) -> None:
+        self._calls += 1
+        self._idle.clear()
+
+    def call_finished(self) -> None:
+        self._calls -= 1
+        if self._calls == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """Generate, Tokenize, Detokenize, GetModelInfo and Abort over an EngineLoop."""
+
+    def __init__(self, state: ServingState):
+        self.state = state
+
+    @rpc_guard
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        loop = self.state.require_engine()
+        prepared = await _run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
+                                             request, loop.engine)
+        if self.state.draining:  # the drain began while the prompt was tokenized
+            raise unavailable("the server is shutting down")
+        rid = prepared.request_id
+        stream = loop.submit(prepared.context)
+        self.state.call_started()
+        try:
+            await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
+            while True:
+                try:
+                    outputs = await stream.next_outputs()
+                except EngineFailed:
+                    raise internal("the engine failed while running this request; "
+                                   "see the server log") from None
+                final = outputs[-1] if outputs[-1].finished else None
+                if final is not None and final.status is GenerationStatus.ERROR:
+                    raise internal(f"generation failed: {final.error or 'engine error'}")
+                if final is not None and final.status is GenerationStatus.CANCELLED \
+                        and stream.shutdown_reason:
+                    raise unavailable(stream.shutdown_reason)
+                chunk = convert.chunk_response(rid, outputs, prepared.options)
+                if chunk is not None:
+                    await context.write(chunk)
+                if final is not None:
+                    await context.write(convert.complete_response(rid, final))
+                    return
+        finally:
+            # Cancelled, deadline passed, client gone, or a failure above: the
+            # engine must stop working on it and free its pages now.
+            if not stream.finished:
+                loop.abort(rid)
+            self.state.call_finished()
+
+    @rpc_guard
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        loop = self.state.require_engine()
+        return await _run_maybe_off_loop(request.ByteSize(), convert.tokenize, request, loop.engine.tokenizer)
+
+    @rpc_guard
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        loop = self.state.require_engine()
+        return convert.detokenize(request, loop.engine.tokenizer, loop.engine.vocab_size)
+
+    @rpc_guard
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        loop = self.state.require_engine()
+        return convert.model_info(loop.engine, self.state.model_name, self.state.server_version)
+
+    @rpc_guard
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        # Taken while draining too: aborting helps a drain finish.
+        loop = self.state.engine_loop
+        if loop is None:
+            raise unavailable("the model is still loading")
+        return pb.AbortResponse(aborted_request_ids=[rid for rid in request.request_ids if loop.abort(rid)])

@@ -1,0 +1,41 @@
+"""grpc.health.v1 status of the server and each service it offers.
+
+Everything reports NOT_SERVING until the model is loaded and warmed up, then
+SERVING; on drain (or if the engine dies) NOT_SERVING again, for good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import OVERALL_HEALTH, aio
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthState:
+    """Owns the asyncio health servicer; `""` stands for the whole server."""
+
+    def __init__(self, services: Sequence[str]):
+        self.services = (OVERALL_HEALTH, *services)
+        self.servicer = aio.HealthServicer()
+
+    def add_to_server(self, server) -> None:  # type: ignore[no-untyped-def]
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    async def set_all(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for name in self.services:
+            await self.servicer.set(name, status)
+
+    async def not_serving(self) -> None:
+        await self.set_all(NOT_SERVING)
+
+    async def serving(self) -> None:
+        await self.set_all(SERVING)
+
+    async def shut_down(self) -> None:
+        """NOT_SERVING for every service, permanently (draining)."""
+        await self.set_all(NOT_SERVING)
+        await self.servicer.enter_graceful_shutdown()

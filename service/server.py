@@ -1,0 +1,242 @@
+"""Server assembly: the grpc.aio server, model loading, health, reflection, drain.
+
+Lifecycle: `start()` binds the port and serves health (NOT_SERVING) and
+reflection at once, then loads and warms up the model off the event loop and
+turns SERVING. `drain()` turns NOT_SERVING, refuses new calls with
+UNAVAILABLE, lets Generate streams in flight finish for up to the grace
+period, then aborts the rest (their streams end UNAVAILABLE) and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine import EngineCore, SamplingParams
+
+from .engine_loop import AdmissionLimits, EngineLoop
+from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from .generation import SERVICE_NAME, GenerationServicer, ServingState
+from .health import HealthState
+
+log = logging.getLogger(__name__)
+
+SERVER_VERSION = "0.1.0"
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Network and lifecycle settings (the engine's are in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    grace_period_s: float = 30.0
+    max_message_bytes: int = 16 * 1024 * 1024
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grace_period_s < 0:
+            raise ValueError("grace_period_s must be >= 0")
+        if self.max_message_bytes < 1024:
+            raise ValueError("max_message_bytes must be >= 1024")
+
+
+def warm_up(engine: EngineCore) -> None:
+    """Run two short requests through the engine so first calls pay no start-up cost."""
+    tok = engine.tokenizer
+    for i, text in enumerate(("Hello", "Warm-up request with a somewhat longer prompt.")):
+        ids = tok.encode(text)[: engine.max_model_len - 3]
+        ctx = engine.make_context(ids, SamplingParams(temperature=0.0, max_new_tokens=2),
+                                  request_id=f"stencild-warmup-{i}")
+        engine.add_request(ctx)
+    while engine.has_work():
+        engine.step()
+
+
+class StencilServer:
+    """The gRPC server around one engine. Use from a running event loop."""
+
+    def __init__(self, engine_factory: Callable[[], EngineCore], model_name: str,
+                 config: ServerConfig | None = None):
+        self.config = config or ServerConfig()
+        self._engine_factory = engine_factory
+        self.state = ServingState(model_name, SERVER_VERSION)
+        self.health = HealthState([SERVICE_NAME])
+        self.port: int | None = None
+        self.load_error: BaseException | None = None
+        self._server: grpc.aio.Server | None = None
+        self._ready = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._force = asyncio.Event()
+        self._draining: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def engine_loop(self) -> EngineLoop | None:
+        return self.state.engine_loop
+
+    async def start(self) -> int:
+        """Bind and serve (NOT_SERVING); load the model in the background. Returns the port."""
+        max_bytes = self.config.max_message_bytes
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes),
+            # Never share a port with another server by accident.
+            ("grpc.so_reuseport", 0),
+        ])
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.state), server)
+        self.health.add_to_server(server)
+        await self.health.not_serving()
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's way of saying the port is taken or the host is wrong
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot bind {address} (port in use, or no such address)")
+        await server.start()
+        self._server, self.port = server, port
+        self._spawn(self._load())
+        return port
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _build_engine(self) -> EngineCore:
+        engine = self._engine_factory()
+        if self.config.warmup:
+            try:
+                warm_up(engine)
+            except BaseException:
+                engine.close()
+                raise
+        return engine
+
+    async def _load(self) -> None:
+        # A daemon thread, not the default executor: a shutdown during loading
+        # must not wait for the model to finish loading.
+        done: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
+
+        def build() -> None:
+            try:
+                done.set_result(self._build_engine())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        threading.Thread(target=build, name="stencild-load", daemon=True).start()
+        try:
+            engine = await asyncio.wrap_future(done)
+        except Exception as exc:
+            # Bad checkpoints and options are user errors: no traceback for those.
+            log.error("could not load the model: %s", exc,
+                      exc_info=not isinstance(exc, ValueError | OSError))
+            self.load_error = exc
+            self._ready.set()
+            return
+        if self.state.draining:  # shut down while loading: nobody will use it
+            engine.close()
+            self._ready.set()
+            return
+        loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure)
+        loop.start()
+        self.state.engine_loop = loop
+        await self.health.serving()
+        log.info("ready: %s (%s, %s)", self.state.model_name, engine.model_config.architecture,
+                 engine.config.torch_device)
+        self._ready.set()
+
+    def _on_engine_failure(self, exc: BaseException) -> None:
+        self._spawn(self.health.shut_down())
+
+    async def wait_ready(self) -> bool:
+        """Wait until the model is loaded (True) or failed to load (False)."""
+        await self._ready.wait()
+        return self.load_error is None and self.state.engine_loop is not None
+
+    def drain(self, grace_period_s: float | None = None) -> asyncio.Task[None]:
+        """Start a graceful shutdown (idempotent); a second call with grace 0 hurries it."""
+        if self._draining is None:
+            grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
+            self._draining = asyncio.get_running_loop().create_task(self._drain(grace))
+        elif grace_period_s == 0:
+            self._force.set()
+        return self._draining
+
+    async def _drain(self, grace: float) -> None:
+        state = self.state
+        state.draining = True
+        log.info("draining: %d Generate calls in flight, grace period %.1fs",
+                 state.calls_in_flight, grace)
+        await self.health.shut_down()
+        idle = asyncio.ensure_future(state.wait_idle())
+        force = asyncio.ensure_future(self._force.wait())
+        await asyncio.wait([idle, force], timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        loop = state.engine_loop
+        if not idle.done() and loop is not None:
+            n = loop.abort_all(SHUTDOWN_MESSAGE)
+            log.info("grace period over: aborting %d requests", n)
+            # The aborted streams end within one engine step; bounded anyway.
+            await asyncio.wait([idle], timeout=10.0)
+        idle.cancel()
+        force.cancel()
+        if self._server is not None:
+            # Only unary calls and health watches can remain: give them a moment.
+            await self._server.stop(grace=1.0)
+        if loop is not None:
+            await loop.stop()
+        log.info("stopped")
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        """Drain with no grace period and wait until stopped."""
+        await self.drain(0.0)
+
+
+async def serve(engine_factory: Callable[[], EngineCore], model_name: str,
+                config: ServerConfig) -> int:
+    """Run a server until SIGTERM/SIGINT (graceful) or a second signal (at once).
+
+    Returns a process exit code: 0 after a drain, 1 if the model failed to load.
+    """
+    server = StencilServer(engine_factory, model_name, config)
+    port = await server.start()
+    log.info("listening on %s:%d (health NOT_SERVING until the model is loaded)", config.host, port)
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if server._draining is None:
+            log.info("%s: draining (send it again to stop at once)", signal.Signals(signum).name)
+            server.drain()
+        else:
+            server.drain(0.0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    ready = asyncio.ensure_future(server.wait_ready())
+    stopped = asyncio.ensure_future(server.wait_stopped())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if ready.done() and server.load_error is not None:
+        await server.stop()
+        return 1
+    await stopped
+    ready.cancel()
+    return 0

@@ -1,0 +1,65 @@
+"""Fixtures: real servers on loopback ports, run on a background event loop in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from engine import EngineCore
+from service.engine_loop import AdmissionLimits
+from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from service.server import ServerConfig, StencilServer
+
+from .helpers import LoopThread, ServerHandle, engine_factory
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    runner = LoopThread()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def make_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]]:
+    """Start servers (ready unless wait=False); each is checked for leaked pages and stopped."""
+    made: list[ServerHandle] = []
+
+    def start(factory: Callable[[], EngineCore] | None = None, wait: bool = True,
+              model_name: str = "tiny-llama", **config: Any) -> ServerHandle:
+        config.setdefault("port", 0)
+        config.setdefault("grace_period_s", 30.0)
+        if "max_pending_requests" in config:
+            config["admission"] = AdmissionLimits(config.pop("max_pending_requests"))
+        server = StencilServer(factory or engine_factory(), model_name, ServerConfig(**config))
+        handle = ServerHandle(loop_thread, server)
+        made.append(handle)
+        if wait:
+            handle.wait_ready()
+        return handle
+
+    yield start
+    for handle in made:
+        loop = handle.server.engine_loop
+        if loop is not None and loop.alive:
+            assert handle.wait_no_pages() == (0, 0), "a request leaked KV pages"
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    """The shared server: tiny-llama at full speed."""
+    return make_server()
+
+
+@pytest.fixture(scope="session")
+def slow_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    """tiny-llama with 20 ms per step, for cancelling requests mid-stream."""
+    return make_server(engine_factory(slow_s=0.02))
+
+
+@pytest.fixture
+def stub(server: ServerHandle) -> pb_grpc.GenerationStub:
+    return server.stub

@@ -1,0 +1,88 @@
+"""A request whose client cancels, disconnects or runs out of time is aborted in
+the engine and its KV pages freed; Abort does the same by id."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+
+from .helpers import TIMEOUT, ServerHandle, generate, greedy
+
+Finish = pb.GenerateComplete.FinishReason
+
+
+def _long_request(text: str, **fields: object) -> pb.GenerateRequest:
+    # 20 ms per step on the slow server: 400 tokens take at least 8 s.
+    req = greedy(text, max_new_tokens=400, **fields)
+    req.stopping.ignore_eos = True
+    return req
+
+
+def _assert_aborted(server: ServerHandle, cancelled_before: int) -> None:
+    assert server.wait_no_pages() == (0, 0), "the aborted request still holds KV pages"
+    server.wait_pending(0)
+    assert server.finished.get("cancelled", 0) == cancelled_before + 1, \
+        "the request was not aborted in the engine"
+    server.engine_call(lambda e: e.allocator.check_consistency())
+
+
+def test_cancel_mid_stream_frees_pages(slow_server: ServerHandle) -> None:
+    before = slow_server.finished.get("cancelled", 0)
+    call = slow_server.stub.Generate(_long_request("cancel me"), timeout=TIMEOUT)
+    next(call)
+    next(call)
+    assert slow_server.pages_in_use() != (0, 0), "the request holds pages while it runs"
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    _assert_aborted(slow_server, before)
+
+
+def test_deadline_expiry_frees_pages(slow_server: ServerHandle) -> None:
+    before = slow_server.finished.get("cancelled", 0)
+    call = slow_server.stub.Generate(_long_request("too slow"), timeout=3.0)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _assert_aborted(slow_server, before)
+
+
+def test_client_disconnect_frees_pages(slow_server: ServerHandle) -> None:
+    before = slow_server.finished.get("cancelled", 0)
+    channel = grpc.insecure_channel(slow_server.address)
+    call = pb_grpc.GenerationStub(channel).Generate(_long_request("going away"), timeout=TIMEOUT)
+    next(call)
+    channel.close()  # the connection goes away with the stream still open
+    _assert_aborted(slow_server, before)
+
+
+def test_abort_by_id(slow_server: ServerHandle) -> None:
+    stub = slow_server.stub
+    before = slow_server.finished.get("cancelled", 0)
+    call = stub.Generate(_long_request("abort me", request_id="abort-me-1"), timeout=TIMEOUT)
+    first = next(call)
+    assert first.request_id == "abort-me-1"
+    resp = stub.Abort(pb.AbortRequest(request_ids=["abort-me-1", "no-such-request"]))
+    assert list(resp.aborted_request_ids) == ["abort-me-1"]
+    rest = list(call)
+    assert rest[-1].HasField("complete")
+    assert rest[-1].complete.finish_reason == Finish.CANCELLED
+    assert rest[-1].complete.usage.completion_tokens < 400
+    _assert_aborted(slow_server, before)
+
+
+def test_abort_with_server_assigned_id(slow_server: ServerHandle) -> None:
+    stub = slow_server.stub
+    call = stub.Generate(_long_request("abort me too"), timeout=TIMEOUT)
+    rid = dict(call.initial_metadata())["x-request-id"]
+    assert list(stub.Abort(pb.AbortRequest(request_ids=[rid])).aborted_request_ids) == [rid]
+    assert list(call)[-1].complete.finish_reason == Finish.CANCELLED
+    slow_server.wait_pending(0)
+    assert slow_server.wait_no_pages() == (0, 0)
+    # Aborting a finished request is a no-op.
+    assert list(stub.Abort(pb.AbortRequest(request_ids=[rid])).aborted_request_ids) == []
+    generate(stub, greedy("still serving", max_new_tokens=2))

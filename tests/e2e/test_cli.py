@@ -1,0 +1,41 @@
+"""The `stencild` command line: generate against a live server, make-model, argument errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.cli import main
+
+from .helpers import ServerHandle
+
+
+def test_generate_streams_text(server: ServerHandle, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "Tell me a story", "--port", str(server.port), "--max-new-tokens", "8",
+               "--temperature", "0", "--usage"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.strip(), "some text was printed"
+    assert "[LENGTH]" in err or "[EOS]" in err
+    rc = main(["generate", "Hi", "--chat", "--port", str(server.port), "--max-new-tokens", "4"])
+    assert rc == 0
+
+
+def test_generate_reports_status_errors(server: ServerHandle, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "x", "--port", str(server.port), "--temperature", "-1"])
+    _, err = capsys.readouterr()
+    assert rc == 1
+    assert "INVALID_ARGUMENT" in err and "sampling.temperature" in err
+
+
+def test_make_model_writes_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["make-model", "--preset", "tiny-llama", str(tmp_path / "m")]) == 0
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "m" / name).exists(), name
+    assert main(["make-model", "--preset", "no-such-preset", str(tmp_path / "x")]) == 2
+
+
+def test_serve_rejects_a_missing_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err

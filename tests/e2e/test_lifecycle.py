@@ -1,0 +1,93 @@
+"""Health, reflection and draining."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from service.gen.stencil.v1 import generate_pb2 as pb
+
+from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+GENERATION = "stencil.v1.Generation"
+Finish = pb.GenerateComplete.FinishReason
+
+
+def _check(channel: grpc.Channel, service: str = "") -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT).status
+
+
+def test_reflection_lists_the_services(server: ServerHandle) -> None:
+    db = ProtoReflectionDescriptorDatabase(server.channel)
+    services = set(db.get_services())
+    assert {GENERATION, "grpc.health.v1.Health"} <= services
+    desc = db.FindFileContainingSymbol(GENERATION)
+    assert desc.package == "stencil.v1"
+
+
+def test_health_not_serving_until_loaded_then_serving_then_drain(make_server) -> None:
+    gate = threading.Event()
+    factory = engine_factory(slow_s=0.02)
+
+    def gated():  # type: ignore[no-untyped-def]
+        assert gate.wait(TIMEOUT)
+        return factory()
+
+    server = make_server(gated, wait=False)
+    watch = health_pb2_grpc.HealthStub(server.channel).Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+    assert next(watch).status == NOT_SERVING
+    assert _check(server.channel) == NOT_SERVING
+    assert _check(server.channel, GENERATION) == NOT_SERVING
+    gate.set()
+    assert next(watch).status == SERVING
+    server.wait_ready()
+    assert _check(server.channel, GENERATION) == SERVING
+
+    # A stream in flight keeps the drain open long enough to look at it.
+    req = greedy("drain me", max_new_tokens=30)
+    req.stopping.ignore_eos = True
+    call = server.stub.Generate(req, timeout=TIMEOUT)
+    next(call)
+    stopped = server.drain(grace_s=60.0)
+    assert next(watch).status == NOT_SERVING
+    # Draining or done, the server takes no new work.
+    try:
+        assert _check(server.channel, GENERATION) == NOT_SERVING
+        list(server.stub.Generate(greedy("late"), timeout=TIMEOUT))
+        raise AssertionError("a new call was accepted while draining")
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+    msgs = list(call)
+    assert msgs[-1].complete.finish_reason == Finish.LENGTH, "the stream in flight finished"
+    stopped.result(TIMEOUT)
+
+
+def test_drain_past_grace_period_cancels_streams(make_server) -> None:
+    server = make_server(engine_factory(slow_s=0.02))
+    req = greedy("never finishes in time", max_new_tokens=400)
+    req.stopping.ignore_eos = True
+    call = server.stub.Generate(req, timeout=TIMEOUT)
+    next(call)
+    start = time.monotonic()
+    stopped = server.drain(grace_s=0.5)
+    try:
+        list(call)
+        raise AssertionError("the stream should have been cut off")
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in err.details()
+    stopped.result(TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT
+    loop = server.server.engine_loop
+    assert loop.num_pending == 0 and not loop.alive
+    engine = loop.engine  # the engine thread has stopped: safe to look directly
+    assert engine.allocator.num_used == 0 and engine.kv_manager.num_active == 0

@@ -1,0 +1,102 @@
+"""`stencild serve` in a subprocess: SIGTERM drains (health NOT_SERVING, new calls
+UNAVAILABLE, the stream in flight finishes), then the process exits 0."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.presets import ensure_preset
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+
+from .helpers import TIMEOUT, greedy
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def _stencild() -> list[str]:
+    script = Path(sys.executable).parent / "stencild"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+
+
+class ServeProcess:
+    """`stencild serve` on a free port; its log lines are collected on a thread."""
+
+    def __init__(self, *args: str):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([*_stencild(), "serve", "--port", "0", *args], cwd=REPO_ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.port = int(self.wait_for(r"listening on [^ ]+:(\d+)").group(1))
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float = TIMEOUT) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, "stencild exited:\n" + "".join(self.log)
+                continue
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError(f"no {pattern!r} in the log:\n" + "".join(self.log))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_then_exits_zero() -> None:
+    model = ensure_preset("tiny-llama")
+    server = ServeProcess("--model", str(model), "--kv-cache-gib", "0.05", "--grace-period", "120")
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        grpc.channel_ready_future(channel).result(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status != SERVING:
+            assert time.monotonic() < deadline, "never became SERVING"
+            time.sleep(0.05)
+        stub = pb_grpc.GenerationStub(channel)
+        # Most of the context: long enough that the checks below happen during the drain.
+        req = greedy("a long answer", max_new_tokens=480)
+        req.stopping.ignore_eos = True
+        call = stub.Generate(req, timeout=TIMEOUT * 3)
+        next(call)
+        server.proc.send_signal(signal.SIGTERM)
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status != NOT_SERVING:
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(greedy("too late"), timeout=TIMEOUT))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        msgs = list(call)
+        assert msgs[-1].complete.finish_reason == pb.GenerateComplete.FinishReason.LENGTH
+        assert msgs[-1].complete.usage.completion_tokens == 480
+        assert server.proc.wait(TIMEOUT) == 0, "".join(server.log)
+        channel.close()
+    finally:
+        server.kill()

@@ -1,0 +1,123 @@
+"""Proto -> engine validation and engine -> proto conversion, without a server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from engine import EngineConfig, EngineCore, GenerationStatus, RequestOutput, SamplingParams
+from engine.context import TokenLogprobs
+from service import convert
+from service.errors import ServiceError
+from service.gen.stencil.v1 import generate_pb2 as pb
+
+Finish = pb.GenerateComplete.FinishReason
+
+
+@pytest.fixture(scope="module")
+def engine(preset) -> Iterator[EngineCore]:
+    engine = EngineCore(EngineConfig(str(preset("tiny-llama")), kv_cache_gib=0.02))
+    yield engine
+    engine.close()
+
+
+def test_unset_fields_keep_engine_defaults() -> None:
+    params = convert.sampling_params(pb.GenerateRequest(text="x"))
+    assert params == SamplingParams()
+
+
+def test_explicit_values_including_zero_are_used() -> None:
+    req = pb.GenerateRequest(text="x")
+    req.sampling.temperature = 0.0
+    req.sampling.top_k = 5
+    req.sampling.seed = 7
+    req.sampling.logit_bias[3] = -2.0
+    req.stopping.max_new_tokens = 9
+    req.stopping.ignore_eos = True
+    req.stopping.stop.extend(["a", "bc"])
+    req.response.logprobs = 0
+    params = convert.sampling_params(req)
+    assert params.temperature == 0.0 and params.greedy
+    assert (params.top_k, params.seed, params.max_new_tokens) == (5, 7, 9)
+    assert dict(params.logit_bias) == {3: -2.0}
+    assert params.ignore_eos and params.stop == ("a", "bc")
+    assert params.logprobs == 0
+
+
+@pytest.mark.parametrize("path, value", [
+    ("sampling.temperature", float("nan")),
+    ("sampling.top_p", float("nan")),
+    ("sampling.frequency_penalty", 3.0),
+    ("sampling.presence_penalty", -3.0),
+])
+def test_bad_values_name_the_field(path: str, value: float) -> None:
+    req = pb.GenerateRequest(text="x")
+    msg, name = path.split(".")
+    setattr(getattr(req, msg), name, value)
+    with pytest.raises(ServiceError) as info:
+        convert.sampling_params(req)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.violations[0][0] == path
+
+
+def test_prepare_generate_builds_the_context(engine: EngineCore) -> None:
+    req = pb.GenerateRequest(text="hello there", request_id="r1")
+    req.stopping.max_new_tokens = 4
+    req.response.return_token_ids = False
+    prepared = convert.prepare_generate(req, engine)
+    assert prepared.request_id == "r1"
+    assert prepared.context.prompt_tokens.tolist() == engine.tokenizer.encode("hello there")
+    assert prepared.options == convert.OutputOptions(return_token_ids=False)
+    assert convert.prepare_generate(pb.GenerateRequest(text="x"), engine).request_id
+
+
+def test_chat_without_template_is_failed_precondition(engine: EngineCore, monkeypatch) -> None:
+    monkeypatch.setattr(type(engine.tokenizer), "has_chat_template", property(lambda self: False))
+    req = pb.GenerateRequest()
+    req.chat.messages.add(role="user", content="hi")
+    with pytest.raises(ServiceError) as info:
+        convert.prepare_generate(req, engine)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_chunks_merge_steps_and_honour_options() -> None:
+    outs = [RequestOutput("r", token_ids=[5], text="a",
+                          logprobs=[TokenLogprobs(5, -0.1, [(5, -0.1), (6, -2.0)])],
+                          prompt_logprobs=[None, TokenLogprobs(9, -1.5, [])]),
+            RequestOutput("r", token_ids=[6], text="b", logprobs=[TokenLogprobs(6, -0.2, [])])]
+    msg = convert.chunk_response("r", outs, convert.OutputOptions(logprobs=True, prompt_logprobs=True))
+    assert msg.request_id == "r"
+    assert msg.chunk.text == "ab" and list(msg.chunk.token_ids) == [5, 6]
+    assert [lp.token_id for lp in msg.chunk.logprobs] == [5, 6]
+    assert [t.token_id for t in msg.chunk.logprobs[0].top] == [5, 6]
+    assert [lp.token_id for lp in msg.chunk.prompt_logprobs] == [9]
+    bare = convert.chunk_response("r", outs, convert.OutputOptions(return_token_ids=False))
+    assert list(bare.chunk.token_ids) == [] and len(bare.chunk.logprobs) == 0
+    assert convert.chunk_response("r", [RequestOutput("r")], convert.OutputOptions()) is None
+
+
+@pytest.mark.parametrize("status, reason, stop", [
+    (GenerationStatus.END_OF_SEQUENCE, Finish.EOS, None),
+    (GenerationStatus.STOP_STRING, Finish.STOP_STRING, "###"),
+    (GenerationStatus.STOP_TOKEN, Finish.STOP_TOKEN, 42),
+    (GenerationStatus.MAXIMUM_LENGTH, Finish.LENGTH, None),
+    (GenerationStatus.CONTEXT_LENGTH, Finish.CONTEXT_LENGTH, None),
+    (GenerationStatus.CANCELLED, Finish.CANCELLED, None),
+])
+def test_complete_message(status: GenerationStatus, reason: int, stop: object) -> None:
+    final = RequestOutput("r", finished=True, status=status, stop_reason=stop, prompt_tokens=7,
+                          completion_tokens=3, cached_prompt_tokens=4)
+    done = convert.complete_response("r", final).complete
+    assert done.finish_reason == reason
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_prompt_tokens) == (7, 3, 4)
+    which = done.WhichOneof("matched_stop")
+    assert which == {str: "stop_string", int: "stop_token_id", type(None): None}[type(stop)]
+    if which:
+        assert getattr(done, which) == stop
+
+
+def test_every_final_status_has_a_finish_reason() -> None:
+    final = {s for s in GenerationStatus if s.is_done} - {GenerationStatus.ERROR}
+    assert final <= set(convert.FINISH_REASONS)

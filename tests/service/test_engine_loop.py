@@ -1,0 +1,139 @@
+"""The engine thread and its asyncio bridge, against a real tiny engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from engine import EngineConfig, EngineCore, RequestOutput, SamplingParams
+from service.engine_loop import AdmissionLimits, EngineFailed, EngineLoop, RequestStream
+from service.errors import ServiceError
+
+TIMEOUT = 60.0
+
+
+@pytest.fixture
+def engine(preset) -> EngineCore:
+    return EngineCore(EngineConfig(str(preset("tiny-llama")), kv_cache_gib=0.02))
+
+
+def run(engine: EngineCore, body: Callable[[EngineLoop], Awaitable[Any]], **kwargs: Any) -> Any:
+    """Run `body` with a started EngineLoop; stop it afterwards."""
+    async def main() -> Any:
+        loop = EngineLoop(engine, **kwargs)
+        loop.start()
+        try:
+            return await asyncio.wait_for(body(loop), TIMEOUT)
+        finally:
+            await loop.stop()
+    return asyncio.run(main())
+
+
+def ctx(engine: EngineCore, text: str = "hello", n: int = 8, rid: str | None = None):  # type: ignore[no-untyped-def]
+    return engine.make_context(engine.tokenizer.encode(text),
+                               SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True), rid)
+
+
+async def drain(stream: RequestStream) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while not (outs and outs[-1].finished):
+        outs += await stream.next_outputs()
+    return outs
+
+
+async def pages(loop: EngineLoop) -> tuple[int, int]:
+    return await loop.call(lambda e: (e.allocator.num_used, e.kv_manager.num_active))
+
+
+def test_requests_stream_to_completion(engine: EngineCore) -> None:
+    async def body(loop: EngineLoop) -> None:
+        streams = [loop.submit(ctx(engine, f"prompt {i}", n=5 + i)) for i in range(3)]
+        assert loop.num_pending == 3
+        results = await asyncio.gather(*(drain(s) for s in streams))
+        for i, outs in enumerate(results):
+            assert sum(len(o.token_ids) for o in outs) == 5 + i
+            assert outs[-1].finish_reason == "length"
+        assert loop.num_pending == 0 and loop.pending_tokens == 0
+        assert await pages(loop) == (0, 0)
+        assert loop.stats.finished["length"] == 3
+    run(engine, body)
+
+
+def test_abort_frees_pages_and_ends_the_stream(engine: EngineCore) -> None:
+    async def body(loop: EngineLoop) -> None:
+        stream = loop.submit(ctx(engine, n=400, rid="a"))
+        await stream.next_outputs()
+        assert loop.abort("a") and loop.abort("a"), "repeated aborts are harmless"
+        assert not loop.abort("unknown")
+        outs = await drain(stream)
+        assert outs[-1].finish_reason == "cancelled"
+        assert await pages(loop) == (0, 0)
+    run(engine, body)
+
+
+def test_admission_limits(engine: EngineCore) -> None:
+    async def body(loop: EngineLoop) -> None:
+        first = loop.submit(ctx(engine, n=300))
+        second = loop.submit(ctx(engine, n=300))
+        with pytest.raises(ServiceError) as info:
+            loop.submit(ctx(engine, n=4))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(ServiceError) as info:
+            loop.submit(ctx(engine, n=4, rid=first.request_id))
+        assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+        for s in (first, second):
+            loop.abort(s.request_id)
+            await drain(s)
+        assert loop.stats.rejected == 1
+    run(engine, body, limits=AdmissionLimits(max_pending_requests=2))
+
+
+def test_token_budget(engine: EngineCore) -> None:
+    async def body(loop: EngineLoop) -> None:
+        big = loop.submit(ctx(engine, n=400))  # over budget, but the server is idle
+        with pytest.raises(ServiceError) as info:
+            loop.submit(ctx(engine, n=4))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "token budget" in info.value.message
+        loop.abort(big.request_id)
+        await drain(big)
+        await drain(loop.submit(ctx(engine, n=4)))
+    run(engine, body, limits=AdmissionLimits(max_pending_tokens=100))
+
+
+def test_engine_failure_fails_requests_and_calls_back(engine: EngineCore) -> None:
+    failures: list[BaseException] = []
+
+    def boom() -> list[RequestOutput]:
+        raise RuntimeError("simulated engine bug")
+
+    engine.step = boom  # type: ignore[method-assign]
+
+    async def body(loop: EngineLoop) -> None:
+        stream = loop.submit(ctx(engine))
+        with pytest.raises(EngineFailed):
+            await drain(stream)
+        assert failures and not loop.alive
+        with pytest.raises(ServiceError) as info:
+            loop.submit(ctx(engine))
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(EngineFailed):
+            await loop.call(lambda e: None)
+    run(engine, body, on_failure=failures.append)
+
+
+def test_stop_ends_streams_still_registered(engine: EngineCore) -> None:
+    async def main() -> None:
+        loop = EngineLoop(engine)
+        loop.start()
+        stream = loop.submit(ctx(engine, n=400))
+        await stream.next_outputs()
+        await loop.stop()
+        with pytest.raises(ServiceError) as info:
+            await drain(stream)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT))

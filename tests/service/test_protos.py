@@ -1,0 +1,59 @@
+"""The committed stubs match the protos, import as a package, and keep the issue's names."""
+
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+from service import protogen
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+
+
+def test_generated_stubs_are_in_sync_with_the_protos(tmp_path: Path) -> None:
+    out = tmp_path / "gen"
+    protogen.generate(out)
+    fresh = {p.relative_to(out) for p in out.rglob("*") if p.suffix in (".py", ".pyi")}
+    committed = {p.relative_to(protogen.GEN_ROOT) for p in protogen.GEN_ROOT.rglob("*")
+                 if p.suffix in (".py", ".pyi")}
+    assert fresh == committed, "run `make protos`"
+    stale = [str(p) for p in sorted(fresh)
+             if not filecmp.cmp(out / p, protogen.GEN_ROOT / p, shallow=False)]
+    assert not stale, f"stale generated files (run `make protos`): {stale}"
+
+
+def test_stub_imports_point_into_the_package() -> None:
+    text = (protogen.GEN_ROOT / "stencil/v1/generate_pb2_grpc.py").read_text()
+    assert "from service.gen.stencil.v1 import generate_pb2" in text
+    assert pb_grpc.GenerationStub is not None
+
+
+def test_field_names_from_the_issue() -> None:
+    req = pb.GenerateRequest(text="hi")
+    req.sampling.temperature = 0.0
+    req.stopping.max_new_tokens = 5
+    assert req.sampling.HasField("temperature"), "explicit zero differs from unset"
+    assert not req.sampling.HasField("top_p")
+    resp = pb.GenerateResponse(chunk=pb.GenerateChunk(text="a", token_ids=[1, 2]))
+    assert resp.WhichOneof("response") == "chunk"
+    done = pb.GenerateResponse()
+    done.complete.finish_reason = pb.GenerateComplete.FinishReason.EOS
+    done.complete.usage.completion_tokens = 3
+    assert done.WhichOneof("response") == "complete"
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    assert service.full_name == "stencil.v1.Generation"
+    assert set(service.methods_by_name) == {"Generate", "Tokenize", "Detokenize", "GetModelInfo", "Abort"}
+    assert service.methods_by_name["Generate"].server_streaming
+
+
+def test_sampling_fields_have_explicit_presence() -> None:
+    for msg in (pb.SamplingOptions, pb.StoppingCriteria, pb.ResponseOptions):
+        for field in msg.DESCRIPTOR.fields:
+            if not field.is_repeated:
+                assert field.has_presence, f"{msg.__name__}.{field.name} must be optional"
+
+
+def test_field_numbers_left_free_for_structured_output() -> None:
+    used = {f.number for f in pb.GenerateRequest.DESCRIPTOR.fields}
+    assert not used & set(range(9, 16))
+    assert 4 not in {f.number for f in pb.Usage.DESCRIPTOR.fields}
