@@ -20,6 +20,7 @@ from .models.config import load_model_config
 from .models.llama import LlamaFamilyModel
 from .models.weights import WeightSource
 from .output import OutputStream, RequestOutput
+from .executor import StepExecutor
 from .pipeline import StepHandle, TextGenerationPipeline
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -39,8 +40,20 @@ class EngineCore:
     def __init__(self, config: EngineConfig, wrap_model: Callable[[Any], Any] | None = None):
         """`wrap_model` may wrap the loaded model (tests use it for scripted logits)."""
         self.config = config
-        self.model_config = mc = load_model_config(config.model)
+        self.model_config = load_model_config(config.model)
         self.tokenizer = Tokenizer(config.model)
+        self.executor = StepExecutor(config.torch_device)
+        try:
+            # Every tensor computation, loading included, happens on the device thread.
+            self.executor.call(lambda: self._build(wrap_model))
+        except BaseException:
+            self.executor.close()
+            raise
+        self._streams: dict[str, OutputStream] = {}
+        self._inflight: StepHandle | None = None
+
+    def _build(self, wrap_model: Callable[[Any], Any] | None) -> None:
+        config, mc = self.config, self.model_config
         device, dtype = config.torch_device, config.torch_dtype
         source = WeightSource(config.model)
         self.model = LlamaFamilyModel(mc, source, device, dtype, cpu_ops() if device.type == "cpu" else None)
@@ -70,7 +83,7 @@ class EngineCore:
         self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
                                            config.grammar_backend, config.grammar_compile_timeout_s)
         self.pipeline = TextGenerationPipeline(runner, self.kv_manager, mc.vocab_size, max_len,
-                                               self.structured, overlap=config.overlap,
+                                               self.executor, self.structured, overlap=config.overlap,
                                                max_slots=config.max_num_seqs + 1)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -79,10 +92,9 @@ class EngineCore:
             self.kv_manager,
             release=self.pipeline.release,
         )
-        self._inflight: StepHandle | None = None
-        self._streams: dict[str, OutputStream] = {}
-        log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s",
-                 mc.architecture, device, dtype, num_pages, config.page_size, self.attention.name)
+        log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s, overlap=%s",
+                 mc.architecture, device, dtype, num_pages, config.page_size, self.attention.name,
+                 config.overlap)
 
     # -- requests -------------------------------------------------------------
     @property
@@ -142,8 +154,8 @@ class EngineCore:
         return True
 
     def close(self) -> None:
-        """Stop background helpers (the step worker, the grammar compiler's worker)."""
-        self.pipeline.close()
+        """Stop background helpers (the device thread, the grammar compiler's worker)."""
+        self.executor.close()
         self.structured.close()
 
     def has_work(self) -> bool:

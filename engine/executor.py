@@ -1,10 +1,17 @@
-"""Where device work runs: inline, or on a worker thread so the host overlaps it.
+"""The device thread: every model computation runs on one dedicated thread.
 
-With overlap on, the engine launches step N+1 and then processes step N on the
-host (reads tokens, checks stops, advances grammars, detokenizes) while N+1
-computes. On CPU the forward pass runs on a worker thread (torch ops and our
-kernels release the GIL); on CUDA the worker also issues the kernels on its
-own stream, and host copies are non-blocking with an event to wait on.
+Two reasons for one thread:
+
+- Overlap. The engine launches step N+1 on this thread and then processes step
+  N on the host (reads tokens, checks stops, advances grammars, detokenizes)
+  while N+1 computes. Torch ops and our kernels release the GIL, so the two
+  threads run at once. On CUDA the thread issues kernels on its own stream and
+  host copies are non-blocking with an event to wait on.
+- OpenMP. libgomp keeps a thread team per thread that runs parallel regions;
+  once two threads have done so, it throttles spin-waiting (more managed
+  threads than CPUs) and small GEMMs slow down by 10-35% on a 2-core machine.
+  So model loading, weight prepacking and every step share this one thread,
+  with overlap on or off, whichever thread drives the engine.
 """
 
 from __future__ import annotations
@@ -13,72 +20,57 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T")
+
 
 class StepExecutor:
-    """Runs step jobs in submission order; inline when `overlap` is False."""
+    """Runs jobs in submission order on the device thread."""
 
-    def __init__(self, device: torch.device, overlap: bool):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.overlap = overlap
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and overlap else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._queue: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        if overlap:
-            self._thread = threading.Thread(target=self._run, name="stencild-step", daemon=True)
-            self._thread.start()
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="stencild-device", daemon=True)
+        self._thread.start()
 
-    def submit(self, job: Callable[[], Any]) -> Future | DeferredJob:
-        """Run `job` after every job submitted before it; `.result()` gives its result.
-
-        Inline (overlap off), the job runs when its result is first asked for,
-        so the host can still prepare what the job waits on (grammar masks).
-        """
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        """Queue `job` after every job submitted before it."""
+        future: Future[T] = Future()
         if self._thread is None:
-            return DeferredJob(job)
-        future: Future = Future()
-        self._queue.put((job, future))
+            future.set_exception(RuntimeError("the device thread has stopped"))
+        else:
+            self._queue.put((job, future))
         return future
 
+    def call(self, job: Callable[[], T]) -> T:
+        """Run `job` on the device thread and wait for its result."""
+        if threading.current_thread() is self._thread:
+            return job()
+        return self.submit(job).result()
+
     def _run(self) -> None:
-        ctx = torch.cuda.stream(self.stream) if self.stream is not None else None
-        if ctx is not None:
-            ctx.__enter__()
-        with torch.inference_mode():
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                job, future = item
-                _run_into(job, future)
+        if self.stream is not None:
+            torch.cuda.set_stream(self.stream)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with torch.inference_mode():
+                    future.set_result(job())
+            except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
+                future.set_exception(e)
 
     def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
             self._thread = None
-
-
-class DeferredJob:
-    """A job run on the caller's thread at the first `result()` call."""
-
-    def __init__(self, job: Callable[[], Any]):
-        self._job: Callable[[], Any] | None = job
-        self._future: Future = Future()
-
-    def result(self) -> Any:
-        if self._job is not None:
-            job, self._job = self._job, None
-            _run_into(job, self._future)
-        return self._future.result()
-
-
-def _run_into(job: Callable[[], Any], future: Future) -> None:
-    try:
-        with torch.inference_mode():
-            future.set_result(job())
-    except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
-        future.set_exception(e)

@@ -11,8 +11,9 @@ overlap scheduler can put host work between them:
 - `process` waits for the job, realizes the placeholders with the real tokens,
   checks token-level stops (EOS, stop token ids, lengths) and advances grammars.
 
-Overlap off runs the same code: the job runs inline and `process` follows
-`launch` at once, so outputs are identical either way.
+Overlap off runs the same code with `process` right after `launch`, so
+outputs are identical either way. Jobs run on the engine's device thread
+(see executor.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from .context import FUTURE_TOKEN, GenerationStatus, TextContext, TokenLogprobs
-from .executor import DeferredJob, StepExecutor
+from .executor import StepExecutor
 from .kv_cache import KVCacheManager
 from .runner import ForwardBatch, ModelRunner
 from .sampler import SamplerOutput, SamplingBatch, build_sampling_batch, sample
@@ -41,7 +42,7 @@ class StepHandle:
     epochs: list[int]  # ctx.num_preemptions at launch: a change means the row is stale
     sampled: list[int]  # rows of `contexts` that sample a token
     num_steps: int
-    job: Future | DeferredJob | None = None
+    job: Future | None = None
     # Set once every constrained row's matcher has caught up (see fill_grammar).
     grammar_ready: threading.Event | None = None
     bitmask: torch.Tensor | None = None
@@ -70,7 +71,7 @@ class TextGenerationPipeline:
     """Runs scheduled steps: forward, sample, update contexts."""
 
     def __init__(self, runner: ModelRunner, kv_manager: KVCacheManager, vocab_size: int,
-                 max_seq_len: int, structured: StructuredOutput | None = None,
+                 max_seq_len: int, executor: StepExecutor, structured: StructuredOutput | None = None,
                  overlap: bool = False, max_slots: int = 64):
         self.runner = runner
         self.kv_manager = kv_manager
@@ -78,15 +79,12 @@ class TextGenerationPipeline:
         self.max_seq_len = max_seq_len
         self.device = runner.device
         self.structured = structured
-        self.executor = StepExecutor(self.device, overlap)
+        self.executor = executor
+        self.overlap = overlap
         self.forward_passes = 0
         # Last sampled token of every request slot, on the device.
         self.token_buffer = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self._free_slots = list(range(max_slots - 1, -1, -1))
-
-    @property
-    def overlap(self) -> bool:
-        return self.executor.overlap
 
     # -- TokenGenerator interface ------------------------------------------------
     def next_token(self, batch: Mapping[str, TextContext] | Sequence[TextContext],
@@ -102,9 +100,6 @@ class TextGenerationPipeline:
             # reads come after any in-flight write by this request.
             self._free_slots.append(ctx.slot)
             ctx.slot = None
-
-    def close(self) -> None:
-        self.executor.close()
 
     def _slot(self, ctx: TextContext) -> int:
         if ctx.slot is None:
