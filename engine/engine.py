@@ -14,13 +14,13 @@ from .attention import make_attention
 from .config import EngineConfig
 from .context import GenerationStatus, TextContext
 from .errors import InvalidRequest
+from .executor import StepExecutor
 from .kernels import cpu_ops
 from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_for_budget
 from .models.config import load_model_config
 from .models.llama import LlamaFamilyModel
 from .models.weights import WeightSource
 from .output import OutputStream, RequestOutput
-from .executor import StepExecutor
 from .pipeline import StepHandle, TextGenerationPipeline
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
