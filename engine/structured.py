@@ -52,12 +52,16 @@ class StructuredOutput:
                                                  compile_timeout_s=self.compile_timeout_s)
             return self._compiler
 
-    def compile_async(self, spec: Any) -> Future:
-        """A future matcher for `spec` (GrammarSpec); fails with GrammarError."""
-        return self.compiler.compile_async(spec)
+    def compile_async(self, spec: Any, backend: str | None = None) -> Future:
+        """A future matcher for `spec` (GrammarSpec); fails with GrammarError.
 
-    def compile(self, spec: Any) -> Any:
-        return self.compiler.compile(spec)
+        Thread-safe; a cache hit is already done. `backend` overrides the
+        engine's default ("auto", "xgrammar" or "llguidance").
+        """
+        return self.compiler.compile_async(spec, backend)
+
+    def compile(self, spec: Any, backend: str | None = None) -> Any:
+        return self.compiler.compile(spec, backend)
 
     def close(self) -> None:
         with self._lock:
