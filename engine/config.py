@@ -32,6 +32,8 @@ class EngineConfig:
     overlap: bool = True
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 10.0
+    # A SNAC codec directory: makes a speech LM checkpoint serve speech requests.
+    speech_codec: str | None = None
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in ("cpu", "cuda"):

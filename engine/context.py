@@ -142,6 +142,15 @@ class TextContext:
         return self.status.is_done
 
     @property
+    def produces_text(self) -> bool:
+        """False for requests whose tokens are not text (speech)."""
+        return True
+
+    def allowed_token_range(self) -> tuple[int, int, int | None] | None:
+        """A per-position token range rule (lo, hi, extra), or None (speech uses it)."""
+        return None
+
+    @property
     def num_forced_tokens(self) -> int:
         return len(self.forced_positions)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +19,7 @@ from .errors import InvalidRequest
 from .executor import StepExecutor
 from .kernels import cpu_ops
 from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_for_budget
-from .models.config import load_model_config
+from .models.config import CheckpointError, load_model_config
 from .models.llama import LlamaFamilyModel
 from .models.weights import WeightSource
 from .output import OutputStream, RequestOutput
@@ -25,10 +27,17 @@ from .pipeline import StepHandle, TextGenerationPipeline
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .speech import CODES_PER_FRAME, AudioGenerator, SpeechCodec, SpeechLayout, TTSContext
 from .structured import StructuredOutput
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+MAX_SPEECH_CHARS = 2000
+
+
+class SpeechUnavailable(RuntimeError):
+    """A speech request reached an engine without a speech model and codec."""
 
 
 class EngineCore:
@@ -92,6 +101,16 @@ class EngineCore:
             self.kv_manager,
             release=self.pipeline.release,
         )
+        self.audio: AudioGenerator | None = None
+        self.speech_layout: SpeechLayout | None = None
+        if config.speech_codec:
+            layout = SpeechLayout.for_model(config.model)
+            try:
+                layout.check_vocab(mc.vocab_size)
+            except ValueError as e:
+                raise CheckpointError(f"{config.model} is not a speech model: {e}") from None
+            self.speech_layout = layout
+            self.audio = AudioGenerator(SpeechCodec(config.speech_codec, device))
         log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s, overlap=%s",
                  mc.architecture, device, dtype, num_pages, config.page_size, self.attention.name,
                  config.overlap)
@@ -138,6 +157,56 @@ class EngineCore:
         return TextContext(tokens=ids, max_length=max_length, sampling_params=params,
                            eos_token_ids=self.eos_token_ids, seed=seed, matcher=matcher, **kwargs)
 
+    @property
+    def serves_speech(self) -> bool:
+        return self.audio is not None
+
+    def make_speech_context(self, text: str, params: SamplingParams | None = None,
+                            request_id: str | None = None, chunk_frames: int = 4,
+                            max_audio_seconds: float = 30.0,
+                            audio_prompt_codes: Sequence[int] | None = None,
+                            audio_prompt_transcription: str = "") -> TTSContext:
+        """Validate a speech request and build its context (see engine.speech).
+
+        Audio prompt codes (voice cloning) are SNAC codes, 7 per frame in the
+        Orpheus order, each in [0, codebook_size). Default sampling follows
+        Orpheus: temperature 0.6, top_p 0.95, repetition_penalty 1.1.
+        """
+        if self.audio is None or self.speech_layout is None:
+            raise SpeechUnavailable("this server has no speech model")
+        layout = self.speech_layout
+        if not text.strip():
+            raise InvalidRequest("input", "the text to speak is empty")
+        if len(text) > MAX_SPEECH_CHARS:
+            raise InvalidRequest("input", f"at most {MAX_SPEECH_CHARS} characters, got {len(text)}")
+        if not 1 <= chunk_frames <= 64:
+            raise InvalidRequest("chunk_frames", "must be in [1, 64]")
+        if not 0 < max_audio_seconds <= 300:
+            raise InvalidRequest("max_audio_seconds", "must be in (0, 300]")
+        codes = None
+        if audio_prompt_codes:
+            codes = np.asarray(audio_prompt_codes, dtype=np.int64)
+            if codes.size % CODES_PER_FRAME or (codes < 0).any() or (codes >= layout.codebook_size).any():
+                raise InvalidRequest("audio_prompt_tokens", f"need whole frames of {CODES_PER_FRAME} codes in "
+                                                            f"[0, {layout.codebook_size})")
+        prompt = layout.prompt(self.tokenizer.encode(text, add_special_tokens=False), codes,
+                               self.tokenizer.encode(audio_prompt_transcription, add_special_tokens=False))
+        frames = math.ceil(max_audio_seconds * self.audio.decoder_sample_rate / self.audio.samples_per_frame)
+        base = params or SamplingParams(temperature=0.6, top_p=0.95, repetition_penalty=1.1)
+        wanted = frames * CODES_PER_FRAME if base.max_new_tokens is None else \
+            base.max_new_tokens // CODES_PER_FRAME * CODES_PER_FRAME
+        room = (self.max_model_len - len(prompt)) // CODES_PER_FRAME * CODES_PER_FRAME
+        if room < CODES_PER_FRAME:
+            raise InvalidRequest("input", "the text is too long for the speech model's context")
+        params = dataclasses.replace(base, max_new_tokens=max(CODES_PER_FRAME, min(wanted, room)),
+                                     stop_token_ids=(*base.stop_token_ids, layout.end_of_speech),
+                                     ignore_eos=True, logprobs=None, prompt_logprobs=None)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        kwargs = {"request_id": request_id} if request_id else {}
+        return TTSContext(tokens=np.asarray(prompt), max_length=len(prompt) + params.max_new_tokens,
+                          sampling_params=params, eos_token_ids=self.eos_token_ids, seed=seed,
+                          layout=layout, chunk_frames=chunk_frames, **kwargs)
+
     def add_request(self, ctx: TextContext) -> None:
         if ctx.request_id in self._streams:
             raise InvalidRequest("request_id", f"request {ctx.request_id} is already running")
@@ -166,6 +235,15 @@ class EngineCore:
         return len(self._streams)
 
     # -- stepping -------------------------------------------------------------
+    def _decode_audio(self, touched: Sequence[TextContext]) -> dict[str, np.ndarray]:
+        """New audio of the speech requests in `touched` (all of it for finished ones)."""
+        speech = [c for c in touched if isinstance(c, TTSContext) and c.status is not GenerationStatus.CANCELLED
+                  and c.request_id in self._streams]
+        if not speech or self.audio is None:
+            return {}
+        audio = self.audio
+        return self.executor.call(lambda: audio.drain(speech))
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return what each request produced.
 
@@ -192,6 +270,7 @@ class EngineCore:
                     self.pipeline.fill_grammar(handle)
         # Requests that ended outside a step (aborted, or could never fit).
         touched = touched + self.scheduler.take_dropped()
+        audio = self._decode_audio(touched)
         outputs = []
         for ctx in touched:
             stream = self._streams.get(ctx.request_id)
@@ -200,9 +279,12 @@ class EngineCore:
             delta = stream.delta()
             if ctx.error:
                 delta.error = ctx.error
+            if ctx.request_id in audio:
+                delta.audio = audio[ctx.request_id]
             if delta.finished:
                 del self._streams[ctx.request_id]
-            if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs:
+            if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs \
+                    or delta.audio is not None:
                 outputs.append(delta)
         self.scheduler.remove_finished()
         return outputs

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .config import EngineConfig
 from .context import TokenLogprobs
 from .engine import EngineCore
@@ -42,6 +44,17 @@ class CompletionOutput:
             self.cached_prompt_tokens = delta.cached_prompt_tokens
             self.forced_tokens = delta.forced_tokens
             self.error = delta.error
+
+
+@dataclass
+class SpeechOutput:
+    """The whole result of one speech request."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    chunks: list[np.ndarray] = field(default_factory=list)
+    audio: np.ndarray | None = None
+    finish_reason: str | None = None
 
 
 class LLM:
@@ -101,6 +114,40 @@ class LLM:
         while self.engine.has_work():
             self.engine.step()
         return [results[r] for r in order]
+
+    def synthesize(self, texts: Sequence[str] | str, params: SamplingParams | None = None,
+                   **kwargs: Any) -> list[SpeechOutput]:
+        """Speak every text (needs a speech model and `speech_codec`); in order.
+
+        Keyword arguments go to `EngineCore.make_speech_context`
+        (chunk_frames, max_audio_seconds, audio_prompt_codes, ...).
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        outs: dict[str, SpeechOutput] = {}
+        order = []
+        for text in texts:
+            ctx = self.engine.make_speech_context(text, params, **kwargs)
+            self.engine.add_request(ctx)
+            outs[ctx.request_id] = SpeechOutput(ctx.request_id)
+            order.append(ctx.request_id)
+        pending = set(order)
+        while pending:
+            for delta in self.engine.step():
+                out = outs.get(delta.request_id)
+                if out is None:
+                    continue
+                out.token_ids += delta.token_ids
+                if delta.audio is not None:
+                    out.chunks.append(delta.audio)
+                if delta.finished:
+                    out.finish_reason = delta.finish_reason
+                    pending.discard(delta.request_id)
+        while self.engine.has_work():
+            self.engine.step()
+        for out in outs.values():
+            out.audio = np.concatenate(out.chunks) if out.chunks else np.zeros(0, dtype=np.float32)
+        return [outs[r] for r in order]
 
     def close(self) -> None:
         self.engine.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .context import GenerationStatus, TextContext, TokenLogprobs
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -40,6 +42,7 @@ class RequestOutput:
     forced_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
+    audio: np.ndarray | None = None  # new speech samples (float32, mono), speech requests only
 
     @property
     def finish_reason(self) -> str | None:
@@ -52,8 +55,9 @@ class OutputStream:
     def __init__(self, ctx: TextContext, tokenizer: Tokenizer):
         params = ctx.sampling_params
         self.ctx = ctx
-        self.decoder: IncrementalDecoder = tokenizer.stream(ctx.prompt_tokens.tolist(),
-                                                            params.skip_special_tokens)
+        self.decoder: IncrementalDecoder | None = (
+            tokenizer.stream(ctx.prompt_tokens.tolist(), params.skip_special_tokens)
+            if ctx.produces_text else None)
         self.stops = params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
@@ -66,6 +70,8 @@ class OutputStream:
 
     def _decode_new(self) -> None:
         ctx = self.ctx
+        if self.decoder is None:
+            return
         end = ctx.num_final_tokens
         while ctx.prompt_len + self.decoded_tokens < end:
             tok = int(ctx.tokens[ctx.prompt_len + self.decoded_tokens])

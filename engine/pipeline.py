@@ -305,6 +305,7 @@ class TextGenerationPipeline:
 def multi_step_ok(ctx: TextContext) -> bool:
     """Whether `ctx` can take several decode steps without the host in between."""
     return (ctx.active_length == 1 and ctx.active_idx == ctx.end_idx and ctx.matcher is None
+            and ctx.allowed_token_range() is None
             and ctx.num_generated >= ctx.sampling_params.min_new_tokens)
 
 

@@ -51,6 +51,8 @@ class SamplingBatch:
     seen: torch.Tensor | None = None  # [B, V] bool: token in prompt or output
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, cols, values
     eos_block: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, cols masked to -inf
+    # Rows restricted to [lo, hi) plus one extra token (speech codebooks): rows, lo, hi, extra (-1: none).
+    token_ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     num_logprobs: int | None = None  # top-N wanted by some row (None: no logprobs)
 
 
@@ -107,6 +109,12 @@ def build_sampling_batch(contexts: Sequence[TextContext], vocab_size: int,
                     cols.append(tok)
     if rows:
         batch.eos_block = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    ranges = [(r, c.allowed_token_range()) for r, c in enumerate(contexts)]
+    ranges = [(r, rule) for r, rule in ranges if rule is not None]
+    if ranges:
+        batch.token_ranges = tuple(  # type: ignore[assignment]
+            torch.tensor(col, dtype=torch.int64, device=device) for col in zip(
+                *[(r, lo, hi, -1 if extra is None else extra) for r, (lo, hi, extra) in ranges], strict=True))
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     batch.num_logprobs = max(wanted) if wanted else None
     return batch
@@ -149,6 +157,11 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> None
     if batch.eos_block is not None:
         rows, cols = batch.eos_block
         logits[rows, cols] = float("-inf")
+    if batch.token_ranges is not None:
+        rows, lo, hi, extra = batch.token_ranges
+        ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        outside = ((ids < lo[:, None]) | (ids >= hi[:, None])) & (ids != extra[:, None])
+        logits[rows] = logits[rows].masked_fill(outside, float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -35,6 +35,8 @@ class Preset:
     # choices are not decided by rounding noise.
     initializer_range: float = 0.02
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # Speech LMs: token ids of the speech markers and audio codes (see engine.speech.layout).
+    speech_layout: dict[str, int] | None = None
 
 
 def _llama_like(**overrides: Any) -> dict[str, Any]:
@@ -74,6 +76,28 @@ PRESETS: dict[str, Preset] = {
         ),
         seed=1234,
         initializer_range=_TEST_INIT,
+    ),
+    # A speech LM in the Orpheus layout: the demo vocabulary, then speech markers
+    # (8192..8197), then 7 x 4096 audio-code tokens from 8208.
+    "demo-speech": Preset(
+        "LlamaForCausalLM",
+        _llama_like(
+            vocab_size=8208 + 7 * 4096,
+            hidden_size=192,
+            intermediate_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        seed=777,
+        initializer_range=_TEST_INIT,
+        speech_layout={
+            "audio_token_offset": 8208, "codebook_size": 4096, "start_of_human": 8192,
+            "end_of_text": IM_END_ID, "end_of_human": 8193, "start_of_ai": 8194,
+            "start_of_speech": 8196, "end_of_speech": 8197, "end_of_ai": 8195,
+        },
     ),
     # The benchmark model of REFERENCES.md: 111M parameters, fp32.
     "bench": Preset(
@@ -135,6 +159,13 @@ PRESETS: dict[str, Preset] = {
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
 
+# Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
+# narrow one (same rates and frame size) that decodes fast in tests.
+CODEC_PRESETS: dict[str, dict[str, Any]] = {
+    "demo-codec": {"seed": 24},
+    "tiny-codec": {"seed": 25, "config": {"decoder_dim": 128}},
+}
+
 
 def _config_class(architecture: str) -> Any:
     import transformers
@@ -147,8 +178,16 @@ def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path
     """Write preset `name` as an HF checkpoint directory and return its path."""
     import torch
 
+    if name in CODEC_PRESETS:
+        from engine.speech.codec import SNAC_24KHZ, write_random_codec
+
+        spec = CODEC_PRESETS[name]
+        out = write_random_codec(out_dir, seed=spec["seed"], config={**SNAC_24KHZ, **spec.get("config", {})})
+        (out / "stencild_preset.json").write_text(json.dumps({"preset": name, "version": PRESET_VERSION}) + "\n")
+        return out
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
+        choices = ", ".join(sorted([*PRESETS, *CODEC_PRESETS]))
+        raise ValueError(f"unknown preset {name!r}; choose from {choices}")
     preset = PRESETS[name]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,6 +201,10 @@ def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path
     model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / f, out / f)
+    if preset.speech_layout is not None:
+        from engine.speech.layout import SpeechLayout
+
+        SpeechLayout(**preset.speech_layout).save(out)
     (out / "stencild_preset.json").write_text(
         json.dumps({"preset": name, "version": PRESET_VERSION}) + "\n"
     )

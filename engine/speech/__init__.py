@@ -1,0 +1,17 @@
+"""Text to speech on the engine: Orpheus-layout speech LMs and the SNAC decoder."""
+
+from .codec import DecodeWindow, SpeechCodec, write_random_codec
+from .context import TTSContext
+from .generator import AudioGenerationOutput, AudioGenerator
+from .layout import CODES_PER_FRAME, SpeechLayout
+
+__all__ = [
+    "CODES_PER_FRAME",
+    "AudioGenerationOutput",
+    "AudioGenerator",
+    "DecodeWindow",
+    "SpeechCodec",
+    "SpeechLayout",
+    "TTSContext",
+    "write_random_codec",
+]

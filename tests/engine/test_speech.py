@@ -1,0 +1,145 @@
+"""Speech requests on the engine: streamed audio, scheduling with text, cleanup."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.engine import SpeechUnavailable
+from engine.errors import InvalidRequest
+from engine.presets import ensure_preset
+from engine.speech import CODES_PER_FRAME
+
+from .reference import hf_greedy  # noqa: F401  (keeps the reference models importable)
+
+# Streaming decodes each chunk with 3 frames of context on both sides; the
+# decoder's receptive field is about +-3 frames, so streamed samples equal
+# one-shot decoding up to float rounding. Bound: 1e-5 absolute on samples in
+# [-1, 1] (-100 dBFS, far below audibility); measured ~7e-7.
+STREAM_BOUND = 1e-5
+
+
+@pytest.fixture
+def speech_llm(make_llm):
+    def build(codec: str = "tiny-codec", **kwargs) -> LLM:
+        return make_llm("demo-speech", speech_codec=str(ensure_preset(codec)), **kwargs)
+
+    return build
+
+
+def stream(llm: LLM, text: str, **kwargs):
+    """Run one speech request, returning (chunks, step index of each chunk, ctx)."""
+    eng = llm.engine
+    ctx = eng.make_speech_context(text, **kwargs)
+    eng.add_request(ctx)
+    chunks, steps, step = [], [], 0
+    last_step = None
+    while eng.has_work():
+        for out in eng.step():
+            if out.audio is not None:
+                chunks.append(out.audio)
+                steps.append(step)
+            if out.finished:
+                last_step = step
+        step += 1
+    return chunks, steps, last_step, ctx
+
+
+@pytest.mark.parametrize("codec", ["tiny-codec", "demo-codec"])
+def test_streamed_audio_equals_one_shot_decoding(speech_llm, codec):
+    llm = speech_llm(codec)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3, repetition_penalty=1.1)
+    chunks, steps, last_step, ctx = stream(llm, "Streaming speech should be seamless.", params=params,
+                                           chunk_frames=3, max_audio_seconds=1.5)
+    codes = ctx.speech_codes()
+    # 1.5 s = 18 frames of 2048 samples, streamed in chunks of 3 frames (the end is
+    # drained at once when generation stops).
+    assert len(codes) == 18 and len(chunks) >= 4
+    one_shot = llm.engine.audio.codec.decode_all(codes)
+    streamed = np.concatenate(chunks)
+    assert streamed.shape == one_shot.shape == (18 * 2048,)
+    assert np.abs(streamed - one_shot).max() < STREAM_BOUND
+    # The first chunk is ready long before the request ends.
+    assert steps[0] < last_step / 2
+
+
+def test_tokens_follow_the_codebook_layout(speech_llm):
+    llm = speech_llm()
+    out = llm.synthesize("Every position in its own codebook.", max_audio_seconds=1.0)[0]
+    layout = llm.engine.speech_layout
+    assert len(out.token_ids) % CODES_PER_FRAME == 0
+    for i, tok in enumerate(out.token_ids):
+        lo, hi = layout.token_range(i)
+        assert lo <= tok < hi
+    assert out.finish_reason == "length" and len(out.audio) == len(out.token_ids) // 7 * 2048
+
+
+def test_speech_and_text_share_the_engine(speech_llm):
+    """Text requests batched with speech requests on one KV cache get the same
+    greedy tokens as when they run alone."""
+    llm = speech_llm()
+    eng = llm.engine
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 8000, size=n).tolist() for n in (5, 40, 17)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(prompts, greedy)]
+    ids = []
+    for text in ("one voice", "a second, longer voice line"):
+        ctx = eng.make_speech_context(text, max_audio_seconds=1.0)
+        eng.add_request(ctx)
+        ids.append(ctx.request_id)
+    mixed = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in mixed] == alone
+    while eng.has_work():
+        eng.step()
+
+
+def test_cancelling_speech_frees_pages(speech_llm):
+    llm = speech_llm()
+    eng = llm.engine
+    ctx = eng.make_speech_context("cancel me soon", max_audio_seconds=5.0)
+    eng.add_request(ctx)
+    for _ in range(10):
+        eng.step()
+    assert eng.allocator.num_used > 0
+    eng.abort(ctx.request_id)
+    finals = [o for _ in range(3) for o in eng.step() if o.finished]
+    assert finals and finals[0].finish_reason == "cancelled" and finals[0].audio is None
+    while eng.has_work():
+        eng.step()
+    assert eng.allocator.num_used == 0
+
+
+def test_preempted_speech_gives_the_same_audio(speech_llm, make_llm):
+    per_page = 2 * 6 * 16 * 2 * 48 * 4  # kv, layers, page, kv heads, head dim, fp32
+    small = speech_llm(kv_cache_gib=14 * per_page / 2**30, max_model_len=200)
+    big = speech_llm()
+    params = SamplingParams(temperature=0.7, seed=9)
+    texts = ["first line", "second line here", "third"]
+    a = small.synthesize(texts, params, max_audio_seconds=1.0)
+    assert small.engine.scheduler.num_preemptions > 0
+    b = big.synthesize(texts, params, max_audio_seconds=1.0)
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert np.abs(x.audio - y.audio).max() < STREAM_BOUND
+
+
+def test_voice_prompt_and_bad_requests(speech_llm, make_llm):
+    llm = speech_llm()
+    eng = llm.engine
+    codes = list(range(14))
+    ctx = eng.make_speech_context("clone this voice", audio_prompt_codes=codes,
+                                  audio_prompt_transcription="reference words")
+    assert eng.speech_layout.codes_to_tokens(np.array(codes)).tolist()[0] in ctx.prompt_tokens.tolist()
+    cases = {"input": dict(text=""), "audio_prompt_tokens": dict(text="x", audio_prompt_codes=[1, 2, 3]),
+             "chunk_frames": dict(text="x", chunk_frames=0)}
+    for field, kwargs in cases.items():
+        with pytest.raises(InvalidRequest) as err:
+            eng.make_speech_context(**kwargs)
+        assert err.value.field == field
+    with pytest.raises(InvalidRequest, match="at most"):
+        eng.make_speech_context("x" * 5000)
+    text_only = make_llm("tiny-llama")
+    with pytest.raises(SpeechUnavailable):
+        text_only.engine.make_speech_context("hello")
