@@ -73,6 +73,19 @@ class SpeechCodec:
         self._offsets: torch.Tensor | None = None
         for i, block in enumerate(self._noise_blocks):
             block.forward = self._noise_forward(block, i)  # type: ignore[method-assign]
+        self._use_fused_snake(device, dtype)
+
+    def _use_fused_snake(self, device: torch.device, dtype: torch.dtype) -> None:
+        """On CPU (fp32), run SNAC's snake activation as one vectorized kernel."""
+        from engine.kernels import cpu_ops
+
+        ops = cpu_ops() if device.type == "cpu" and dtype == torch.float32 else None
+        if ops is None:
+            return
+        for module in self.model.modules():
+            if type(module).__name__ == "Snake1d":
+                alpha = module.alpha.detach().reshape(-1).contiguous()
+                module.forward = (lambda a: lambda x: ops.snake(x, a))(alpha)  # type: ignore[method-assign]
 
     def _noise_forward(self, block, index: int):
         def forward(x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,26 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+// sin(x)^2 for 16 floats: reduce x by multiples of pi (sin^2 has period pi, so
+// the quadrant's sign does not matter) and evaluate an odd polynomial on
+// [-pi/2, pi/2] (error ~1e-7 after reduction).
+inline __m512 sin_sq16(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.318309886183790671f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - k*pi in two steps (Cody-Waite) to keep precision for larger |x|.
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(3.14159274101257324f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-8.74227800037248e-8f), r);
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  __m512 p = _mm512_set1_ps(-2.50521083854417e-8f);
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(2.75573192239859e-6f));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(-1.98412698412698e-4f));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(8.33333333333333e-3f));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(-1.66666666666667e-1f));
+  p = _mm512_fmadd_ps(p, r2, _mm512_set1_ps(1.0f));
+  const __m512 sn = _mm512_mul_ps(p, r);
+  return _mm512_mul_ps(sn, sn);
+}
 #endif
 
 // e^x over an array, vectorized where the CPU allows.
@@ -123,18 +143,25 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
   const int32_t* seq = token_seq.data_ptr<int32_t>();
   const int32_t* ctx = token_ctx.data_ptr<int32_t>();
   const int32_t* table = lookup_table.data_ptr<int32_t>();
-  const int64_t n_items = tokens.size(0) * KVH;
+  // With many tokens an item is one token and all its kv heads, so each page's
+  // keys and values are read front to back; with few tokens, split by head too
+  // so every thread has work.
+  const int64_t n_tokens = tokens.size(0);
+  const int64_t groups = n_tokens >= 4 * at::get_num_threads() ? 1 : KVH;
+  const int64_t heads_per_item = KVH / groups;
+  const int64_t n_items = n_tokens * groups;
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), kblk(P * D), vblk(P * D), scores(G * P);
-    std::vector<float> m(G), l(G);
+    const int64_t HG = heads_per_item * G;  // query heads handled by one item
+    std::vector<float> qf(HG * D), acc(HG * D), kblk(P * D), vblk(P * D), scores(HG * P);
+    std::vector<float> m(HG), l(HG);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = tok[item / KVH], g = item % KVH;
+      const int64_t t = tok[item / groups], g0 = (item % groups) * heads_per_item;
       const int64_t n_keys = ctx[t];
       const int32_t* pages = table + seq[t] * table_stride;
-      for (int64_t h = 0; h < G; ++h) {
-        const scalar_t* src = qp + t * qs0 + (g * G + h) * qs1;
+      for (int64_t h = 0; h < HG; ++h) {
+        const scalar_t* src = qp + t * qs0 + (g0 * G + h) * qs1;
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(src[d]) * fscale;
         m[h] = -std::numeric_limits<float>::infinity();
         l[h] = 0.f;
@@ -142,51 +169,66 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < n_keys; start += P) {
         const int64_t nk = std::min<int64_t>(P, n_keys - start);
-        const scalar_t* kb = c + pages[start / P] * page_stride + layer * layer_stride + g * D;
-        const scalar_t* vb = kb + kv_stride;
-        // fp32 rows are read in place; other dtypes are staged as floats.
-        const float* krows;
-        const float* vrows;
-        int64_t row_stride;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          krows = kb;
-          vrows = vb;
-          row_stride = slot_stride;
-        } else {
-          for (int64_t j = 0; j < nk; ++j)
-            for (int64_t d = 0; d < D; ++d) {
-              kblk[j * D + d] = to_f(kb[j * slot_stride + d]);
-              vblk[j * D + d] = to_f(vb[j * slot_stride + d]);
-            }
-          krows = kblk.data();
-          vrows = vblk.data();
-          row_stride = D;
+        const scalar_t* page_k = c + pages[start / P] * page_stride + layer * layer_stride;
+        if (start + P < n_keys) {
+          // Pages are scattered: fetch the next one's keys and values early.
+          const char* nk_base = reinterpret_cast<const char*>(
+              c + pages[start / P + 1] * page_stride + layer * layer_stride);
+          const int64_t bytes = P * slot_stride * static_cast<int64_t>(sizeof(scalar_t));
+          for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(nk_base + off);
+            __builtin_prefetch(nk_base + kv_stride * sizeof(scalar_t) + off);
+          }
         }
-        for (int64_t h = 0; h < G; ++h) {
-          float* sh = scores.data() + h * P;
-          float blk_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < nk; ++j) {
-            sh[j] = dot(qf.data() + h * D, krows + j * row_stride, D);
-            blk_max = std::max(blk_max, sh[j]);
+        for (int64_t hg = 0; hg < heads_per_item; ++hg) {
+          const int64_t g = g0 + hg;
+          const scalar_t* kb = page_k + g * D;
+          const scalar_t* vb = kb + kv_stride;
+          // fp32 rows are read in place; other dtypes are staged as floats.
+          const float* krows;
+          const float* vrows;
+          int64_t row_stride;
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            krows = kb;
+            vrows = vb;
+            row_stride = slot_stride;
+          } else {
+            for (int64_t j = 0; j < nk; ++j)
+              for (int64_t d = 0; d < D; ++d) {
+                kblk[j * D + d] = to_f(kb[j * slot_stride + d]);
+                vblk[j * D + d] = to_f(vb[j * slot_stride + d]);
+              }
+            krows = kblk.data();
+            vrows = vblk.data();
+            row_stride = D;
           }
-          const float new_max = std::max(m[h], blk_max);
-          const float correction = std::exp(m[h] - new_max);
-          for (int64_t j = 0; j < nk; ++j) sh[j] -= new_max;
-          exp_inplace(sh, nk);
-          float* ah = acc.data() + h * D;
-          float sum = 0.f;
-          if (correction != 1.f)
-            for (int64_t d = 0; d < D; ++d) ah[d] *= correction;
-          for (int64_t j = 0; j < nk; ++j) {
-            sum += sh[j];
-            axpy(sh[j], vrows + j * row_stride, ah, D);
+          for (int64_t hq = 0; hq < G; ++hq) {
+            const int64_t h = hg * G + hq;
+            float* sh = scores.data() + h * P;
+            float blk_max = -std::numeric_limits<float>::infinity();
+            for (int64_t j = 0; j < nk; ++j) {
+              sh[j] = dot(qf.data() + h * D, krows + j * row_stride, D);
+              blk_max = std::max(blk_max, sh[j]);
+            }
+            const float new_max = std::max(m[h], blk_max);
+            const float correction = std::exp(m[h] - new_max);
+            for (int64_t j = 0; j < nk; ++j) sh[j] -= new_max;
+            exp_inplace(sh, nk);
+            float* ah = acc.data() + h * D;
+            float sum = 0.f;
+            if (correction != 1.f)
+              for (int64_t d = 0; d < D; ++d) ah[d] *= correction;
+            for (int64_t j = 0; j < nk; ++j) {
+              sum += sh[j];
+              axpy(sh[j], vrows + j * row_stride, ah, D);
+            }
+            l[h] = l[h] * correction + sum;
+            m[h] = new_max;
           }
-          l[h] = l[h] * correction + sum;
-          m[h] = new_max;
         }
       }
-      for (int64_t h = 0; h < G; ++h) {
-        scalar_t* dst = op + t * os0 + (g * G + h) * os1;
+      for (int64_t h = 0; h < HG; ++h) {
+        scalar_t* dst = op + t * os0 + (g0 * G + h) * os1;
         const float inv = 1.f / l[h];
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[h * D + d] * inv);
       }
@@ -226,6 +268,30 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e(I);
     for (int64_t t = begin; t < end; ++t) silu_mul_row(gp + t * gs, gp + t * gs + I, op + t * os, e.data(), I);
+  });
+}
+
+// Snake activation of SNAC: y = x + sin(alpha * x)^2 / (alpha + 1e-9), per channel.
+void snake_impl(const float* x, const float* alpha, float* y, int64_t B, int64_t C, int64_t T) {
+  at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bc = begin; bc < end; ++bc) {
+      const float a = alpha[bc % C];
+      const float inv = 1.f / (a + 1e-9f);
+      const float* xr = x + bc * T;
+      float* yr = y + bc * T;
+      int64_t t = 0;
+#ifdef __AVX512F__
+      const __m512 va = _mm512_set1_ps(a), vinv = _mm512_set1_ps(inv);
+      for (; t + 16 <= T; t += 16) {
+        const __m512 xv = _mm512_loadu_ps(xr + t);
+        _mm512_storeu_ps(yr + t, _mm512_fmadd_ps(vinv, sin_sq16(_mm512_mul_ps(va, xv)), xv));
+      }
+#endif
+      for (; t < T; ++t) {
+        const float sn = std::sin(a * xr[t]);
+        yr[t] = xr[t] + inv * sn * sn;
+      }
+    }
   });
 }
 
@@ -310,10 +376,22 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Snake activation for x [B, C, T] (fp32) with per-channel alpha.
+torch::Tensor snake(torch::Tensor x, torch::Tensor alpha) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "x must be float32 [B, C, T]");
+  auto xc = x.contiguous();
+  auto ac = alpha.reshape({-1}).to(torch::kFloat32).contiguous();
+  TORCH_CHECK(ac.numel() == x.size(1), "alpha must have one value per channel");
+  auto y = torch::empty_like(xc);
+  snake_impl(xc.data_ptr<float>(), ac.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), x.size(2));
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Release the GIL so the engine's host thread runs while a forward pass computes.
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("silu_mul", &silu_mul, "silu(gate) * up for a fused gate|up projection", release());
+  m.def("snake", &snake, "SNAC snake activation", release());
   m.def("write_kv", &write_kv, "write new keys/values into the paged cache", release());
   m.def("paged_attention", &paged_attention, "paged attention for short queries", release());
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm, in place", release());
