@@ -258,24 +258,33 @@ def _fresh_runs(spans: list[SeqSpan]) -> tuple[list[tuple[int, int, int]], list[
 
 
 class VarlenAttention(AttentionBackend):
-    """CUDA: flash varlen attention over each sequence's packed context."""
+    """CUDA: flash varlen attention reading keys and values from the pages.
+
+    `varlen_attn` takes the page pool, a block table and per-sequence key
+    counts, so no gather is needed; causal masking is bottom-right aligned
+    (window (-1, 0)), which is what chunked prefill and decode need. If the
+    kernel rejects the cache (flash builds have had page-size limits), the
+    backend falls back to gathering each sequence's keys into one packed
+    buffer. Not exercised in CI (no GPU); CPU tests cover the same metadata.
+    """
 
     name = "cuda-varlen"
+
+    def __init__(self, cache: torch.Tensor, num_heads: int, head_dim: int):
+        super().__init__(cache, num_heads, head_dim)
+        self._paged: bool | None = None  # None: not tried yet
 
     def prepare(self, meta: AttentionMetadata, lookup_table: np.ndarray) -> None:
         device = self.cache.device
         pages = meta.slot_page.to(torch.int64)
         meta.extra["write_base"] = pages * (2 * self.rows.layers * self.rows.page_size) + meta.slot_offset
-        rows = np.concatenate(
-            [self.rows.base_rows(lookup_table[s.index], 0, s.ctx_len) for s in meta.spans]
-        )
-        meta.extra["packed_rows"] = torch.from_numpy(rows).to(device)
         q_lens = [s.q_len for s in meta.spans]
         k_lens = [s.ctx_len for s in meta.spans]
         meta.extra["cu_q"] = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32,
                                           device=device)
-        meta.extra["cu_k"] = torch.tensor(np.concatenate([[0], np.cumsum(k_lens)]), dtype=torch.int32,
-                                          device=device)
+        meta.extra["seqused_k"] = torch.tensor(k_lens, dtype=torch.int32, device=device)
+        meta.extra["k_lens"] = k_lens
+        meta.extra["host_table"] = lookup_table
         meta.extra["max_q"], meta.extra["max_k"] = max(q_lens), max(k_lens)
 
     def __call__(self, q, k, v, layer, meta):
@@ -284,15 +293,30 @@ class VarlenAttention(AttentionBackend):
         base = meta.extra["write_base"]
         self.rows.flat.index_copy_(0, self.rows.key_rows(base, layer), k)
         self.rows.flat.index_copy_(0, self.rows.value_rows(base, layer), v)
+        q = q.contiguous()
+        common = dict(scale=self.scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+        if self._paged is not False:
+            try:
+                out = varlen_attn(q, self.cache[:, 0, layer], self.cache[:, 1, layer], meta.extra["cu_q"], None,
+                                  meta.extra["max_q"], meta.extra["max_k"], seqused_k=meta.extra["seqused_k"],
+                                  block_table=meta.lookup_table, **common)
+                self._paged = True
+                return out
+            except (RuntimeError, ValueError):
+                if self._paged:
+                    raise
+                self._paged = False
+        if "cu_k" not in meta.extra:
+            table = meta.extra["host_table"]
+            rows = np.concatenate([self.rows.base_rows(table[s.index], 0, s.ctx_len) for s in meta.spans])
+            meta.extra["packed_rows"] = torch.from_numpy(rows).to(q.device)
+            meta.extra["cu_k"] = torch.tensor(np.concatenate([[0], np.cumsum(meta.extra["k_lens"])]),
+                                              dtype=torch.int32, device=q.device)
         packed = meta.extra["packed_rows"]
         keys = self.rows.flat.index_select(0, self.rows.key_rows(packed, layer))
         values = self.rows.flat.index_select(0, self.rows.value_rows(packed, layer))
-        if keys.shape[1] != q.shape[1]:  # GQA: varlen_attn wants equal head counts
-            group = q.shape[1] // keys.shape[1]
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        return varlen_attn(q.contiguous(), keys, values, meta.extra["cu_q"], meta.extra["cu_k"],
-                           meta.extra["max_q"], meta.extra["max_k"], is_causal=True)
+        return varlen_attn(q, keys, values, meta.extra["cu_q"], meta.extra["cu_k"], meta.extra["max_q"],
+                           meta.extra["max_k"], **common)
 
 
 def make_attention(cache: torch.Tensor, num_heads: int, head_dim: int,
