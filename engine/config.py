@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .devices import resolve_dtype, validate_device_dtype
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -36,10 +38,7 @@ class EngineConfig:
     speech_codec: str | None = None
 
     def __post_init__(self) -> None:
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        validate_device_dtype(self.device, self.dtype)
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
         if not 1 <= self.page_size <= 64:
@@ -61,6 +60,4 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype in (None, "auto"):
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
+        return resolve_dtype(self.torch_device, self.dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +53,19 @@ class SpeechOutput:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     chunks: list[np.ndarray] = field(default_factory=list)
-    audio: np.ndarray | None = None
     finish_reason: str | None = None
+
+    @property
+    def audio(self) -> np.ndarray:
+        """All streamed chunks, concatenated (float32 mono)."""
+        return np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=np.float32)
+
+    def _add(self, delta: RequestOutput) -> None:
+        self.token_ids += delta.token_ids
+        if delta.audio is not None:
+            self.chunks.append(delta.audio)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
 
 
 class LLM:
@@ -101,7 +112,12 @@ class LLM:
             out = CompletionOutput(ctx.request_id, ids, logprobs=[] if p.logprobs is not None else None)
             results[ctx.request_id] = out
             order.append(ctx.request_id)
-        pending = set(order)
+        self._run(results)
+        return [results[r] for r in order]
+
+    def _run(self, results: Mapping[str, CompletionOutput | SpeechOutput]) -> None:
+        """Step the engine until every request in `results` has finished."""
+        pending = set(results)
         while pending:
             for delta in self.engine.step():
                 out = results.get(delta.request_id)
@@ -113,7 +129,6 @@ class LLM:
         # With overlap a speculative step may still be in flight: finish it.
         while self.engine.has_work():
             self.engine.step()
-        return [results[r] for r in order]
 
     def synthesize(self, texts: Sequence[str] | str, params: SamplingParams | None = None,
                    **kwargs: Any) -> list[SpeechOutput]:
@@ -131,22 +146,7 @@ class LLM:
             self.engine.add_request(ctx)
             outs[ctx.request_id] = SpeechOutput(ctx.request_id)
             order.append(ctx.request_id)
-        pending = set(order)
-        while pending:
-            for delta in self.engine.step():
-                out = outs.get(delta.request_id)
-                if out is None:
-                    continue
-                out.token_ids += delta.token_ids
-                if delta.audio is not None:
-                    out.chunks.append(delta.audio)
-                if delta.finished:
-                    out.finish_reason = delta.finish_reason
-                    pending.discard(delta.request_id)
-        while self.engine.has_work():
-            self.engine.step()
-        for out in outs.values():
-            out.audio = np.concatenate(out.chunks) if out.chunks else np.zeros(0, dtype=np.float32)
+        self._run(outs)
         return [outs[r] for r in order]
 
     def close(self) -> None:

