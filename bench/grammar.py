@@ -1,6 +1,6 @@
 """Grammar micro-benchmarks: mask time per token and compile time, per backend.
 
-    .venv/bin/python bench/grammar.py [--tokenizers demo,bpe32k] [--iters N] [--e2e]
+    .venv/bin/python bench/grammar.py [--tokenizers demo,bpe32k] [--iters N] [--e2e | --e2e-only]
 
 - mask time: one matcher walks a compact JSON instance of each schema token by
   token; every step's `fill_bitmask` is timed (p50 / p99 / mean, µs), and a
@@ -14,8 +14,10 @@ Tokenizers: the committed 8k demo tokenizer, and a 32k byte-level BPE trained
 here on the standard library's .py sources plus the demo tokenizer's corpus,
 cached under ~/.cache/stencild/tokenizers (never committed).
 
-`--e2e` is the hook for the engine's end-to-end numbers (tok/s constrained vs
-unconstrained); it is filled in by the engine, see `end_to_end`.
+`--e2e` adds end-to-end engine numbers (`--e2e-only`: just those): the offline
+`LLM` on the `bench` preset, a batch of 16 prompts, greedy, unconstrained vs
+constrained by a key-heavy JSON schema (`E2E_SCHEMA`): output tok/s, the share
+of forced tokens, and output tokens per forward pass. See `end_to_end`.
 """
 
 from __future__ import annotations
@@ -228,14 +230,85 @@ def compile_times(compiler: Any, name: str, backend: str, reps: int, salt0: int)
     return statistics.median(times)
 
 
-def end_to_end(args: argparse.Namespace) -> str:
-    """Hook: engine tok/s, constrained vs unconstrained (to be filled in by engine/).
+# Key-heavy, every value bounded: enums, bounded integers, short strings. A
+# compact object is ~45 tokens of the demo tokenizer, most of them forced.
+E2E_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "ticket_id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "status": {"enum": ["open", "in_progress", "blocked", "closed"]},
+        "priority": {"enum": ["low", "medium", "high", "urgent"]},
+        "team": {"enum": ["infra", "frontend", "backend", "data"]},
+        "assignee": {"type": "string", "minLength": 1, "maxLength": 8},
+        "estimate_hours": {"type": "integer", "minimum": 0, "maximum": 99},
+        "billable": {"type": "boolean"},
+    },
+    "required": ["ticket_id", "status", "priority", "team", "assignee", "estimate_hours", "billable"],
+    "additionalProperties": False,
+}
 
-    Expected to run the engine on the "bench" preset with and without a JSON
-    schema from SCHEMAS and return a markdown table; kept out of this module so
-    the grammar package never depends on the engine.
+
+def _e2e_run(llm: Any, prompts: list[str], params: Any, spec: Any) -> dict[str, float]:
+    passes = llm.engine.pipeline.forward_passes
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, constraint=spec)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    complete = sum(o.finish_reason == "eos" for o in outs) if spec is not None else len(outs)
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tok_s": tokens / seconds,
+        "forced": sum(o.forced_tokens for o in outs) / max(tokens, 1),
+        "per_pass": tokens / max(llm.engine.pipeline.forward_passes - passes, 1),
+        "complete": complete,
+        "errors": sum(o.finish_reason == "error" for o in outs),
+    }
+
+
+def end_to_end(args: argparse.Namespace) -> str:
+    """Engine tok/s at batch `--e2e-batch`, unconstrained vs JSON-schema constrained.
+
+    Each case runs once to warm up (kernels, grammar compile, lexer caches),
+    then `--e2e-reps` times; the best run is reported. Unconstrained requests
+    ignore EOS so each produces exactly `--e2e-tokens`; constrained ones end
+    when the object is complete (EOS) or at `--e2e-tokens` (LENGTH).
     """
-    return "_end-to-end numbers: not implemented yet (engine hook)_"
+    import os
+
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.presets import ensure_preset
+    from grammar import GrammarSpec
+
+    torch.set_num_threads(os.cpu_count() or 1)  # undo the micro-benchmarks' single thread
+    llm = LLM(ensure_preset(args.e2e_preset), max_num_seqs=max(args.e2e_batch, 16),
+              grammar_backend=args.e2e_backend, overlap=not args.e2e_no_overlap)
+    try:
+        prompts = [f"Ticket {i}: the build is failing on branch release-{i}." for i in range(args.e2e_batch)]
+        free = SamplingParams(temperature=0.0, max_new_tokens=args.e2e_tokens, ignore_eos=True)
+        shaped = SamplingParams(temperature=0.0, max_new_tokens=args.e2e_tokens)
+        spec = GrammarSpec.json_schema(E2E_SCHEMA)
+        rows = []
+        for label, params, constraint in (("unconstrained", free, None),
+                                          ("json schema", shaped, spec)):
+            _e2e_run(llm, prompts, params, constraint)
+            best = max((_e2e_run(llm, prompts, params, constraint) for _ in range(args.e2e_reps)),
+                       key=lambda r: r["tok_s"])
+            rows.append(
+                f"| {label} | {best['tokens']} | {best['seconds']:.2f} | {best['tok_s']:.0f} | "
+                f"{100 * best['forced']:.0f}% | {best['per_pass']:.2f} | "
+                f"{best['complete']}/{len(prompts)} | {best['errors']} |"
+            )
+    finally:
+        llm.close()
+    head = (f"{args.e2e_preset} preset, batch {args.e2e_batch}, greedy, max_new_tokens "
+            f"{args.e2e_tokens}, grammar backend {args.e2e_backend}, overlap "
+            f"{'off' if args.e2e_no_overlap else 'on'}, best of {args.e2e_reps}\n\n")
+    table = ("| case | output tokens | s | tok/s | forced | tokens / forward pass | complete | errors |\n"
+             "|---|---|---|---|---|---|---|---|\n")
+    return head + table + "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,8 +322,18 @@ def main(argv: list[str] | None = None) -> int:
         default=64,
         help="MB of stdlib .py sources for the 32k BPE (64: all of them)",
     )
-    parser.add_argument("--e2e", action="store_true", help="also run the end-to-end hook")
+    parser.add_argument("--e2e", action="store_true", help="also run the end-to-end benchmark")
+    parser.add_argument("--e2e-only", action="store_true", help="run only the end-to-end benchmark")
+    parser.add_argument("--e2e-preset", default="bench")
+    parser.add_argument("--e2e-batch", type=int, default=16)
+    parser.add_argument("--e2e-tokens", type=int, default=64, help="max_new_tokens")
+    parser.add_argument("--e2e-reps", type=int, default=2)
+    parser.add_argument("--e2e-backend", default="auto", choices=["auto", *BACKENDS])
+    parser.add_argument("--e2e-no-overlap", action="store_true")
     args = parser.parse_args(argv)
+    if args.e2e_only:
+        print(end_to_end(args))
+        return 0
 
     import torch
 

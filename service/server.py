@@ -1,10 +1,13 @@
 """Server assembly: the grpc.aio server, model loading, health, reflection, drain.
 
 Lifecycle: `start()` binds the port and serves health (NOT_SERVING) and
-reflection at once, then loads and warms up the model off the event loop and
-turns SERVING. `drain()` turns NOT_SERVING, refuses new calls with
-UNAVAILABLE, lets Generate streams in flight finish for up to the grace
-period, then aborts the rest (their streams end UNAVAILABLE) and stops.
+reflection at once, then loads and warms up the models off the event loop
+(service/loading.py) and turns SERVING: the generation model
+(stencil.v1.Generation) and the embedding model (stencil.v1.Embeddings),
+either of which may be absent. `drain()` turns NOT_SERVING, refuses new calls
+with UNAVAILABLE, lets Generate streams and Embed calls in flight finish for
+up to the grace period, then aborts the rest (their streams end UNAVAILABLE)
+and stops.
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine import EngineCore, SamplingParams
+from engine import EngineCore
 
+from .embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
+from .embeddings import EmbeddingOptions, EmbeddingSlot, EmbeddingsServicer
 from .engine_loop import AdmissionLimits, EngineLoop
+from .gen.stencil.v1 import embed_pb2_grpc
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from .generation import SERVICE_NAME, GenerationServicer, ServingState
 from .health import HealthState
+from .loading import LoadedModels, load_models
+from .structured import ConstraintCompiler
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,8 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     warmup: bool = True
+    # Start the grammar compiler's worker during warm-up (else on first use).
+    warmup_grammar: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -53,27 +63,24 @@ class ServerConfig:
             raise ValueError("max_message_bytes must be >= 1024")
 
 
-def warm_up(engine: EngineCore) -> None:
-    """Run two short requests through the engine so first calls pay no start-up cost."""
-    tok = engine.tokenizer
-    for i, text in enumerate(("Hello", "Warm-up request with a somewhat longer prompt.")):
-        ids = tok.encode(text)[: engine.max_model_len - 3]
-        ctx = engine.make_context(ids, SamplingParams(temperature=0.0, max_new_tokens=2),
-                                  request_id=f"stencild-warmup-{i}")
-        engine.add_request(ctx)
-    while engine.has_work():
-        engine.step()
-
-
 class StencilServer:
-    """The gRPC server around one engine. Use from a running event loop."""
+    """The gRPC server around a generation engine and/or an embedding model.
 
-    def __init__(self, engine_factory: Callable[[], EngineCore], model_name: str,
-                 config: ServerConfig | None = None):
+    `engine_factory` None serves no generation model; `embedding` None serves
+    no embedding model (Embed answers FAILED_PRECONDITION). Use from a running
+    event loop.
+    """
+
+    def __init__(self, engine_factory: Callable[[], EngineCore] | None, model_name: str,
+                 config: ServerConfig | None = None, embedding: EmbeddingOptions | None = None):
+        if engine_factory is None and embedding is None:
+            raise ValueError("a server needs a generation model, an embedding model, or both")
         self.config = config or ServerConfig()
         self._engine_factory = engine_factory
-        self.state = ServingState(model_name, SERVER_VERSION)
-        self.health = HealthState([SERVICE_NAME])
+        self.state = ServingState(model_name, SERVER_VERSION, serves_generation=engine_factory is not None)
+        self.embedding = EmbeddingSlot(embedding)
+        self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE])
+        self.models: LoadedModels | None = None
         self.port: int | None = None
         self.load_error: BaseException | None = None
         self._server: grpc.aio.Server | None = None
@@ -97,10 +104,12 @@ class StencilServer:
             ("grpc.so_reuseport", 0),
         ])
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.state), server)
+        embed_pb2_grpc.add_EmbeddingsServicer_to_server(EmbeddingsServicer(self.state, self.embedding),
+                                                        server)
         self.health.add_to_server(server)
         await self.health.not_serving()
         reflection.enable_server_reflection(
-            [SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+            [SERVICE_NAME, EMBEDDINGS_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
         address = f"{self.config.host}:{self.config.port}"
         try:
             port = server.add_insecure_port(address)
@@ -118,30 +127,29 @@ class StencilServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _build_engine(self) -> EngineCore:
-        engine = self._engine_factory()
-        if self.config.warmup:
-            try:
-                warm_up(engine)
-            except BaseException:
-                engine.close()
-                raise
-        return engine
+    def _build_models(self) -> LoadedModels:
+        cfg = self.config
+        return load_models(self._engine_factory, self.embedding.options, warmup=cfg.warmup,
+                           warmup_grammar=cfg.warmup_grammar, engine_alive=self._engine_alive)
+
+    def _engine_alive(self) -> bool:
+        loop = self.state.engine_loop
+        return loop is None or loop.alive
 
     async def _load(self) -> None:
         # A daemon thread, not the default executor: a shutdown during loading
         # must not wait for the model to finish loading.
-        done: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
+        done: concurrent.futures.Future[LoadedModels] = concurrent.futures.Future()
 
         def build() -> None:
             try:
-                done.set_result(self._build_engine())
+                done.set_result(self._build_models())
             except BaseException as exc:
                 done.set_exception(exc)
 
         threading.Thread(target=build, name="stencild-load", daemon=True).start()
         try:
-            engine = await asyncio.wrap_future(done)
+            models = await asyncio.wrap_future(done)
         except Exception as exc:
             # Bad checkpoints and options are user errors: no traceback for those.
             log.error("could not load the model: %s", exc,
@@ -149,25 +157,35 @@ class StencilServer:
             self.load_error = exc
             self._ready.set()
             return
-        if self.state.draining:  # shut down while loading: nobody will use it
-            engine.close()
+        if self.state.draining:  # shut down while loading: nobody will use them
+            await asyncio.to_thread(models.close)
             self._ready.set()
             return
-        loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure)
-        loop.start()
-        self.state.engine_loop = loop
-        await self.health.serving()
-        log.info("ready: %s (%s, %s)", self.state.model_name, engine.model_config.architecture,
-                 engine.config.torch_device)
+        self.models = models
+        engine = models.engine
+        if engine is not None:
+            loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure)
+            loop.start()
+            cfg = self.config
+            self.state.constraints = ConstraintCompiler(engine.structured,
+                                                        cfg.admission.max_pending_requests,
+                                                        warm=cfg.warmup and cfg.warmup_grammar)
+            self.state.engine_loop = loop
+            log.info("ready: %s (%s, %s)", self.state.model_name, engine.model_config.architecture,
+                     engine.config.torch_device)
+        self.embedding.runtime = models.embeddings
+        served = [name for name, on in ((SERVICE_NAME, engine is not None),
+                                        (EMBEDDINGS_SERVICE, models.embeddings is not None)) if on]
+        await self.health.serving(served)
         self._ready.set()
 
     def _on_engine_failure(self, exc: BaseException) -> None:
         self._spawn(self.health.shut_down())
 
     async def wait_ready(self) -> bool:
-        """Wait until the model is loaded (True) or failed to load (False)."""
+        """Wait until the models are loaded (True) or failed to load (False)."""
         await self._ready.wait()
-        return self.load_error is None and self.state.engine_loop is not None
+        return self.load_error is None and self.models is not None
 
     def drain(self, grace_period_s: float | None = None) -> asyncio.Task[None]:
         """Start a graceful shutdown (idempotent); a second call with grace 0 hurries it."""
@@ -181,7 +199,7 @@ class StencilServer:
     async def _drain(self, grace: float) -> None:
         state = self.state
         state.draining = True
-        log.info("draining: %d Generate calls in flight, grace period %.1fs",
+        log.info("draining: %d calls in flight, grace period %.1fs",
                  state.calls_in_flight, grace)
         await self.health.shut_down()
         idle = asyncio.ensure_future(state.wait_idle())
@@ -198,6 +216,10 @@ class StencilServer:
         if self._server is not None:
             # Only unary calls and health watches can remain: give them a moment.
             await self._server.stop(grace=1.0)
+        runtime = self.embedding.runtime
+        if runtime is not None:
+            # Before the engine stops: it may share the engine's device thread.
+            await asyncio.to_thread(runtime.close)
         if loop is not None:
             await loop.stop()
         log.info("stopped")
@@ -211,13 +233,13 @@ class StencilServer:
         await self.drain(0.0)
 
 
-async def serve(engine_factory: Callable[[], EngineCore], model_name: str,
-                config: ServerConfig) -> int:
+async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str,
+                config: ServerConfig, embedding: EmbeddingOptions | None = None) -> int:
     """Run a server until SIGTERM/SIGINT (graceful) or a second signal (at once).
 
     Returns a process exit code: 0 after a drain, 1 if the model failed to load.
     """
-    server = StencilServer(engine_factory, model_name, config)
+    server = StencilServer(engine_factory, model_name, config, embedding)
     port = await server.start()
     log.info("listening on %s:%d (health NOT_SERVING until the model is loaded)", config.host, port)
     loop = asyncio.get_running_loop()

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from engine import EngineCore
+from engine.embedding import EmbeddingConfig
+from service.embeddings import EmbeddingOptions
 from service.engine_loop import AdmissionLimits
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from service.server import ServerConfig, StencilServer
@@ -28,12 +30,17 @@ def make_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]
     made: list[ServerHandle] = []
 
     def start(factory: Callable[[], EngineCore] | None = None, wait: bool = True,
-              model_name: str = "tiny-llama", **config: Any) -> ServerHandle:
+              model_name: str = "tiny-llama", embedding: EmbeddingOptions | None = None,
+              generation: bool = True, **config: Any) -> ServerHandle:
+        """No embedding model unless `embedding` is given, and no grammar worker
+        started at warm-up unless asked: both cost seconds that most tests do not need."""
         config.setdefault("port", 0)
         config.setdefault("grace_period_s", 30.0)
+        config.setdefault("warmup_grammar", False)
         if "max_pending_requests" in config:
             config["admission"] = AdmissionLimits(config.pop("max_pending_requests"))
-        server = StencilServer(factory or engine_factory(), model_name, ServerConfig(**config))
+        factory = (factory or engine_factory()) if generation else None
+        server = StencilServer(factory, model_name, ServerConfig(**config), embedding)
         handle = ServerHandle(loop_thread, server)
         made.append(handle)
         if wait:
@@ -58,6 +65,18 @@ def server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
 def slow_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
     """tiny-llama with 20 ms per step, for cancelling requests mid-stream."""
     return make_server(engine_factory(slow_s=0.02))
+
+
+@pytest.fixture(scope="session")
+def grammar_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    """tiny-llama with a 1.5 s grammar compile timeout and the compile worker warm."""
+    return make_server(engine_factory(grammar_compile_timeout_s=1.5), warmup_grammar=True)
+
+
+@pytest.fixture(scope="session")
+def embed_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    """tiny-llama and all-MiniLM-L6-v2 at once, sharing the engine's device thread."""
+    return make_server(embedding=EmbeddingOptions(EmbeddingConfig()))
 
 
 @pytest.fixture

@@ -39,3 +39,18 @@ def test_make_model_writes_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFi
 def test_serve_rejects_a_missing_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_serve_rejects_bad_embedding_and_grammar_options(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--embedding-only", "--no-embedding-model"]) == 2
+    assert "--embedding-only" in capsys.readouterr().err
+    assert main(["serve", "--embedding-only", "--preset", "tiny-llama"]) == 2
+    assert main(["serve", "--embedding-model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["serve", "--preset", "tiny-llama", "--grammar-timeout", "0"]) == 2
+    assert "grammar_compile_timeout_s" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--grammar-backend", "outlines"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--embedding-model", str(tmp_path), "--no-embedding-model"])

@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.presets import ensure_preset
+from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 
@@ -81,6 +82,10 @@ def test_sigterm_drains_then_exits_zero() -> None:
         while health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status != SERVING:
             assert time.monotonic() < deadline, "never became SERVING"
             time.sleep(0.05)
+        # Out of the box, the default embedding model is served next to the generation model.
+        embedded = embed_pb2_grpc.EmbeddingsStub(channel).Embed(
+            embed_pb2.EmbedRequest(inputs=["hello"]), timeout=TIMEOUT)
+        assert embedded.dimensions == 384 and embedded.model == "all-MiniLM-L6-v2"
         stub = pb_grpc.GenerationStub(channel)
         # Most of the context: long enough that the checks below happen during the drain.
         req = greedy("a long answer", max_new_tokens=480)

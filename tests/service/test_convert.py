@@ -73,6 +73,25 @@ def test_prepare_generate_builds_the_context(engine: EngineCore) -> None:
     assert convert.prepare_generate(pb.GenerateRequest(text="x"), engine).request_id
 
 
+def test_constrained_request_is_validated_before_compiling(engine: EngineCore) -> None:
+    req = pb.GenerateRequest(text="hello", request_id="c1")
+    req.constraint.regex = "[a-z]+"
+    prepared = convert.prepare_generate(req, engine)
+    assert prepared.constraint is not None and prepared.constraint.field == "constraint.regex"
+    assert prepared.context.matcher is None, "compiled later, off the event loop"
+    matcher = engine.structured.compile(prepared.constraint.spec)
+    attached = prepared.with_matcher(engine, matcher)
+    assert attached.context.matcher is matcher and attached.request_id == "c1"
+    assert attached.context.prompt_tokens.tolist() == prepared.context.prompt_tokens.tolist()
+    # A bad prompt fails before any compile is started.
+    bad = pb.GenerateRequest(text="hello")
+    bad.constraint.json_schema = '{"type": "nonsense"}'
+    bad.stopping.max_new_tokens = 100_000
+    with pytest.raises(ServiceError) as info:
+        convert.prepare_generate(bad, engine)
+    assert info.value.violations[0][0] == "stopping.max_new_tokens"
+
+
 def test_chat_without_template_is_failed_precondition(engine: EngineCore, monkeypatch) -> None:
     monkeypatch.setattr(type(engine.tokenizer), "has_chat_template", property(lambda self: False))
     req = pb.GenerateRequest()
@@ -108,10 +127,12 @@ def test_chunks_merge_steps_and_honour_options() -> None:
 ])
 def test_complete_message(status: GenerationStatus, reason: int, stop: object) -> None:
     final = RequestOutput("r", finished=True, status=status, stop_reason=stop, prompt_tokens=7,
-                          completion_tokens=3, cached_prompt_tokens=4)
+                          completion_tokens=3, cached_prompt_tokens=4, forced_tokens=2)
     done = convert.complete_response("r", final).complete
     assert done.finish_reason == reason
-    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_prompt_tokens) == (7, 3, 4)
+    usage = done.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (7, 3, 4)
+    assert usage.forced_tokens == 2
     which = done.WhichOneof("matched_stop")
     assert which == {str: "stop_string", int: "stop_token_id", type(None): None}[type(stop)]
     if which:

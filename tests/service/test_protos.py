@@ -6,6 +6,7 @@ import filecmp
 from pathlib import Path
 
 from service import protogen
+from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 
@@ -53,7 +54,34 @@ def test_sampling_fields_have_explicit_presence() -> None:
                 assert field.has_presence, f"{msg.__name__}.{field.name} must be optional"
 
 
-def test_field_numbers_left_free_for_structured_output() -> None:
+def test_constraint_fields_from_the_issue() -> None:
+    field = pb.GenerateRequest.DESCRIPTOR.fields_by_name["constraint"]
+    assert field.number == 9 and field.message_type.full_name == "stencil.v1.Constraint"
+    kinds = [f.name for f in pb.Constraint.DESCRIPTOR.oneofs_by_name["kind"].fields]
+    assert kinds == ["json_schema", "json_object", "regex", "choice", "ebnf", "lark"]
+    req = pb.GenerateRequest(text="hi")
+    req.constraint.choice.choices.extend(["yes", "no"])
+    req.constraint.backend = pb.Constraint.BACKEND_XGRAMMAR
+    req.constraint.whitespace = pb.Constraint.WHITESPACE_FLEXIBLE
+    req.constraint.max_whitespace = 2
+    assert req.constraint.WhichOneof("kind") == "choice"
+    assert pb.Constraint.DESCRIPTOR.fields_by_name["indent"].has_presence
+    # The forced-token count took the number the colleague left free.
+    assert pb.Usage.DESCRIPTOR.fields_by_name["forced_tokens"].number == 4
+    # 10-15 stay free for later request fields.
     used = {f.number for f in pb.GenerateRequest.DESCRIPTOR.fields}
-    assert not used & set(range(9, 16))
-    assert 4 not in {f.number for f in pb.Usage.DESCRIPTOR.fields}
+    assert not used & set(range(10, 16))
+
+
+def test_embed_proto_from_the_issue() -> None:
+    service = embed_pb2.DESCRIPTOR.services_by_name["Embeddings"]
+    assert service.full_name == "stencil.v1.Embeddings"
+    assert set(service.methods_by_name) == {"Embed"}
+    assert embed_pb2_grpc.EmbeddingsStub is not None
+    req = embed_pb2.EmbedRequest(inputs=["a", "b"], truncate=True)
+    assert not req.HasField("normalize") and not req.HasField("dimensions")
+    req.dimensions = 0
+    assert req.HasField("dimensions"), "an explicit 0 is told apart from unset"
+    resp = embed_pb2.EmbedResponse(embeddings=[embed_pb2.Embedding(values=[0.5, 0.25])], dimensions=2)
+    resp.usage.prompt_tokens = 7
+    assert list(resp.embeddings[0].values) == [0.5, 0.25]

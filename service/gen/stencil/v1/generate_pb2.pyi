@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "add_special_tokens", "sampling", "stopping", "response")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "add_special_tokens", "sampling", "stopping", "response", "constraint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -25,7 +26,58 @@ class GenerateRequest(_message.Message):
     sampling: SamplingOptions
     stopping: StoppingCriteria
     response: ResponseOptions
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark", "backend", "whitespace", "max_whitespace", "indent")
+    class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        BACKEND_UNSPECIFIED: _ClassVar[Constraint.Backend]
+        BACKEND_AUTO: _ClassVar[Constraint.Backend]
+        BACKEND_XGRAMMAR: _ClassVar[Constraint.Backend]
+        BACKEND_LLGUIDANCE: _ClassVar[Constraint.Backend]
+    BACKEND_UNSPECIFIED: Constraint.Backend
+    BACKEND_AUTO: Constraint.Backend
+    BACKEND_XGRAMMAR: Constraint.Backend
+    BACKEND_LLGUIDANCE: Constraint.Backend
+    class Whitespace(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        WHITESPACE_UNSPECIFIED: _ClassVar[Constraint.Whitespace]
+        WHITESPACE_COMPACT: _ClassVar[Constraint.Whitespace]
+        WHITESPACE_FLEXIBLE: _ClassVar[Constraint.Whitespace]
+        WHITESPACE_PRETTY: _ClassVar[Constraint.Whitespace]
+    WHITESPACE_UNSPECIFIED: Constraint.Whitespace
+    WHITESPACE_COMPACT: Constraint.Whitespace
+    WHITESPACE_FLEXIBLE: Constraint.Whitespace
+    WHITESPACE_PRETTY: Constraint.Whitespace
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    INDENT_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    ebnf: str
+    lark: str
+    backend: Constraint.Backend
+    whitespace: Constraint.Whitespace
+    max_whitespace: int
+    indent: int
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., backend: _Optional[_Union[Constraint.Backend, str]] = ..., whitespace: _Optional[_Union[Constraint.Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., indent: _Optional[int] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -175,14 +227,16 @@ class GenerateComplete(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[GenerateComplete.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "forced_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    forced_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens", "return_offsets")
@@ -231,7 +285,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "has_chat_template", "device", "dtype", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "kv_cache_pages", "page_size", "max_num_seqs", "max_logprobs", "max_stop_strings", "server_version")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "has_chat_template", "device", "dtype", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "kv_cache_pages", "page_size", "max_num_seqs", "max_logprobs", "max_stop_strings", "server_version", "grammar_backend", "grammar_compile_timeout_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +304,8 @@ class GetModelInfoResponse(_message.Message):
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_COMPILE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -268,7 +324,9 @@ class GetModelInfoResponse(_message.Message):
     max_logprobs: int
     max_stop_strings: int
     server_version: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., kv_cache_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    grammar_backend: str
+    grammar_compile_timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., kv_cache_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., server_version: _Optional[str] = ..., grammar_backend: _Optional[str] = ..., grammar_compile_timeout_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)

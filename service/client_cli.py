@@ -1,0 +1,186 @@
+"""Client subcommands of `stencild`: `generate` and `embed` against a running server.
+
+Only grpc and the generated stubs are imported (no torch), so they start quickly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 50051
+_BACKENDS = ("auto", "xgrammar", "llguidance")
+_WHITESPACE = ("compact", "flexible", "pretty")
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream a completion from a running server",
+                       description="Send a prompt to a running stencild and stream the text.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--system", default=None, help="a system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--usage", action="store_true", help="print the finish reason and token counts to stderr")
+    shape = p.add_argument_group("structured output (at most one)")
+    kind = shape.add_mutually_exclusive_group()
+    kind.add_argument("--json-schema", type=Path, metavar="FILE", help="a JSON Schema file ('-': stdin)")
+    kind.add_argument("--json-object", action="store_true", help="any JSON object")
+    kind.add_argument("--regex", help="a regular expression the output must match")
+    kind.add_argument("--choice", action="append", help="one allowed output (repeatable)")
+    kind.add_argument("--ebnf", type=Path, metavar="FILE", help="an EBNF (GBNF) grammar file, rule `root`")
+    kind.add_argument("--lark", type=Path, metavar="FILE", help="a Lark grammar file, rule `start`")
+    shape.add_argument("--grammar-backend", choices=_BACKENDS, default=None,
+                       help="grammar library (default: the server's)")
+    shape.add_argument("--whitespace", choices=_WHITESPACE, default=None,
+                       help="JSON layout (default: compact)")
+
+
+def add_embed(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("embed", help="embed texts with a running server",
+                       description="Embed texts with a running stencild. Prints one vector per "
+                                   "input (JSON), or with --similarity the cosine similarities.")
+    p.add_argument("texts", nargs="+", help="the texts to embed")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--dimensions", type=int, default=None, help="keep the first N components")
+    p.add_argument("--no-normalize", action="store_true", help="return vectors as pooled")
+    p.add_argument("--truncate", action="store_true", help="cut inputs over the model's limit")
+    p.add_argument("--similarity", action="store_true",
+                   help="print the matrix of cosine similarities instead of the vectors")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--usage", action="store_true", help="print the model and token count to stderr")
+
+
+def _read(path: Path) -> str:
+    return sys.stdin.read() if str(path) == "-" else path.read_text()
+
+
+def _constraint(args: argparse.Namespace, pb: Any) -> Any | None:
+    c = pb.Constraint()
+    if args.json_schema is not None:
+        c.json_schema = _read(args.json_schema)
+    elif args.json_object:
+        c.json_object = True
+    elif args.regex is not None:
+        c.regex = args.regex
+    elif args.choice:
+        c.choice.choices.extend(args.choice)
+    elif args.ebnf is not None:
+        c.ebnf = _read(args.ebnf)
+    elif args.lark is not None:
+        c.lark = _read(args.lark)
+    elif args.grammar_backend is None and args.whitespace is None:
+        return None
+    if args.grammar_backend is not None:
+        c.backend = pb.Constraint.Backend.Value(f"BACKEND_{args.grammar_backend.upper()}")
+    if args.whitespace is not None:
+        c.whitespace = pb.Constraint.Whitespace.Value(f"WHITESPACE_{args.whitespace.upper()}")
+    return c
+
+
+def _error(err: Any) -> int:
+    print(f"stencild: {err.code().name}: {err.details()}", file=sys.stderr)
+    return 1
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from .gen.stencil.v1 import generate_pb2 as pb
+    from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+
+    req = pb.GenerateRequest()
+    if args.chat:
+        if args.system:
+            req.chat.messages.add(role="system", content=args.system)
+        req.chat.messages.add(role="user", content=args.prompt)
+    else:
+        req.text = args.prompt
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(req.sampling, name, value)
+    req.stopping.max_new_tokens = args.max_new_tokens
+    req.stopping.stop.extend(args.stop)
+    req.response.return_token_ids = False
+    try:
+        constraint = _constraint(args, pb)
+    except OSError as err:
+        print(f"stencild: {err}", file=sys.stderr)
+        return 2
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
+    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=args.timeout)
+        try:
+            for msg in call:
+                if msg.HasField("chunk"):
+                    sys.stdout.write(msg.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    done = msg.complete
+                    sys.stdout.write("\n")
+                    if args.usage:
+                        reason = pb.GenerateComplete.FinishReason.Name(done.finish_reason)
+                        forced = f", {done.usage.forced_tokens} forced" if constraint is not None else ""
+                        print(f"[{reason}] prompt {done.usage.prompt_tokens} tokens, completion "
+                              f"{done.usage.completion_tokens} tokens{forced}", file=sys.stderr)
+        except KeyboardInterrupt:
+            call.cancel()
+            sys.stdout.write("\n")
+            return 130
+        except grpc.RpcError as err:
+            sys.stdout.write("\n")
+            return _error(err)
+    return 0
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    import grpc
+
+    from .gen.stencil.v1 import embed_pb2 as pb
+    from .gen.stencil.v1 import embed_pb2_grpc as pb_grpc
+
+    req = pb.EmbedRequest(inputs=args.texts, truncate=args.truncate)
+    if args.no_normalize:
+        req.normalize = False
+    if args.dimensions is not None:
+        req.dimensions = args.dimensions
+    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+        try:
+            resp = pb_grpc.EmbeddingsStub(channel).Embed(req, timeout=args.timeout)
+        except grpc.RpcError as err:
+            return _error(err)
+    vectors = [list(e.values) for e in resp.embeddings]
+    if args.similarity:
+        width = max(len(str(i)) for i in range(len(vectors)))
+        for i, text in enumerate(args.texts):
+            print(f"[{i:>{width}}] {text}")
+        print(" " * (width + 2) + " ".join(f"{f'[{j}]':>7}" for j in range(len(vectors))))
+        for i, a in enumerate(vectors):
+            print(f"[{i:>{width}}]" + " ".join(f"{cosine(a, b):7.4f}" for b in vectors))
+    else:
+        for v in vectors:
+            print(json.dumps([round(x, 6) for x in v]))
+    if args.usage:
+        print(f"{resp.model}: {len(vectors)} vectors of {resp.dimensions}, "
+              f"{resp.usage.prompt_tokens} prompt tokens", file=sys.stderr)
+    return 0

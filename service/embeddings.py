@@ -1,0 +1,221 @@
+"""The stencil.v1.Embeddings servicer and the embedding model it serves.
+
+One device thread. libgomp slows small GEMMs by 10-35% on a 2-core machine
+once two different threads have run OpenMP regions, so the embedding model is
+built, warmed up and run on the generation engine's device thread
+(`EngineCore.executor`) when a generation model is served, and on one
+dedicated `StepExecutor` thread otherwise. The `EmbeddingBatcher` keeps its own
+worker thread for merging requests; only the model work is handed over (see
+`DevicePipeline`). Embedding passes then interleave with generation steps on
+that one thread instead of competing with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from engine.embedding import (
+    BatcherClosed,
+    BatcherOverloaded,
+    EmbeddingBatcher,
+    EmbeddingConfig,
+    EmbeddingPipeline,
+    EmbedRequest,
+)
+from engine.errors import InvalidRequest
+from engine.executor import StepExecutor
+
+from .errors import (
+    failed_precondition,
+    invalid_argument,
+    resource_exhausted,
+    rpc_guard,
+    unavailable,
+)
+from .gen.stencil.v1 import embed_pb2 as pb
+from .gen.stencil.v1 import embed_pb2_grpc as pb_grpc
+from .generation import ServingState
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Embeddings"].full_name
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+class DevicePipeline:
+    """An EmbeddingPipeline whose tensor work runs on a device thread.
+
+    The batcher calls `prepare` (tokenization only: stays on the caller's
+    thread), `forward` and `finish` (torch: handed to the device thread); the
+    rest is read straight from the pipeline.
+    """
+
+    def __init__(self, pipeline: EmbeddingPipeline, executor: StepExecutor):
+        self.pipeline = pipeline
+        self.executor = executor
+
+    def forward(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self.executor.call(lambda: self.pipeline.forward(sequences))
+
+    def finish(self, pooled: torch.Tensor, request: EmbedRequest) -> np.ndarray:
+        return self.executor.call(lambda: self.pipeline.finish(pooled, request))
+
+    def __getattr__(self, name: str) -> Any:  # prepare, config, max_length, dimension, ...
+        return getattr(self.pipeline, name)
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    """Which embedding model to serve and how much work may be queued for it.
+
+    max_pending_tokens: input tokens queued before new calls get
+    RESOURCE_EXHAUSTED (an idle server takes any valid call).
+    """
+
+    config: EmbeddingConfig = EmbeddingConfig()
+    max_pending_tokens: int = 256 * 1024
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model or DEFAULT_MODEL_NAME
+
+
+class EmbeddingRuntime:
+    """A loaded embedding model, its batcher and the device thread it runs on."""
+
+    def __init__(self, pipeline: EmbeddingPipeline, executor: StepExecutor, owns_executor: bool,
+                 options: EmbeddingOptions, alive: Callable[[], bool]):
+        self.pipeline = pipeline
+        self.executor = executor
+        self.options = options
+        # The batcher only duck-types the pipeline (prepare, forward, finish, ...).
+        device_pipeline = cast(EmbeddingPipeline, DevicePipeline(pipeline, executor))
+        self.batcher = EmbeddingBatcher(device_pipeline,
+                                        max_pending_tokens=max(options.max_pending_tokens,
+                                                               pipeline.max_length))
+        self._owns_executor = owns_executor
+        self._alive = alive
+        self._closed = False
+
+    @classmethod
+    def load(cls, options: EmbeddingOptions, executor: StepExecutor | None = None,
+             alive: Callable[[], bool] | None = None, warmup: bool = True) -> EmbeddingRuntime:
+        """Build the model on `executor`'s thread (a new dedicated one if None).
+
+        `alive` tells whether a shared executor's owner (the generation
+        engine) still runs; a dead owner has closed the device thread.
+        """
+        owns = executor is None
+        device = executor or StepExecutor(options.config.torch_device)
+        try:
+            pipeline = device.call(lambda: EmbeddingPipeline(options.config))
+            if warmup:
+                device.call(lambda: pipeline.embed(["warm-up", "a somewhat longer warm-up input"]))
+        except BaseException:
+            if owns:
+                device.close()
+            raise
+        return cls(pipeline, device, owns, options, alive or (lambda: True))
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._alive()
+
+    @property
+    def forward_passes(self) -> int:
+        return self.batcher.forward_passes
+
+    def close(self) -> None:
+        """Fail queued requests, wait for a pass in flight, stop an owned device thread.
+
+        Blocking: call off the event loop, before a shared device thread is closed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.batcher.close(drain=False, timeout=30)
+        if self._owns_executor:
+            self.executor.close()
+
+
+class EmbeddingSlot:
+    """Where the servicer finds the runtime: None while loading, or never
+    (`enabled` False) on a server started without an embedding model."""
+
+    def __init__(self, options: EmbeddingOptions | None):
+        self.options = options
+        self.runtime: EmbeddingRuntime | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.options is not None
+
+
+class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
+    """Embed over an EmbeddingRuntime; concurrent calls share forward passes."""
+
+    def __init__(self, state: ServingState, slot: EmbeddingSlot):
+        self.state = state
+        self.slot = slot
+
+    def _require(self) -> EmbeddingRuntime:
+        if not self.slot.enabled:
+            raise failed_precondition("this server serves no embedding model "
+                                      "(start it without --no-embedding-model)")
+        if self.state.draining:
+            raise unavailable("the server is shutting down")
+        runtime = self.slot.runtime
+        if runtime is None:
+            raise unavailable("the embedding model is still loading")
+        if not runtime.alive:
+            raise unavailable("the embedding model is not running")
+        return runtime
+
+    @rpc_guard
+    async def Embed(self, request: pb.EmbedRequest, context: Any) -> pb.EmbedResponse:
+        runtime = self._require()
+        normalize = request.normalize if request.HasField("normalize") else True
+        dimensions = request.dimensions if request.HasField("dimensions") else None
+        self.state.call_started()
+        try:
+            vectors, tokens = await runtime.batcher.embed(request.inputs, normalize, dimensions,
+                                                          request.truncate)
+        except InvalidRequest as err:
+            raise invalid_argument(err.field, err.description) from None
+        except BatcherOverloaded as err:
+            raise resource_exhausted(f"the embedding queue is full ({err}); retry later") from None
+        except BatcherClosed:
+            raise unavailable("the server is shutting down") from None
+        except Exception:
+            if not runtime.alive:  # the device thread went away with a failed engine
+                raise unavailable("the embedding model is not running") from None
+            raise
+        finally:
+            self.state.call_finished()
+        # Large responses are built off the loop (tens of thousands of floats).
+        build = _response if vectors.size < 65536 else _response_off_loop
+        return await build(vectors, tokens, runtime.options.model_name)
+
+
+async def _response(vectors: np.ndarray, tokens: int, model: str) -> pb.EmbedResponse:
+    return _build(vectors, tokens, model)
+
+
+async def _response_off_loop(vectors: np.ndarray, tokens: int, model: str) -> pb.EmbedResponse:
+    return await asyncio.to_thread(_build, vectors, tokens, model)
+
+
+def _build(vectors: np.ndarray, tokens: int, model: str) -> pb.EmbedResponse:
+    return pb.EmbedResponse(
+        embeddings=[pb.Embedding(values=row) for row in vectors.tolist()],
+        dimensions=int(vectors.shape[1]),
+        usage=pb.EmbedUsage(prompt_tokens=tokens),
+        model=model,
+    )

@@ -1,0 +1,175 @@
+"""Structured output at the edge: `GenerateRequest.constraint` -> a compiled matcher.
+
+The proto is validated and turned into a `grammar.GrammarSpec` (cheap, on the
+event loop); the compile itself runs in the engine's grammar compiler (a
+killable worker process, bounded in time and cached) and is awaited without
+blocking the loop. A spec that cannot be compiled, or whose compile times out,
+fails only its own request, with INVALID_ARGUMENT naming the field: the output
+is never silently left unconstrained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from grammar import GrammarError, GrammarOptions, GrammarSpec
+
+from .errors import ServiceError, invalid_argument, resource_exhausted, unavailable
+from .gen.stencil.v1 import generate_pb2 as pb
+
+C = pb.Constraint
+BACKENDS: dict[int, str | None] = {
+    C.BACKEND_UNSPECIFIED: None,  # the engine's default (--grammar-backend)
+    C.BACKEND_AUTO: "auto",
+    C.BACKEND_XGRAMMAR: "xgrammar",
+    C.BACKEND_LLGUIDANCE: "llguidance",
+}
+WHITESPACE: dict[int, str] = {
+    C.WHITESPACE_UNSPECIFIED: "compact",
+    C.WHITESPACE_COMPACT: "compact",
+    C.WHITESPACE_FLEXIBLE: "flexible",
+    C.WHITESPACE_PRETTY: "pretty",
+}
+_JSON_KINDS = ("json_schema", "json_object")
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """A validated constraint: the spec, the backend asked for, and the field
+    path that compile errors are reported against."""
+
+    spec: GrammarSpec
+    backend: str | None
+    field: str
+
+
+def _options(c: pb.Constraint, kind: str) -> GrammarOptions:
+    style = WHITESPACE.get(c.whitespace)
+    if style is None:
+        raise invalid_argument("constraint.whitespace", f"unknown value {c.whitespace}")
+    if kind not in _JSON_KINDS:
+        given = [name for name in ("max_whitespace", "indent") if c.HasField(name)]
+        if c.whitespace != C.WHITESPACE_UNSPECIFIED:
+            given.insert(0, "whitespace")
+        if given:
+            raise invalid_argument(f"constraint.{given[0]}", "applies to json_schema and json_object only")
+        return GrammarOptions()
+    if c.HasField("max_whitespace") and style != "flexible":
+        raise invalid_argument("constraint.max_whitespace", "applies to whitespace FLEXIBLE only")
+    if c.HasField("indent") and style != "pretty":
+        raise invalid_argument("constraint.indent", "applies to whitespace PRETTY only")
+    kwargs: dict[str, Any] = {"whitespace": style}
+    for name, lo, hi in (("max_whitespace", 1, 64), ("indent", 1, 8)):
+        if c.HasField(name):
+            value = getattr(c, name)
+            if not lo <= value <= hi:
+                raise invalid_argument(f"constraint.{name}", f"must be in [{lo}, {hi}], got {value}")
+            kwargs[name] = value
+    return GrammarOptions(**kwargs)
+
+
+def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
+    """The request's constraint as a GrammarSpec (None when unconstrained).
+
+    Raises ServiceError (INVALID_ARGUMENT) for a malformed constraint: no kind,
+    json_object false, an empty source or choice list, a schema that is not
+    JSON, options that do not apply.
+    """
+    if not req.HasField("constraint"):
+        return None
+    c = req.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise invalid_argument("constraint.kind", "set one of json_schema, json_object, regex, "
+                                                  "choice, ebnf or lark")
+    backend = BACKENDS.get(c.backend, "?")
+    if backend == "?":
+        raise invalid_argument("constraint.backend", f"unknown value {c.backend}")
+    options = _options(c, kind)
+    field = "constraint.choice.choices" if kind == "choice" else f"constraint.{kind}"
+    try:
+        if kind == "json_object":
+            if not c.json_object:
+                raise invalid_argument(field, "must be true (leave the constraint unset for free text)")
+            spec = GrammarSpec.json_object(options)
+        elif kind == "json_schema":
+            spec = GrammarSpec.json_schema(c.json_schema, options)
+        elif kind == "choice":
+            spec = GrammarSpec.choice(list(c.choice.choices))
+        else:
+            spec = GrammarSpec(kind, getattr(c, kind))
+    except GrammarError as err:
+        raise invalid_argument(field, str(err)) from None
+    return ConstraintSpec(spec, backend, field)
+
+
+class ConstraintCompiler:
+    """Compiles constraints for one engine without blocking the event loop.
+
+    `max_in_flight` bounds the compiles waiting at once (the grammar compiler
+    queues them behind one worker), so a flood of slow schemas is refused with
+    RESOURCE_EXHAUSTED instead of piling up. `warm` says the engine's grammar
+    compiler already exists (started at warm-up).
+    """
+
+    def __init__(self, structured: Any, max_in_flight: int = 64, warm: bool = False):
+        self._structured = structured  # engine.structured.StructuredOutput
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+        self._started = warm
+
+    async def compile(self, constraint: ConstraintSpec) -> Any:
+        """A fresh matcher for the constraint; ServiceError if it cannot be compiled.
+
+        Cancellation (client gone, deadline) only stops the waiting: the compile
+        runs on in its worker, bounded by the timeout, and its result is cached
+        for the next request with the same spec. Nothing else holds the matcher,
+        so it is simply dropped.
+        """
+        if self.in_flight >= self.max_in_flight:
+            raise resource_exhausted(f"{self.in_flight} constraints are compiling; retry later")
+        compile_async = self._structured.compile_async
+        if self._started:
+            future = compile_async(constraint.spec, constraint.backend)
+        else:
+            # The first call builds the compiler (tokenizer tables, worker
+            # spawn) unless the server warmed it up: not on the event loop.
+            future = await asyncio.to_thread(compile_async, constraint.spec, constraint.backend)
+            self._started = True
+        if future.done():  # a cache hit (or a cached failure)
+            return self._result(future, constraint.field)
+        waiter = asyncio.wrap_future(future)
+        # Counted until the compile ends, not until the caller stops waiting, so
+        # clients that cancel cannot stack up compiles behind the limit.
+        self.in_flight += 1
+        waiter.add_done_callback(self._compile_done)
+        try:
+            # shield: a cancelled call must not cancel the compiler's future
+            # (its completion callback would then fail).
+            return await asyncio.shield(waiter)
+        except GrammarError as err:
+            raise _compile_error(err, constraint.field) from None
+
+    def _compile_done(self, waiter: asyncio.Future[Any]) -> None:
+        self.in_flight -= 1
+        if not waiter.cancelled():
+            # Consumed here: a caller that stopped waiting never will, and
+            # asyncio would log the failure as "never retrieved".
+            waiter.exception()
+
+    @staticmethod
+    def _result(future: Any, field: str) -> Any:
+        try:
+            return future.result()
+        except GrammarError as err:
+            raise _compile_error(err, field) from None
+
+
+def _compile_error(err: GrammarError, field: str) -> ServiceError:
+    # A compile that crashed its worker is the spec's doing (and is cached as
+    # such); a compiler that is closed or cannot start a worker is the server's.
+    if err.reason == "crashed" and err.backend is None:
+        return unavailable(f"the grammar compiler is unavailable: {err}")
+    return invalid_argument(field, str(err))

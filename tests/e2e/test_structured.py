@@ -1,0 +1,364 @@
+"""Structured output through gRPC: every completed output follows its constraint,
+bad or slow constraints fail only their own call, cut outputs say LENGTH."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+
+from service.cli import main
+from service.errors import bad_request_violations
+from service.gen.stencil.v1 import generate_pb2 as pb
+
+from .helpers import TIMEOUT, ServerHandle, engine_factory, generate, greedy
+
+Finish = pb.GenerateComplete.FinishReason
+C = pb.Constraint
+
+# Bounded strings, enums, bounded integers and arrays, no extra keys: a random
+# model cannot wander off, so every output completes within max_new_tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "active"],
+    "additionalProperties": False,
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string", "pattern": "^ord-[0-9]{4}$"},
+        "status": {"enum": ["pending", "paid", "shipped"]},
+        "customer": {
+            "type": "object",
+            "properties": {"first_name": {"type": "string", "maxLength": 8},
+                           "country_code": {"enum": ["DE", "FR", "US"]}},
+            "required": ["first_name", "country_code"],
+            "additionalProperties": False,
+        },
+        "items": {
+            "type": "array", "minItems": 1, "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {"sku": {"type": "string", "maxLength": 6},
+                               "quantity": {"type": "integer", "minimum": 1, "maximum": 99}},
+                "required": ["sku", "quantity"],
+                "additionalProperties": False,
+            },
+        },
+        "gift_wrap": {"type": "boolean"},
+    },
+    "required": ["order_id", "status", "customer", "items", "gift_wrap"],
+    "additionalProperties": False,
+}
+# (temperature, seed): greedy, and sampling with several seeds.
+SAMPLING = [(0.0, None), (0.8, 1), (0.8, 2), (0.8, 3)]
+
+# Engine bug (engine/structured.py, not the service): with overlap scheduling on
+# (the default), xgrammar-constrained requests usually end with "token N was
+# rejected by the grammar". The step in flight may sample a different
+# tokenization of the forced text than forced[0] (e.g. "\n" where "\n " was
+# forced), and forced[1:] is appended behind it anyway. llguidance, and overlap
+# off, are unaffected. These cases run on both servers; the overlap one is
+# expected to fail until the engine is fixed.
+XGRAMMAR_OVERLAP_BUG = "engine: xgrammar + overlap appends forced tokens behind a different sampled token"
+# grammar/ bug: under xgrammar a free JSON string may hold raw control
+# characters (e.g. "\x1c"), which JSON forbids (json.loads rejects them). The
+# xgrammar cases therefore bound their strings with a pattern as well.
+XGRAMMAR_CONTROL_CHARS_BUG = "grammar: xgrammar JSON strings admit raw control characters"
+PERSON_PATTERNED = {
+    **PERSON,
+    "properties": {**PERSON["properties"],
+                   "name": {"type": "string", "pattern": "^[A-Z][a-z]{0,11}$"}},
+}
+
+
+def nested_any_of(depth: int, salt: str = "") -> dict[str, Any]:
+    """Nested anyOf of objects and arrays: xgrammar's compile time explodes with
+    depth (depth 7 takes ~30 s; see tests/grammar/test_compiler.py)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for i in range(depth):
+        schema = {"anyOf": [{"type": "object", "properties": {f"k{i}_{j}{salt}": schema},
+                             "required": [f"k{i}_{j}{salt}"]} for j in range(2)]
+                  + [{"type": "array", "items": schema}]}
+    return schema
+
+
+def constrained(prompt: str, temperature: float = 0.0, seed: int | None = None,
+                max_new_tokens: int = 200, **constraint: Any) -> pb.GenerateRequest:
+    req = greedy(prompt, max_new_tokens=max_new_tokens)
+    req.sampling.temperature = temperature
+    if seed is not None:
+        req.sampling.seed = seed
+    choices = constraint.pop("choice", None)
+    req.constraint.CopyFrom(pb.Constraint(**constraint))
+    if choices is not None:
+        req.constraint.choice.SetInParent()  # set even when empty
+        req.constraint.choice.choices.extend(choices)
+    return req
+
+
+def run_all(stub: Any, reqs: list[pb.GenerateRequest]) -> list[tuple[str, pb.GenerateComplete]]:
+    """Run the requests at once (so they share engine steps); (text, complete) each."""
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        results = list(pool.map(lambda r: generate(stub, r), reqs))
+    return [(text, done) for text, _, done, _ in results]
+
+
+def _error(call: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def no_overlap_server(make_server) -> ServerHandle:  # type: ignore[no-untyped-def]
+    return make_server(engine_factory(overlap=False), warmup_grammar=True)
+
+
+@pytest.fixture(params=["overlap", "no-overlap"])
+def xgrammar_server(request: pytest.FixtureRequest) -> ServerHandle:
+    """Both schedulings, for cases xgrammar serves (see XGRAMMAR_OVERLAP_BUG)."""
+    if request.param == "overlap":
+        request.applymarker(pytest.mark.xfail(reason=XGRAMMAR_OVERLAP_BUG, strict=False))
+        return request.getfixturevalue("grammar_server")
+    return request.getfixturevalue("no_overlap_server")
+
+
+def check_json(stub: Any, name: str, schema: dict[str, Any], whitespace: int,
+               backend: int = C.BACKEND_UNSPECIFIED,
+               sampling: list[tuple[float, int | None]] = SAMPLING) -> None:
+    reqs = [constrained(f"Describe {name} {i}", t, seed, json_schema=json.dumps(schema),
+                        whitespace=whitespace, backend=backend) for i, (t, seed) in enumerate(sampling)]
+    for text, done in run_all(stub, reqs):
+        assert done.finish_reason == Finish.EOS, (text, done)
+        jsonschema.validate(json.loads(text), schema)
+        assert 0 < done.usage.forced_tokens <= done.usage.completion_tokens
+        if whitespace == C.WHITESPACE_UNSPECIFIED:  # compact: exactly json.dumps' separators
+            assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+        if whitespace == C.WHITESPACE_PRETTY:
+            assert text == json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("name, schema, whitespace", [
+    ("person", PERSON, C.WHITESPACE_UNSPECIFIED),
+    ("order", ORDER, C.WHITESPACE_UNSPECIFIED),
+    ("order-flexible", ORDER, C.WHITESPACE_FLEXIBLE),
+])
+def test_json_schema_outputs_parse_and_validate(grammar_server: ServerHandle, name: str,
+                                                schema: dict[str, Any], whitespace: int) -> None:
+    # backend auto: llguidance for these (the more conformant JSON backend).
+    check_json(grammar_server.stub, name, schema, whitespace)
+
+
+def test_xgrammar_json_outputs_parse_and_validate(xgrammar_server: ServerHandle) -> None:
+    # Pretty JSON goes to xgrammar under auto (it alone enforces indentation).
+    check_json(xgrammar_server.stub, "person-pretty", PERSON_PATTERNED, C.WHITESPACE_PRETTY)
+    check_json(xgrammar_server.stub, "person-xgrammar", PERSON_PATTERNED, C.WHITESPACE_UNSPECIFIED,
+               C.BACKEND_XGRAMMAR)
+
+
+@pytest.mark.xfail(reason=XGRAMMAR_CONTROL_CHARS_BUG, strict=False)
+def test_xgrammar_free_strings_are_valid_json(no_overlap_server: ServerHandle) -> None:
+    # About one output in ten holds one (measured offline); 24 samples make it likely.
+    check_json(no_overlap_server.stub, "person-free", PERSON, C.WHITESPACE_UNSPECIFIED,
+               C.BACKEND_XGRAMMAR, [(0.8, seed) for seed in range(24)])
+
+
+def test_ebnf_output_matches(xgrammar_server: ServerHandle) -> None:
+    reqs = [constrained(f"ebnf {i}", t, seed, ebnf='root ::= "color=" ("red" | "green") ";"')
+            for i, (t, seed) in enumerate(SAMPLING)]
+    for text, done in run_all(xgrammar_server.stub, reqs):
+        assert done.finish_reason == Finish.EOS, (text, done)
+        assert text in ("color=red;", "color=green;")
+
+
+def test_key_heavy_schema_forces_tokens(grammar_server: ServerHandle) -> None:
+    text, _, done, _ = generate(grammar_server.stub, constrained("order", json_schema=json.dumps(ORDER)))
+    jsonschema.validate(json.loads(text), ORDER)
+    # Every key, quote, colon and comma of the object's skeleton is forced.
+    assert done.usage.forced_tokens >= 10, done.usage
+    assert done.usage.forced_tokens * 4 >= done.usage.completion_tokens, done.usage
+
+
+def test_json_object_regex_choice_and_grammars_match(grammar_server: ServerHandle) -> None:
+    regex = r"[a-z]{3,8}-[0-9]{2,4}"
+    choices = ["yes", "no", "it depends"]
+    reqs, checks = [], []
+    def token(text: str) -> int:
+        (tok,) = grammar_server.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=False)).token_ids
+        return tok
+
+    quote, brace = token('"'), token("}")
+    for i, (t, seed) in enumerate(SAMPLING):
+        # Free keys never end under a random model: favouring '"' closes each
+        # string at once, then '}' the object (logit_bias composes with the mask).
+        req = constrained(f"json {i}", t, seed, json_object=True)
+        req.sampling.logit_bias[quote] = 30.0
+        req.sampling.logit_bias[brace] = 20.0
+        reqs.append(req)
+        checks.append(lambda s: isinstance(json.loads(s), dict))
+        reqs.append(constrained(f"id {i}", t, seed, regex=regex))
+        checks.append(lambda s: re.fullmatch(regex, s) is not None)
+        reqs.append(constrained(f"answer {i}", t, seed, choice=choices))
+        checks.append(lambda s: s in choices)
+    reqs.append(constrained("lark", 0.8, 6, lark='start: "n=" /[0-9]{1,3}/'))
+    checks.append(lambda s: re.fullmatch(r"n=[0-9]{1,3}", s) is not None)
+    for (text, done), check in zip(run_all(grammar_server.stub, reqs), checks, strict=True):
+        assert done.finish_reason == Finish.EOS, (text, done)
+        assert check(text), text
+
+
+def test_per_request_backend(grammar_server: ServerHandle) -> None:
+    for backend in (C.BACKEND_LLGUIDANCE, C.BACKEND_AUTO):
+        text, _, done, _ = generate(grammar_server.stub,
+                                    constrained("p", json_schema=json.dumps(PERSON), backend=backend))
+        assert done.finish_reason == Finish.EOS
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_cut_by_max_new_tokens_finishes_with_length(grammar_server: ServerHandle) -> None:
+    text, _, done, _ = generate(grammar_server.stub,
+                                constrained("cut", max_new_tokens=3, json_schema=json.dumps(ORDER)))
+    assert done.finish_reason == Finish.LENGTH
+    assert done.usage.completion_tokens == 3
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+INVALID = {
+    "schema not JSON": ({"json_schema": "{not json"}, "constraint.json_schema"),
+    "unknown type": ({"json_schema": '{"type": "nonsense"}'}, "constraint.json_schema"),
+    "dangling $ref": ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "constraint.json_schema"),
+    "bad regex": ({"regex": "(unclosed"}, "constraint.regex"),
+    "empty choice": ({"choice": []}, "constraint.choice.choices"),
+    "json_object false": ({"json_object": False}, "constraint.json_object"),
+    "bad ebnf": ({"ebnf": "root ::= undefined_rule"}, "constraint.ebnf"),
+    "bad lark": ({"lark": "start: ("}, "constraint.lark"),
+    "no kind": ({"backend": C.BACKEND_XGRAMMAR}, "constraint.kind"),
+    "max_whitespace without flexible": ({"json_object": True, "max_whitespace": 2},
+                                        "constraint.max_whitespace"),
+    "indent out of range": ({"json_object": True, "whitespace": C.WHITESPACE_PRETTY, "indent": 9},
+                            "constraint.indent"),
+    "whitespace on a regex": ({"regex": "a+", "whitespace": C.WHITESPACE_PRETTY},
+                              "constraint.whitespace"),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_constraint_is_invalid_argument_within_a_second(grammar_server: ServerHandle,
+                                                                 case: str) -> None:
+    fields, path = INVALID[case]
+    req = constrained("bad", **fields)
+    start = time.monotonic()
+    err = _error(grammar_server.stub.Generate(req, timeout=TIMEOUT))
+    elapsed = time.monotonic() - start
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert [f for f, _ in bad_request_violations(err.trailing_metadata())] == [path]
+    assert err.details().startswith(path)
+    assert "Traceback" not in err.details() and "<state>" not in err.details()
+    assert "\n" not in err.details()
+    assert elapsed < 1.0, f"{case}: {elapsed:.2f} s"
+
+
+@pytest.fixture(scope="module")
+def slow_grammar_server(make_server) -> ServerHandle:  # type: ignore[no-untyped-def]
+    """20 ms per step (streams outlast a compile) and a 1 s compile timeout."""
+    return make_server(engine_factory(slow_s=0.02, grammar_compile_timeout_s=1.0), warmup_grammar=True)
+
+
+def test_compile_timeout_fails_only_its_request(slow_grammar_server: ServerHandle) -> None:
+    stub = slow_grammar_server.stub
+    free = greedy("keep going", max_new_tokens=300)
+    free.stopping.ignore_eos = True
+    stream = stub.Generate(free, timeout=TIMEOUT)
+    arrivals: list[float] = []
+
+    def read() -> None:
+        try:
+            for msg in stream:
+                if msg.HasField("chunk"):
+                    arrivals.append(time.monotonic())
+        except grpc.RpcError:
+            pass  # cancelled below
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while not arrivals:
+        time.sleep(0.01)
+    slow = constrained("slow", json_schema=json.dumps(nested_any_of(7)), backend=C.BACKEND_XGRAMMAR)
+    start = time.monotonic()
+    err = _error(stub.Generate(slow, timeout=TIMEOUT))
+    end = time.monotonic()
+    stream.cancel()
+    reader.join(TIMEOUT)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_violations(err.trailing_metadata())[0][0] == "constraint.json_schema"
+    assert "timed out" in err.details()
+    assert 1.0 <= end - start < 4.0
+    during = [t for t in arrivals if start < t < end]
+    # 20 ms steps: ~50 in the window; the event loop and engine never stalled.
+    assert len(during) >= 10, f"only {len(during)} chunks during the {end - start:.2f} s compile"
+    slow_grammar_server.wait_pending(0)
+    # The killed worker was replaced: constrained requests still work.
+    text, _, done, _ = generate(stub, constrained("after", json_schema=json.dumps(PERSON)))
+    assert done.finish_reason == Finish.EOS
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_cancel_while_compiling_leaks_nothing(slow_grammar_server: ServerHandle) -> None:
+    handle = slow_grammar_server
+    state = handle.server.state
+    slow = constrained("slow", json_schema=json.dumps(nested_any_of(7, salt="x")),
+                       backend=C.BACKEND_XGRAMMAR)
+    err = _error(handle.stub.Generate(slow, timeout=0.3))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    call = handle.stub.Generate(slow, timeout=TIMEOUT)  # same spec: shares the compile in flight
+    time.sleep(0.2)
+    call.cancel()
+    assert _error(call).code() == grpc.StatusCode.CANCELLED
+    # Nothing reached the engine; the compile is still counted until it ends (timeout).
+    assert handle.server.engine_loop.num_pending == 0 and state.calls_in_flight == 0
+    deadline = time.monotonic() + TIMEOUT
+    while state.constraints.in_flight:
+        assert time.monotonic() < deadline, "the compile never ended"
+        time.sleep(0.05)
+    assert handle.pages_in_use() == (0, 0)
+    pids = handle.engine_call(lambda e: e.structured.compiler.worker_pids())
+    assert len(pids) <= 1, "a killed compile worker was not replaced one for one"
+    _, _, done, _ = generate(handle.stub, constrained("after", choice=["a", "b"]))
+    assert done.finish_reason == Finish.EOS
+
+
+def test_cli_generate_json_schema(grammar_server: ServerHandle, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(PERSON))
+    rc = main(["generate", "A person:", "--port", str(grammar_server.port), "--json-schema", str(path),
+               "--max-new-tokens", "200", "--temperature", "0", "--usage"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    jsonschema.validate(json.loads(out), PERSON)
+    assert re.search(r"\[EOS\] .* [1-9][0-9]* forced", err), err
+    rc = main(["generate", "x", "--port", str(grammar_server.port), "--regex", "(("])
+    assert rc == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+def test_model_info_reports_grammar_settings(grammar_server: ServerHandle) -> None:
+    info = grammar_server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT)
+    assert info.grammar_backend == "auto"
+    assert info.grammar_compile_timeout_s == pytest.approx(1.5)

@@ -1,0 +1,174 @@
+"""`GenerateRequest.constraint` -> GrammarSpec, and the async compile wrapper, without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import threading
+from typing import Any
+
+import grpc
+import pytest
+
+from grammar import GrammarError, GrammarOptions, GrammarSpec
+from service.errors import ServiceError
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.structured import ConstraintCompiler, ConstraintSpec, constraint_spec
+
+C = pb.Constraint
+
+
+def _req(**fields: Any) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(text="x")
+    choices = fields.pop("choice", None)
+    req.constraint.CopyFrom(C(**fields))
+    if choices is not None:
+        req.constraint.choice.SetInParent()
+        req.constraint.choice.choices.extend(choices)
+    return req
+
+
+def test_unconstrained_request_has_no_spec() -> None:
+    assert constraint_spec(pb.GenerateRequest(text="x")) is None
+
+
+@pytest.mark.parametrize("fields, spec, field", [
+    ({"json_schema": '{"type": "integer"}'}, GrammarSpec.json_schema('{"type": "integer"}'),
+     "constraint.json_schema"),
+    ({"json_object": True}, GrammarSpec.json_object(), "constraint.json_object"),
+    ({"regex": "a+"}, GrammarSpec.regex("a+"), "constraint.regex"),
+    ({"choice": ["x", "y"]}, GrammarSpec.choice(["x", "y"]), "constraint.choice.choices"),
+    ({"ebnf": 'root ::= "a"'}, GrammarSpec.ebnf('root ::= "a"'), "constraint.ebnf"),
+    ({"lark": 'start: "a"'}, GrammarSpec.lark('start: "a"'), "constraint.lark"),
+])
+def test_each_kind_maps_to_its_spec(fields: dict[str, Any], spec: GrammarSpec, field: str) -> None:
+    got = constraint_spec(_req(**fields))
+    assert got == ConstraintSpec(spec, None, field)
+
+
+def test_backend_and_whitespace_options() -> None:
+    got = constraint_spec(_req(json_object=True, backend=C.BACKEND_LLGUIDANCE,
+                               whitespace=C.WHITESPACE_FLEXIBLE, max_whitespace=2))
+    assert got is not None and got.backend == "llguidance"
+    assert got.spec.options == GrammarOptions(whitespace="flexible", max_whitespace=2)
+    got = constraint_spec(_req(json_schema="{}", whitespace=C.WHITESPACE_PRETTY, indent=4,
+                               backend=C.BACKEND_AUTO))
+    assert got is not None and got.backend == "auto"
+    assert got.spec.options == GrammarOptions(whitespace="pretty", indent=4)
+    assert constraint_spec(_req(regex="a", backend=C.BACKEND_XGRAMMAR)).backend == "xgrammar"
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({}, "constraint.kind"),
+    ({"json_object": False}, "constraint.json_object"),
+    ({"json_schema": "{oops"}, "constraint.json_schema"),
+    ({"json_schema": "[1, 2]"}, "constraint.json_schema"),
+    ({"regex": "  "}, "constraint.regex"),
+    ({"choice": []}, "constraint.choice.choices"),
+    ({"json_object": True, "indent": 2}, "constraint.indent"),
+    ({"json_object": True, "whitespace": C.WHITESPACE_FLEXIBLE, "max_whitespace": 65},
+     "constraint.max_whitespace"),
+    ({"regex": "a", "max_whitespace": 2}, "constraint.max_whitespace"),
+    ({"choice": ["a"], "whitespace": C.WHITESPACE_COMPACT}, "constraint.whitespace"),
+    ({"regex": "a", "backend": 99}, "constraint.backend"),
+])
+def test_malformed_constraints_name_the_field(fields: dict[str, Any], field: str) -> None:
+    with pytest.raises(ServiceError) as info:
+        constraint_spec(_req(**fields))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in info.value.violations] == [field]
+
+
+class FakeStructured:
+    """compile_async returning futures the test completes by hand."""
+
+    def __init__(self) -> None:
+        self.futures: list[concurrent.futures.Future[Any]] = []
+        self.threads: list[threading.Thread] = []
+
+    def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.futures.append(fut)
+        self.threads.append(threading.current_thread())
+        return fut
+
+
+SPEC = ConstraintSpec(GrammarSpec.regex("a+"), None, "constraint.regex")
+
+
+def test_compile_result_and_errors() -> None:
+    async def go() -> None:
+        fake = FakeStructured()
+        compiler = ConstraintCompiler(fake, warm=True)
+        task = asyncio.ensure_future(compiler.compile(SPEC))
+        await asyncio.sleep(0)
+        assert compiler.in_flight == 1
+        fake.futures[0].set_result("matcher")
+        assert await task == "matcher"
+        assert compiler.in_flight == 0
+        for err, code in ((GrammarError("bad", reason="invalid", backend="xgrammar"),
+                           grpc.StatusCode.INVALID_ARGUMENT),
+                          (GrammarError("timed out", reason="timeout", backend="xgrammar"),
+                           grpc.StatusCode.INVALID_ARGUMENT),
+                          (GrammarError("compile crashed", reason="crashed", backend="llguidance"),
+                           grpc.StatusCode.INVALID_ARGUMENT),
+                          (GrammarError("compiler is closed", reason="crashed"),
+                           grpc.StatusCode.UNAVAILABLE)):
+            task = asyncio.ensure_future(compiler.compile(SPEC))
+            await asyncio.sleep(0)
+            fake.futures[-1].set_exception(err)
+            with pytest.raises(ServiceError) as info:
+                await task
+            assert info.value.code == code
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                assert info.value.violations == (("constraint.regex", str(err)),)
+        # A cache hit (a done future) returns without waiting.
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result("cached")
+        fake.compile_async = lambda spec, backend=None: done  # type: ignore[method-assign]
+        assert await compiler.compile(SPEC) == "cached"
+
+    asyncio.run(go())
+
+
+def test_cancelled_wait_leaves_the_compile_alone_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    async def go() -> None:
+        fake = FakeStructured()
+        compiler = ConstraintCompiler(fake, max_in_flight=1, warm=True)
+        task = asyncio.ensure_future(compiler.compile(SPEC))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not fake.futures[0].cancelled(), "the compiler's own future is never cancelled"
+        assert compiler.in_flight == 1, "still compiling: still counted"
+        with pytest.raises(ServiceError) as info:
+            await compiler.compile(SPEC)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        fake.futures[0].set_exception(GrammarError("timed out", reason="timeout", backend="xgrammar"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert compiler.in_flight == 0
+
+    asyncio.run(go())
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
+def test_first_compile_builds_the_compiler_off_the_loop() -> None:
+    async def go() -> None:
+        fake = FakeStructured()
+        compiler = ConstraintCompiler(fake)  # not warmed up: the first call may build it
+        task = asyncio.ensure_future(compiler.compile(SPEC))
+        while not fake.futures:
+            await asyncio.sleep(0.001)
+        fake.futures[0].set_result("first")
+        assert await task == "first"
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result("second")
+        fake.compile_async = lambda spec, backend=None: done  # type: ignore[method-assign]
+        assert await compiler.compile(SPEC) == "second"
+        assert fake.threads[0] is not threading.current_thread()
+
+    asyncio.run(go())
