@@ -46,17 +46,24 @@ class EngineCore:
     Not thread-safe: one thread drives `step()`; the service wraps it.
     """
 
-    def __init__(self, config: EngineConfig, wrap_model: Callable[[Any], Any] | None = None):
-        """`wrap_model` may wrap the loaded model (tests use it for scripted logits)."""
+    def __init__(self, config: EngineConfig, wrap_model: Callable[[Any], Any] | None = None,
+                 executor: StepExecutor | None = None):
+        """`wrap_model` may wrap the loaded model (tests use it for scripted logits).
+
+        `executor` shares another engine's device thread (e.g. a speech model
+        served beside a text model): one thread runs all model work.
+        """
         self.config = config
         self.model_config = load_model_config(config.model)
         self.tokenizer = Tokenizer(config.model)
-        self.executor = StepExecutor(config.torch_device)
+        self._owns_executor = executor is None
+        self.executor = executor or StepExecutor(config.torch_device)
         try:
             # Every tensor computation, loading included, happens on the device thread.
             self.executor.call(lambda: self._build(wrap_model))
         except BaseException:
-            self.executor.close()
+            if self._owns_executor:
+                self.executor.close()
             raise
         self._streams: dict[str, OutputStream] = {}
         self._inflight: StepHandle | None = None
@@ -224,7 +231,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop background helpers (the device thread, the grammar compiler's worker)."""
-        self.executor.close()
+        if self._owns_executor:
+            self.executor.close()
         self.structured.close()
 
     def has_work(self) -> bool:

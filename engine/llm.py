@@ -77,10 +77,10 @@ class LLM:
 
     def __init__(self, model: str, device: str = "cpu", dtype: str | None = None,
                  kv_cache_gib: float = 1.0, max_num_seqs: int = 64, wrap_model: Any = None,
-                 **kwargs: Any):
+                 executor: Any = None, **kwargs: Any):
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype,
                                    kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs, **kwargs)
-        self.engine = EngineCore(self.config, wrap_model=wrap_model)
+        self.engine = EngineCore(self.config, wrap_model=wrap_model, executor=executor)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,

@@ -143,3 +143,14 @@ def test_voice_prompt_and_bad_requests(speech_llm, make_llm):
     text_only = make_llm("tiny-llama")
     with pytest.raises(SpeechUnavailable):
         text_only.engine.make_speech_context("hello")
+
+
+def test_two_engines_share_one_device_thread(make_llm):
+    text = make_llm("tiny-llama")
+    speech = make_llm("demo-speech", speech_codec=str(ensure_preset("tiny-codec")), executor=text.engine.executor)
+    assert speech.engine.executor is text.engine.executor
+    out = speech.synthesize("shared thread", max_audio_seconds=0.5)[0]
+    assert len(out.audio) > 0
+    assert len(text.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=4))[0].token_ids) == 4
+    speech.close()  # does not stop the shared thread
+    assert len(text.generate([[5, 6]], SamplingParams(temperature=0, max_new_tokens=2))[0].token_ids) == 2
