@@ -88,6 +88,8 @@ class TextContext:
         self._futures: deque[int] = deque()
         # Tokens [prompt_len, grammar_idx) have been fed to the matcher.
         self.grammar_idx = self.prompt_len
+        # The token an in-flight step must sample (the grammar forces it).
+        self.forced_next: int | None = None
         # Row of this request in the device token buffer (set by the pipeline).
         self.slot: int | None = None
         # Positions of tokens the grammar forced (output without a model choice).
@@ -224,6 +226,7 @@ class TextContext:
             return
         cut = self._futures[0]
         self._futures.clear()
+        self.forced_next = None
         self.forced_positions = {p for p in self.forced_positions if p < cut}
         self.end_idx = cut
         self.active_idx = min(self.active_idx, cut)

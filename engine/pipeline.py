@@ -227,8 +227,8 @@ class TextGenerationPipeline:
             return
         try:
             contexts = [handle.contexts[i] for i in handle.sampled]
-            live = [c.matcher if c.matcher is not None and not c.is_done else None for c in contexts]
-            if self.structured is not None and any(m is not None for m in live):
+            live = [c if c.matcher is not None and not c.is_done else None for c in contexts]
+            if self.structured is not None and any(c is not None for c in live):
                 handle.bitmask, handle.bitmask_rows = self.structured.fill(live)
         finally:
             handle.grammar_ready.set()

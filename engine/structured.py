@@ -70,16 +70,25 @@ class StructuredOutput:
                 self._compiler = None
 
     # -- per step -------------------------------------------------------------
-    def fill(self, matchers: Sequence[Any]) -> tuple[torch.Tensor, list[int]]:
-        """Bitmask rows for the non-None matchers; returns (bitmask, those rows)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+    def fill(self, contexts: Sequence[TextContext | None]) -> tuple[torch.Tensor, list[int]]:
+        """Bitmask rows for the constrained contexts (None rows are skipped).
+
+        Returns (bitmask, rows filled). A context whose next token is already
+        decided (`forced_next`, see `advance`) gets a row allowing only it.
+        """
+        rows = [i for i, c in enumerate(contexts) if c is not None and c.matcher is not None]
         compiler = self.compiler
-        if self._bitmask is None or self._bitmask.shape[0] < len(matchers):
-            self._bitmask = compiler.allocate_bitmask(max(len(matchers), 64))
+        if self._bitmask is None or self._bitmask.shape[0] < len(contexts):
+            self._bitmask = compiler.allocate_bitmask(max(len(contexts), 64))
         # One buffer is enough: a step's bitmask is filled only after the
         # previous step (its last reader) has finished.
-        bitmask = self._bitmask[: len(matchers)]
-        compiler.fill_bitmasks([matchers[i] for i in rows], bitmask, rows)
+        bitmask = self._bitmask[: len(contexts)]
+        free = [i for i in rows if contexts[i].forced_next is None]  # type: ignore[union-attr]
+        compiler.fill_bitmasks([contexts[i].matcher for i in free], bitmask, free)  # type: ignore[union-attr]
+        for i in rows:
+            token = contexts[i].forced_next  # type: ignore[union-attr]
+            if token is not None:
+                _allow_only(bitmask[i], token)
         return bitmask, rows
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
@@ -98,6 +107,13 @@ class StructuredOutput:
         end = ctx.num_final_tokens
         while ctx.grammar_idx < end:
             token = int(ctx.tokens[ctx.grammar_idx])
+            if ctx.forced_next is not None:
+                # The in-flight step was masked to this one token.
+                if token != ctx.forced_next:
+                    ctx.error = f"token {token} differs from the forced token {ctx.forced_next}"
+                    ctx.finish(GenerationStatus.ERROR)
+                    return
+                ctx.forced_next = None
             if not matcher.accept_token(token):
                 ctx.error = f"token {token} was rejected by the grammar"
                 ctx.finish(GenerationStatus.ERROR)
@@ -110,7 +126,11 @@ class StructuredOutput:
             return  # tokens behind a placeholder are consumed when it is realized
         forced = matcher.forced_tokens()
         if in_flight == 1 and forced:
-            # The placeholder's token is forced too: its step may sample nothing else.
+            # The step in flight samples the placeholder's position. Its mask is
+            # narrowed to exactly the first forced token (a grammar may also
+            # allow other tokenizations of the forced text, such as a shorter
+            # prefix), so the tokens appended behind it are what follows.
+            ctx.forced_next = forced[0]
             ctx.forced_positions.add(ctx.end_idx - 1)
             forced = forced[1:]
         room = min(ctx.max_length, ctx.end_idx + len(forced)) - ctx.end_idx
@@ -139,3 +159,11 @@ class StructuredOutput:
             ctx.finish(GenerationStatus.END_OF_SEQUENCE)
             return True
         return False
+
+
+def _allow_only(row: torch.Tensor, token: int) -> None:
+    """Set an int32 bitmask row to allow exactly `token`."""
+    row.zero_()
+    bit = token % 32
+    # Bit 31 is the sign bit of an int32 word.
+    row[token // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)

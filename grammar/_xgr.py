@@ -90,15 +90,24 @@ def choice_ebnf(choices: tuple[str, ...]) -> str:
 _FREE_FORM_RULE = re.compile(r"^(basic_array_items|basic_object_properties)(_\d+)? ::=")
 
 
-def _compact_fixup(ebnf: str) -> str | None:
-    """The grammar text with compact free-form separators, or None if already right."""
+def _compact_fixup(ebnf: str) -> str:
+    """The grammar text with compact free-form separators."""
     lines = ebnf.splitlines()
-    changed = False
     for i, line in enumerate(lines):
         if _FREE_FORM_RULE.match(line) and '", "' in line:
             lines[i] = line.replace('", "', '","')
-            changed = True
-    return "\n".join(lines) + "\n" if changed else None
+    return "\n".join(lines) + "\n"
+
+
+# xgrammar 0.2.8 writes the characters of length-bounded strings as
+# [^"\\\r\n], which lets raw control characters (U+0000-U+001F) into the
+# string: invalid JSON. Narrow that class to what JSON allows unescaped.
+_BOUNDED_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def _string_fixup(ebnf: str) -> str:
+    return ebnf.replace(_BOUNDED_CHARS, _JSON_CHARS)
 
 
 # xgrammar resolves only JSON-pointer references within the document; any other
@@ -131,11 +140,10 @@ def _compile_json(compiler: xgr.GrammarCompiler, schema: str, spec: GrammarSpec)
     if problem:
         raise GrammarError(f"cannot compile JSON schema: {problem}", backend=BACKEND)
     kwargs = _whitespace_kwargs(spec)
-    if spec.options.whitespace != "compact":
-        return compiler.compile_json_schema(schema, strict_mode=False, **kwargs)
-    grammar = xgr.Grammar.from_json_schema(schema, strict_mode=False, **kwargs)
-    fixed = _compact_fixup(str(grammar))
-    return compiler.compile_grammar(fixed if fixed is not None else grammar)
+    text = _string_fixup(str(xgr.Grammar.from_json_schema(schema, strict_mode=False, **kwargs)))
+    if spec.options.whitespace == "compact":
+        text = _compact_fixup(text)
+    return compiler.compile_grammar(text)
 
 
 def compile_native(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:

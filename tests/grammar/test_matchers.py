@@ -305,3 +305,18 @@ def test_pretty_accepts_indented_json(compiler, backend):
     assert matcher.can_terminate()
     matcher.reset()
     assert not feed(matcher, tok.encode('{"id":' + " " * 80), bitmask)
+
+
+def test_xgrammar_bounded_strings_exclude_control_characters(compiler) -> None:
+    """xgrammar writes length-bounded strings with a character class that lets
+    raw control characters in; the compiler narrows it to valid JSON."""
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 12}},
+                         "required": ["s"]})
+    matcher = compiler.compile(GrammarSpec.json_schema(schema), backend="xgrammar")
+    data = compiler.tokenizer_data
+    for tok in data.encode('{"s":"ab'):
+        assert matcher.accept_token(tok)
+    bitmask = compiler.allocate_bitmask(1)
+    matcher.fill_bitmask(bitmask, 0)
+    control = {t for t in range(len(data.encoded_vocab)) if any(b < 0x20 for b in data.token_bytes(t))}
+    assert control and not allowed(bitmask) & control
