@@ -19,6 +19,7 @@ from .errors import InvalidRequest
 from .executor import StepExecutor
 from .kernels import cpu_ops
 from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_for_budget
+from .kv_cache.memory import empty_huge
 from .models.config import CheckpointError, load_model_config
 from .models.llama import LlamaFamilyModel
 from .models.weights import WeightSource
@@ -88,8 +89,9 @@ class EngineCore:
             max_len = num_pages * config.page_size
         self.max_model_len = max_len
         # Every slot is written before it is read, so no need to zero (or touch) it.
-        kv_blocks = torch.empty(page_tensor_shape(num_pages, mc.num_layers, config.page_size,
-                                                  mc.num_kv_heads, mc.head_dim), dtype=dtype, device=device)
+        shape = page_tensor_shape(num_pages, mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim)
+        kv_blocks = empty_huge(shape, dtype) if device.type == "cpu" else \
+            torch.empty(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(kv_blocks, self.allocator)
         self.attention = make_attention(kv_blocks, mc.num_heads, mc.head_dim, config.attention)

@@ -1,0 +1,37 @@
+"""Allocating the page tensor on CPU in transparent huge pages.
+
+Pages of a sequence are scattered across a tensor of gigabytes; with 4 KiB
+OS pages every KV page read risks a TLB miss. Where the kernel's THP mode is
+`madvise` (a common default), memory must ask for huge pages explicitly, so
+the CPU page tensor is mapped anonymously, 2 MiB aligned, with
+MADV_HUGEPAGE. Anywhere that fails, a plain torch allocation is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor backed by huge pages where the OS allows it."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = itemsize
+    for n in shape:
+        nbytes *= n
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        offset = (-base) % HUGE_PAGE
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
+        flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+    except (OSError, ValueError, AttributeError):
+        return torch.empty(shape, dtype=dtype)
+    # The tensor keeps `region` alive through its storage.
+    return flat.view(dtype).view(shape)
