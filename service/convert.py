@@ -82,7 +82,11 @@ class PreparedRequest:
 
 # -- requests -----------------------------------------------------------------
 def request_id_of(req: pb.GenerateRequest) -> str:
-    rid = req.request_id
+    return check_request_id(req.request_id)
+
+
+def check_request_id(rid: str) -> str:
+    """A client's request id, validated; a new one when it is empty."""
     if not rid:
         return uuid.uuid4().hex
     if len(rid) > MAX_REQUEST_ID_LENGTH:
@@ -92,16 +96,22 @@ def request_id_of(req: pb.GenerateRequest) -> str:
     return rid
 
 
+def sampling_kwargs(s: pb.SamplingOptions) -> dict[str, object]:
+    """The SamplingParams arguments a SamplingOptions message sets (unset fields left out)."""
+    kwargs: dict[str, object] = {name: getattr(s, name) for name in _SAMPLING if s.HasField(name)}
+    if s.logit_bias:
+        kwargs["logit_bias"] = dict(s.logit_bias)
+    return kwargs
+
+
 def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     """SamplingParams from the request; unset fields keep the engine's defaults."""
-    s, st, r = req.sampling, req.stopping, req.response
-    kwargs: dict[str, object] = {}
-    for msg, names in ((s, _SAMPLING), (st, _STOPPING), (r, _RESPONSE)):
+    st, r = req.stopping, req.response
+    kwargs = sampling_kwargs(req.sampling)
+    for msg, names in ((st, _STOPPING), (r, _RESPONSE)):
         for name in names:
             if msg.HasField(name):
                 kwargs[name] = getattr(msg, name)
-    if s.logit_bias:
-        kwargs["logit_bias"] = dict(s.logit_bias)
     if st.stop:
         kwargs["stop"] = tuple(st.stop)
     if st.stop_token_ids:

@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine import GenerationStatus
+from engine import GenerationStatus, RequestOutput
 
 from . import convert
-from .engine_loop import EngineFailed, EngineLoop
+from .engine_loop import EngineFailed, EngineLoop, RequestStream
 from .errors import failed_precondition, internal, rpc_guard, unavailable
 from .gen.stencil.v1 import generate_pb2 as pb
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
@@ -26,16 +26,34 @@ OFF_LOOP_BYTES = 32 * 1024
 T = TypeVar("T")
 
 
-async def _run_maybe_off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+async def run_maybe_off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     if size > OFF_LOOP_BYTES:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
 
 
+async def next_outputs(stream: RequestStream) -> tuple[list[RequestOutput], RequestOutput | None]:
+    """A request's next outputs and its final one (None while it runs).
+
+    Ends the call instead when the engine failed (INTERNAL), the request failed
+    in the engine (INTERNAL) or the server cut it short (UNAVAILABLE).
+    """
+    try:
+        outputs = await stream.next_outputs()
+    except EngineFailed:
+        raise internal("the engine failed while running this request; see the server log") from None
+    final = outputs[-1] if outputs[-1].finished else None
+    if final is not None and final.status is GenerationStatus.ERROR:
+        raise internal(f"generation failed: {final.error or 'engine error'}")
+    if final is not None and final.status is GenerationStatus.CANCELLED and stream.shutdown_reason:
+        raise unavailable(stream.shutdown_reason)
+    return outputs, final
+
+
 class ServingState:
     """What the servicers need from the server: the engine once loaded, and
     whether new calls are still taken. Also counts calls in flight (Generate
-    streams, Embed calls) so a drain can wait for them.
+    and Synthesize streams, Embed calls) so a drain can wait for them.
 
     `serves_generation` is False for a server started without a generation
     model (embeddings only): its Generation RPCs fail with FAILED_PRECONDITION.
@@ -46,6 +64,9 @@ class ServingState:
         self.server_version = server_version
         self.serves_generation = serves_generation
         self.engine_loop: EngineLoop | None = None
+        # The speech engine's loop when speech has an engine of its own (else
+        # None: the generation engine serves speech too, or there is none).
+        self.speech_loop: EngineLoop | None = None
         self.constraints: ConstraintCompiler | None = None
         self.draining = False
         self._calls = 0
@@ -64,6 +85,11 @@ class ServingState:
         if not loop.alive:
             raise unavailable("the engine is not running")
         return loop
+
+    @property
+    def engine_loops(self) -> list[EngineLoop]:
+        """Every running engine loop (generation first)."""
+        return [loop for loop in (self.engine_loop, self.speech_loop) if loop is not None]
 
     @property
     def calls_in_flight(self) -> int:
@@ -91,7 +117,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_guard
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         loop = self.state.require_engine()
-        prepared = await _run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
+        prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
                                              request, loop.engine)
         if prepared.constraint is not None:
             # Compiled before the engine sees the request (a cache hit returns
@@ -111,17 +137,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             while True:
-                try:
-                    outputs = await stream.next_outputs()
-                except EngineFailed:
-                    raise internal("the engine failed while running this request; "
-                                   "see the server log") from None
-                final = outputs[-1] if outputs[-1].finished else None
-                if final is not None and final.status is GenerationStatus.ERROR:
-                    raise internal(f"generation failed: {final.error or 'engine error'}")
-                if final is not None and final.status is GenerationStatus.CANCELLED \
-                        and stream.shutdown_reason:
-                    raise unavailable(stream.shutdown_reason)
+                outputs, final = await next_outputs(stream)
                 chunk = convert.chunk_response(rid, outputs, prepared.options)
                 if chunk is not None:
                     await context.write(chunk)
@@ -139,7 +155,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         loop = self.state.require_engine()
-        return await _run_maybe_off_loop(request.ByteSize(), convert.tokenize, request, loop.engine.tokenizer)
+        return await run_maybe_off_loop(request.ByteSize(), convert.tokenize, request, loop.engine.tokenizer)
 
     @rpc_guard
     async def Detokenize(self, request: pb.DetokenizeRequest,
@@ -158,7 +174,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # Taken while draining too: aborting helps a drain finish.
         if not self.state.serves_generation:
             self.state.require_engine()  # FAILED_PRECONDITION
-        loop = self.state.engine_loop
-        if loop is None:
+        loops = self.state.engine_loops
+        if not loops:
             raise unavailable("the model is still loading")
-        return pb.AbortResponse(aborted_request_ids=[rid for rid in request.request_ids if loop.abort(rid)])
+        # Synthesize streams too, on an engine of their own or not: every loop is
+        # asked (the same id may run on both).
+        aborted = []
+        for rid in request.request_ids:
+            if any([loop.abort(rid) for loop in loops]):
+                aborted.append(rid)
+        return pb.AbortResponse(aborted_request_ids=aborted)

@@ -2,9 +2,11 @@
 
 Everything reports NOT_SERVING until the models are loaded and warmed up; then
 `""` and each service with a model (stencil.v1.Generation,
-stencil.v1.Embeddings) turn SERVING, while a service without one (a server
-started with --no-embedding-model, or embeddings only) stays NOT_SERVING. On
-drain (or if the engine dies) everything is NOT_SERVING again, for good.
+stencil.v1.Embeddings, stencil.v1.Speech) turn SERVING, while a service
+without one (a server started with --no-embedding-model or
+--no-speech-model, or embeddings only) stays NOT_SERVING. On drain (or if the
+generation engine dies) everything is NOT_SERVING again, for good; a separate
+speech engine that dies takes only stencil.v1.Speech with it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class HealthState:
     async def set_all(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         for name in self.services:
             await self.servicer.set(name, status)
+
+    async def set(self, name: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        """One service's status (ignored once draining)."""
+        await self.servicer.set(name, status)
 
     async def not_serving(self) -> None:
         await self.set_all(NOT_SERVING)

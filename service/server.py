@@ -3,11 +3,11 @@
 Lifecycle: `start()` binds the port and serves health (NOT_SERVING) and
 reflection at once, then loads and warms up the models off the event loop
 (service/loading.py) and turns SERVING: the generation model
-(stencil.v1.Generation) and the embedding model (stencil.v1.Embeddings),
-either of which may be absent. `drain()` turns NOT_SERVING, refuses new calls
-with UNAVAILABLE, lets Generate streams and Embed calls in flight finish for
-up to the grace period, then aborts the rest (their streams end UNAVAILABLE)
-and stops.
+(stencil.v1.Generation), the speech model (stencil.v1.Speech) and the
+embedding model (stencil.v1.Embeddings), any of which may be absent.
+`drain()` turns NOT_SERVING, refuses new calls with UNAVAILABLE, lets
+Generate and Synthesize streams and Embed calls in flight finish for up to the
+grace period, then aborts the rest (their streams end UNAVAILABLE) and stops.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ from engine import EngineCore
 from .embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
 from .embeddings import EmbeddingOptions, EmbeddingSlot, EmbeddingsServicer
 from .engine_loop import AdmissionLimits, EngineLoop
-from .gen.stencil.v1 import embed_pb2_grpc
+from .gen.stencil.v1 import embed_pb2_grpc, speech_pb2_grpc
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from .generation import SERVICE_NAME, GenerationServicer, ServingState
-from .health import HealthState
+from .health import NOT_SERVING, HealthState
 from .loading import LoadedModels, load_models
+from .speech import SERVICE_NAME as SPEECH_SERVICE
+from .speech import SpeechOptions, SpeechServicer, SpeechSlot
 from .structured import ConstraintCompiler
 
 log = logging.getLogger(__name__)
@@ -64,22 +66,27 @@ class ServerConfig:
 
 
 class StencilServer:
-    """The gRPC server around a generation engine and/or an embedding model.
+    """The gRPC server around a generation engine, a speech model and/or an embedding model.
 
     `engine_factory` None serves no generation model; `embedding` None serves
-    no embedding model (Embed answers FAILED_PRECONDITION). Use from a running
-    event loop.
+    no embedding model (Embed answers FAILED_PRECONDITION); `speech` None
+    serves no speech model (Synthesize answers FAILED_PRECONDITION). Use from
+    a running event loop.
     """
 
     def __init__(self, engine_factory: Callable[[], EngineCore] | None, model_name: str,
-                 config: ServerConfig | None = None, embedding: EmbeddingOptions | None = None):
-        if engine_factory is None and embedding is None:
-            raise ValueError("a server needs a generation model, an embedding model, or both")
+                 config: ServerConfig | None = None, embedding: EmbeddingOptions | None = None,
+                 speech: SpeechOptions | None = None):
+        if engine_factory is None and embedding is None and speech is None:
+            raise ValueError("a server needs a generation, speech or embedding model")
+        if speech is not None and speech.shared and engine_factory is None:
+            raise ValueError("a shared speech model needs the generation engine that serves it")
         self.config = config or ServerConfig()
         self._engine_factory = engine_factory
         self.state = ServingState(model_name, SERVER_VERSION, serves_generation=engine_factory is not None)
         self.embedding = EmbeddingSlot(embedding)
-        self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE])
+        self.speech = SpeechSlot(speech)
+        self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE])
         self.models: LoadedModels | None = None
         self.port: int | None = None
         self.load_error: BaseException | None = None
@@ -106,10 +113,12 @@ class StencilServer:
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.state), server)
         embed_pb2_grpc.add_EmbeddingsServicer_to_server(EmbeddingsServicer(self.state, self.embedding),
                                                         server)
+        speech_pb2_grpc.add_SpeechServicer_to_server(SpeechServicer(self.state, self.speech), server)
         self.health.add_to_server(server)
         await self.health.not_serving()
         reflection.enable_server_reflection(
-            [SERVICE_NAME, EMBEDDINGS_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+            [SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE, "grpc.health.v1.Health",
+             reflection.SERVICE_NAME], server)
         address = f"{self.config.host}:{self.config.port}"
         try:
             port = server.add_insecure_port(address)
@@ -130,11 +139,13 @@ class StencilServer:
     def _build_models(self) -> LoadedModels:
         cfg = self.config
         return load_models(self._engine_factory, self.embedding.options, warmup=cfg.warmup,
-                           warmup_grammar=cfg.warmup_grammar, engine_alive=self._engine_alive)
+                           warmup_grammar=cfg.warmup_grammar, engine_alive=self._engine_alive,
+                           speech=self.speech.options)
 
     def _engine_alive(self) -> bool:
-        loop = self.state.engine_loop
-        return loop is None or loop.alive
+        """Whether the engine that owns the device thread (the first built) still runs."""
+        loops = self.state.engine_loops
+        return not loops or loops[0].alive
 
     async def _load(self) -> None:
         # A daemon thread, not the default executor: a shutdown during loading
@@ -173,14 +184,34 @@ class StencilServer:
             self.state.engine_loop = loop
             log.info("ready: %s (%s, %s)", self.state.model_name, engine.model_config.architecture,
                      engine.config.torch_device)
+        self._start_speech(models)
         self.embedding.runtime = models.embeddings
         served = [name for name, on in ((SERVICE_NAME, engine is not None),
-                                        (EMBEDDINGS_SERVICE, models.embeddings is not None)) if on]
+                                        (EMBEDDINGS_SERVICE, models.embeddings is not None),
+                                        (SPEECH_SERVICE, self.speech.loop is not None)) if on]
         await self.health.serving(served)
         self._ready.set()
 
+    def _start_speech(self, models: LoadedModels) -> None:
+        """Give the speech servicer its loop: the generation engine's when it serves
+        speech itself, else a loop of the separate speech engine's own."""
+        if self.speech.options is None:
+            return
+        if models.speech is None:
+            self.speech.loop = self.state.engine_loop
+            return
+        loop = EngineLoop(models.speech, self.config.admission, on_failure=self._on_speech_failure)
+        loop.start()
+        self.state.speech_loop = self.speech.loop = loop
+        # It runs on the generation engine's device thread, which dies with that engine.
+        self.speech.alive = lambda: loop.alive and self._engine_alive()
+
     def _on_engine_failure(self, exc: BaseException) -> None:
         self._spawn(self.health.shut_down())
+
+    def _on_speech_failure(self, exc: BaseException) -> None:
+        # Text and embeddings do not depend on a separate speech engine.
+        self._spawn(self.health.set(SPEECH_SERVICE, NOT_SERVING))
 
     async def wait_ready(self) -> bool:
         """Wait until the models are loaded (True) or failed to load (False)."""
@@ -205,9 +236,9 @@ class StencilServer:
         idle = asyncio.ensure_future(state.wait_idle())
         force = asyncio.ensure_future(self._force.wait())
         await asyncio.wait([idle, force], timeout=grace, return_when=asyncio.FIRST_COMPLETED)
-        loop = state.engine_loop
-        if not idle.done() and loop is not None:
-            n = loop.abort_all(SHUTDOWN_MESSAGE)
+        loops = state.engine_loops
+        if not idle.done() and loops:
+            n = sum(loop.abort_all(SHUTDOWN_MESSAGE) for loop in loops)
             log.info("grace period over: aborting %d requests", n)
             # The aborted streams end within one engine step; bounded anyway.
             await asyncio.wait([idle], timeout=10.0)
@@ -220,7 +251,8 @@ class StencilServer:
         if runtime is not None:
             # Before the engine stops: it may share the engine's device thread.
             await asyncio.to_thread(runtime.close)
-        if loop is not None:
+        # The speech engine first: it may run on the generation engine's device thread.
+        for loop in reversed(loops):
             await loop.stop()
         log.info("stopped")
         self._stopped.set()
@@ -234,12 +266,13 @@ class StencilServer:
 
 
 async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str,
-                config: ServerConfig, embedding: EmbeddingOptions | None = None) -> int:
+                config: ServerConfig, embedding: EmbeddingOptions | None = None,
+                speech: SpeechOptions | None = None) -> int:
     """Run a server until SIGTERM/SIGINT (graceful) or a second signal (at once).
 
     Returns a process exit code: 0 after a drain, 1 if the model failed to load.
     """
-    server = StencilServer(engine_factory, model_name, config, embedding)
+    server = StencilServer(engine_factory, model_name, config, embedding, speech)
     port = await server.start()
     log.info("listening on %s:%d (health NOT_SERVING until the model is loaded)", config.host, port)
     loop = asyncio.get_running_loop()

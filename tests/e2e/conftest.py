@@ -9,12 +9,16 @@ import pytest
 
 from engine import EngineCore
 from engine.embedding import EmbeddingConfig
+from engine.presets import ensure_preset
+from service.cli import build_parser
 from service.embeddings import EmbeddingOptions
 from service.engine_loop import AdmissionLimits
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from service.serve_cli import ServePlan, plan_serve
 from service.server import ServerConfig, StencilServer
+from service.speech import SpeechOptions
 
-from .helpers import LoopThread, ServerHandle, engine_factory
+from .helpers import LoopThread, ServerHandle, engine_factory, speech_factory
 
 
 @pytest.fixture(scope="session")
@@ -31,16 +35,18 @@ def make_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]
 
     def start(factory: Callable[[], EngineCore] | None = None, wait: bool = True,
               model_name: str = "tiny-llama", embedding: EmbeddingOptions | None = None,
-              generation: bool = True, **config: Any) -> ServerHandle:
-        """No embedding model unless `embedding` is given, and no grammar worker
-        started at warm-up unless asked: both cost seconds that most tests do not need."""
+              generation: bool = True, speech: SpeechOptions | None = None,
+              **config: Any) -> ServerHandle:
+        """No embedding or speech model unless `embedding` or `speech` is given, and
+        no grammar worker started at warm-up unless asked: all cost seconds that
+        most tests do not need."""
         config.setdefault("port", 0)
         config.setdefault("grace_period_s", 30.0)
         config.setdefault("warmup_grammar", False)
         if "max_pending_requests" in config:
             config["admission"] = AdmissionLimits(config.pop("max_pending_requests"))
         factory = (factory or engine_factory()) if generation else None
-        server = StencilServer(factory, model_name, ServerConfig(**config), embedding)
+        server = StencilServer(factory, model_name, ServerConfig(**config), embedding, speech)
         handle = ServerHandle(loop_thread, server)
         made.append(handle)
         if wait:
@@ -52,6 +58,9 @@ def make_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]
         loop = handle.server.engine_loop
         if loop is not None and loop.alive:
             assert handle.wait_no_pages() == (0, 0), "a request leaked KV pages"
+        speech = handle.server.speech.loop
+        if speech is not None and speech.alive:
+            assert handle.wait_no_pages(speech=True) == (0, 0), "a speech request leaked KV pages"
         handle.stop()
 
 
@@ -82,3 +91,28 @@ def embed_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
 @pytest.fixture
 def stub(server: ServerHandle) -> pb_grpc.GenerationStub:
     return server.stub
+
+
+@pytest.fixture(scope="session")
+def speech_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    """tiny-llama, and demo-speech + tiny-codec on a speech engine of its own
+    (sharing the generation engine's device thread)."""
+    return make_server(speech=SpeechOptions("demo-speech", speech_factory()))
+
+
+def shared_plan() -> ServePlan:
+    """`stencild serve` with demo-speech as both --model and --speech-model."""
+    speech = str(ensure_preset("demo-speech"))
+    args = build_parser().parse_args([
+        "serve", "--model", speech, "--speech-model", speech, "--codec", str(ensure_preset("tiny-codec")),
+        "--kv-cache-gib", "0.05", "--no-embedding-model"])
+    plan = plan_serve(args)
+    assert isinstance(plan, ServePlan), plan
+    return plan
+
+
+@pytest.fixture(scope="session")
+def shared_speech_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    """One engine (demo-speech + tiny-codec) serving text and speech, as the CLI builds it."""
+    plan = shared_plan()
+    return make_server(plan.engine_factory, model_name=plan.model_name, speech=plan.speech)

@@ -16,12 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import numpy as np
 
 from engine import EngineConfig, EngineCore
+from engine.executor import StepExecutor
 from engine.presets import ensure_preset
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from service.gen.stencil.v1 import speech_pb2, speech_pb2_grpc
 from service.server import StencilServer
+from service.speech import SpeechEngineFactory
 
 # Generous: the CI machine has 2 shared cores.
 TIMEOUT = 60.0
@@ -45,14 +49,16 @@ class LoopThread:
 
 class SlowModel:
     """Delegates to the real model, sleeping before each forward pass, so a
-    request lasts long enough to be cancelled mid-stream on any machine."""
+    request lasts long enough to be cancelled mid-stream on any machine.
+    `delay_s` may be changed while the engine runs (0: no sleep)."""
 
     def __init__(self, real: Any, delay_s: float):
         self._real = real
-        self._delay_s = delay_s
+        self.delay_s = delay_s
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(self._delay_s)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         return self._real.forward(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -66,6 +72,19 @@ def engine_factory(preset: str = "tiny-llama", slow_s: float = 0.0, **config: An
     return lambda: EngineCore(EngineConfig(model=str(path), **config), wrap_model=wrap)
 
 
+def speech_factory(preset: str = "demo-speech", codec: str = "tiny-codec",
+                   **config: Any) -> SpeechEngineFactory:
+    """A separate speech engine; its model is a SlowModel (delay 0) that a test may slow down."""
+    path, codec_path = ensure_preset(preset), ensure_preset(codec)
+    config.setdefault("kv_cache_gib", 0.05)
+    engine_config = EngineConfig(model=str(path), speech_codec=str(codec_path), **config)
+
+    def build(executor: StepExecutor | None) -> EngineCore:
+        return EngineCore(engine_config, wrap_model=lambda real: SlowModel(real, 0.0), executor=executor)
+
+    return build
+
+
 class ServerHandle:
     """A StencilServer under test plus a client channel to it."""
 
@@ -76,6 +95,7 @@ class ServerHandle:
         self.address = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.GenerationStub(self.channel)
+        self.speech_stub = speech_pb2_grpc.SpeechStub(self.channel)
 
     def wait_ready(self) -> None:
         assert self.runner.run(self.server.wait_ready()), f"model failed to load: {self.server.load_error}"
@@ -85,22 +105,46 @@ class ServerHandle:
         assert loop is not None
         return self.runner.run(loop.call(fn))
 
-    def pages_in_use(self) -> tuple[int, int]:
-        """(pages referenced, requests holding pages), read on the engine thread."""
-        return self.engine_call(lambda e: (e.allocator.num_used, e.kv_manager.num_active))
+    @property
+    def speech_engine(self) -> EngineCore:
+        """The engine that serves speech (the generation engine when shared)."""
+        loop = self.server.speech.loop
+        assert loop is not None, "this server serves no speech"
+        return loop.engine
 
-    def wait_no_pages(self, timeout: float = TIMEOUT) -> tuple[int, int]:
+    def speech_call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run `fn(speech engine)` on its engine thread, between steps."""
+        loop = self.server.speech.loop
+        assert loop is not None
+        return self.runner.run(loop.call(fn))
+
+    def decode(self, codes: list[int]) -> np.ndarray:
+        """One-shot decoding of SNAC codes with the server's codec, on its device thread."""
+        engine = self.speech_engine
+        assert engine.audio is not None
+        codec = engine.audio.codec
+        frames = np.asarray(codes, dtype=np.int64).reshape(-1, 7)
+        return engine.executor.call(lambda: codec.decode_all(frames))
+
+    def pages_in_use(self, speech: bool = False) -> tuple[int, int]:
+        """(pages referenced, requests holding pages), read on the engine thread."""
+        call = self.speech_call if speech else self.engine_call
+        return call(lambda e: (e.allocator.num_used, e.kv_manager.num_active))
+
+    def wait_no_pages(self, timeout: float = TIMEOUT, speech: bool = False) -> tuple[int, int]:
         """Poll until no page is referenced and no request holds pages."""
         deadline = time.monotonic() + timeout
         while True:
-            state = self.pages_in_use()
+            state = self.pages_in_use(speech)
             if state == (0, 0) or time.monotonic() > deadline:
                 return state
             time.sleep(0.02)
 
-    def wait_pending(self, n: int, timeout: float = TIMEOUT) -> None:
+    def wait_pending(self, n: int, timeout: float = TIMEOUT, speech: bool = False) -> None:
+        loop = self.server.speech.loop if speech else self.server.engine_loop
+        assert loop is not None
         deadline = time.monotonic() + timeout
-        while self.server.engine_loop.num_pending != n:  # type: ignore[union-attr]
+        while loop.num_pending != n:
             assert time.monotonic() < deadline, "requests never settled"
             time.sleep(0.02)
 
@@ -132,6 +176,21 @@ def generate(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest,
             complete = msg.complete
     assert complete is not None, "the stream ended without a complete message"
     return ("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], complete, chunks)
+
+
+def synthesize(stub: speech_pb2_grpc.SpeechStub, req: speech_pb2.SynthesizeRequest,
+               timeout: float = TIMEOUT) -> tuple[list[speech_pb2.AudioChunk], list[float]]:
+    """Run a Synthesize stream to its end: (the chunks, each one's arrival time in seconds
+    since the call)."""
+    chunks: list[speech_pb2.AudioChunk] = []
+    times: list[float] = []
+    start = time.perf_counter()
+    for chunk in stub.Synthesize(req, timeout=timeout):
+        times.append(time.perf_counter() - start)
+        assert not chunks or not chunks[-1].final, "nothing may follow the final chunk"
+        chunks.append(chunk)
+    assert chunks and chunks[-1].final, "the stream ended without a final chunk"
+    return chunks, times
 
 
 def greedy(text: str | None = None, max_new_tokens: int = 16, **fields: Any) -> pb.GenerateRequest:

@@ -54,3 +54,34 @@ def test_serve_rejects_bad_embedding_and_grammar_options(tmp_path: Path,
         main(["serve", "--grammar-backend", "outlines"])
     with pytest.raises(SystemExit):
         main(["serve", "--embedding-model", str(tmp_path), "--no-embedding-model"])
+
+
+def test_serve_speech_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from service.cli import build_parser
+    from service.serve_cli import ServePlan, plan_serve
+
+    from .conftest import shared_plan
+
+    def plan(*args: str) -> ServePlan:
+        made = plan_serve(build_parser().parse_args(["serve", "--preset", "tiny-llama", *args]))
+        assert isinstance(made, ServePlan), made
+        return made
+
+    # By default the demo speech pair, on an engine of its own.
+    default = plan()
+    assert default.speech is not None and default.speech.model_name == "demo-speech"
+    assert not default.speech.shared
+    assert plan("--no-speech-model").speech is None
+    # --speech-model equal to --model: one engine serves both.
+    shared = shared_plan()
+    assert shared.speech is not None and shared.speech.shared
+    for args, message in [
+        (["--speech-model", str(tmp_path)], "no config.json"),
+        (["--codec", str(tmp_path)], "--codec goes with --speech-model"),
+        (["--speech-model", str(shared_plan().speech.model_name)], "needs --codec"),  # type: ignore[union-attr]
+    ]:
+        assert main(["serve", "--preset", "tiny-llama", *args]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["serve", "--embedding-only", "--speech-model", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit):
+        main(["serve", "--speech-model", str(tmp_path), "--no-speech-model"])

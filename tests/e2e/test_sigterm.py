@@ -1,5 +1,7 @@
 """`stencild serve` in a subprocess: SIGTERM drains (health NOT_SERVING, new calls
-UNAVAILABLE, the stream in flight finishes), then the process exits 0."""
+UNAVAILABLE, the streams in flight finish), then the process exits 0. Out of the
+box it also serves the embedding model and the demo speech pair (demo-speech +
+demo-codec, the one test that runs the full-size random SNAC decoder)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.presets import ensure_preset
-from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc
+from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc, speech_pb2, speech_pb2_grpc
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 
@@ -86,6 +88,19 @@ def test_sigterm_drains_then_exits_zero() -> None:
         embedded = embed_pb2_grpc.EmbeddingsStub(channel).Embed(
             embed_pb2.EmbedRequest(inputs=["hello"]), timeout=TIMEOUT)
         assert embedded.dimensions == 384 and embedded.model == "all-MiniLM-L6-v2"
+        # ... and the demo speech pair.
+        health_of = lambda name: health.Check(health_pb2.HealthCheckRequest(service=name),  # noqa: E731
+                                              timeout=TIMEOUT).status
+        assert health_of("stencil.v1.Speech") == SERVING
+        speech = speech_pb2_grpc.SpeechStub(channel)
+        speak = speech_pb2.SynthesizeRequest(input="Hello.", max_audio_seconds=2.0)
+        speak.sampling.seed = 1
+        first = list(speech.Synthesize(speak, timeout=TIMEOUT))
+        assert first[-1].final and first[-1].usage.audio_samples > 0
+        assert (first[0].sample_rate, first[0].channels) == (24000, 1)
+        # A Synthesize stream in flight is waited for too.
+        spoken = speech.Synthesize(speak, timeout=TIMEOUT * 3)
+        next(spoken)
         stub = pb_grpc.GenerationStub(channel)
         # Most of the context: long enough that the checks below happen during the drain.
         req = greedy("a long answer", max_new_tokens=480)
@@ -98,6 +113,12 @@ def test_sigterm_drains_then_exits_zero() -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(greedy("too late"), timeout=TIMEOUT))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as info:
+            list(speech.Synthesize(speak, timeout=TIMEOUT))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(spoken)
+        assert rest[-1].final
+        assert rest[-1].usage.audio_samples == first[-1].usage.audio_samples, "seeded: the same audio"
         msgs = list(call)
         assert msgs[-1].complete.finish_reason == pb.GenerateComplete.FinishReason.LENGTH
         assert msgs[-1].complete.usage.completion_tokens == 480

