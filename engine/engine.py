@@ -28,7 +28,14 @@ from .pipeline import StepHandle, TextGenerationPipeline
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .speech import CODES_PER_FRAME, AudioGenerator, SpeechCodec, SpeechLayout, TTSContext
+from .speech import (
+    CODES_PER_FRAME,
+    DEFAULT_SPEECH_SAMPLING,
+    AudioGenerator,
+    SpeechCodec,
+    SpeechLayout,
+    TTSContext,
+)
 from .structured import StructuredOutput
 from .tokenizer import Tokenizer
 
@@ -155,16 +162,19 @@ class EngineCore:
                                      f"{self.max_model_len}")
         else:
             max_length = self.max_model_len
+        self._check_token_ids(params)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        kwargs = {"request_id": request_id} if request_id else {}
+        return TextContext(tokens=ids, max_length=max_length, sampling_params=params,
+                           eos_token_ids=self.eos_token_ids, seed=seed, matcher=matcher, **kwargs)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
         for tok in params.stop_token_ids:
             if tok >= self.vocab_size:
                 raise InvalidRequest("stop_token_ids", f"token id {tok} is outside the vocabulary")
         for tok in params.logit_bias:
             if tok >= self.vocab_size:
                 raise InvalidRequest("logit_bias", f"token id {tok} is outside the vocabulary")
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        kwargs = {"request_id": request_id} if request_id else {}
-        return TextContext(tokens=ids, max_length=max_length, sampling_params=params,
-                           eos_token_ids=self.eos_token_ids, seed=seed, matcher=matcher, **kwargs)
 
     @property
     def serves_speech(self) -> bool:
@@ -198,15 +208,23 @@ class EngineCore:
             if codes.size % CODES_PER_FRAME or (codes < 0).any() or (codes >= layout.codebook_size).any():
                 raise InvalidRequest("audio_prompt_tokens", f"need whole frames of {CODES_PER_FRAME} codes in "
                                                             f"[0, {layout.codebook_size})")
-        prompt = layout.prompt(self.tokenizer.encode(text, add_special_tokens=False), codes,
+        # Orpheus tokenizes the text with its special tokens (BOS after
+        # start-of-human); tokenizers that add none are unaffected.
+        text_tokens = self.tokenizer.encode(text)
+        prompt = layout.prompt(text_tokens, codes,
                                self.tokenizer.encode(audio_prompt_transcription, add_special_tokens=False))
         frames = math.ceil(max_audio_seconds * self.audio.decoder_sample_rate / self.audio.samples_per_frame)
-        base = params or SamplingParams(temperature=0.6, top_p=0.95, repetition_penalty=1.1)
+        base = params or DEFAULT_SPEECH_SAMPLING
+        self._check_token_ids(base)
         wanted = frames * CODES_PER_FRAME if base.max_new_tokens is None else \
             base.max_new_tokens // CODES_PER_FRAME * CODES_PER_FRAME
         room = (self.max_model_len - len(prompt)) // CODES_PER_FRAME * CODES_PER_FRAME
         if room < CODES_PER_FRAME:
-            raise InvalidRequest("input", "the text is too long for the speech model's context")
+            # Name the voice prompt when the text alone would have fitted.
+            alone = len(layout.prompt(text_tokens))
+            field = "audio_prompt_tokens" if codes is not None and alone + CODES_PER_FRAME <= self.max_model_len \
+                else "input"
+            raise InvalidRequest(field, "the prompt is too long for the speech model's context")
         params = dataclasses.replace(base, max_new_tokens=max(CODES_PER_FRAME, min(wanted, room)),
                                      stop_token_ids=(*base.stop_token_ids, layout.end_of_speech),
                                      ignore_eos=True, logprobs=None, prompt_logprobs=None)

@@ -34,6 +34,8 @@ class StepExecutor:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._queue: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name="stencild-device", daemon=True)
         self._thread.start()
@@ -41,10 +43,12 @@ class StepExecutor:
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Queue `job` after every job submitted before it."""
         future: Future[T] = Future()
-        if self._thread is None:
-            future.set_exception(RuntimeError("the device thread has stopped"))
-        else:
-            self._queue.put((job, future))
+        with self._lock:
+            # Checked under the lock so nothing is queued behind the stop marker.
+            if self._closed:
+                future.set_exception(RuntimeError("the device thread has stopped"))
+            else:
+                self._queue.put((job, future))
         return future
 
     def call(self, job: Callable[[], T]) -> T:
@@ -70,7 +74,12 @@ class StepExecutor:
                 future.set_exception(e)
 
     def close(self) -> None:
-        if self._thread is not None:
+        """Finish the queued jobs, then stop; later submissions fail at once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self._queue.put(None)
+        if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None

@@ -14,17 +14,18 @@ import numpy as np
 
 from engine import EngineCore, GenerationStatus, InvalidRequest, RequestOutput, SamplingParams
 from engine.engine import MAX_SPEECH_CHARS
-from engine.speech import CODES_PER_FRAME, SpeechLayout, TTSContext
+from engine.speech import CODES_PER_FRAME, DEFAULT_SPEECH_SAMPLING, SpeechLayout, TTSContext
 
 from .convert import FIELD_PATHS, check_request_id, sampling_kwargs
 from .errors import invalid_argument
 from .gen.stencil.v1 import speech_pb2 as pb
 
-# Unset sampling fields take Orpheus' defaults, the ones the engine uses for a
-# request without parameters (a test keeps the two in step). Filled in per
-# field, so a request that only sets a seed still samples like Orpheus.
-SPEECH_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 0.6, "top_p": 0.95,
-                                               "repetition_penalty": 1.1}
+# Unset sampling fields take the engine's speech defaults (Orpheus' values),
+# filled in per field, so a request that only sets a seed still samples like
+# Orpheus.
+SPEECH_SAMPLING_DEFAULTS: dict[str, float] = {
+    name: getattr(DEFAULT_SPEECH_SAMPLING, name) for name in ("temperature", "top_p", "repetition_penalty")
+}
 DEFAULT_CHUNK_FRAMES = 4
 DEFAULT_MAX_AUDIO_SECONDS = 30.0
 PCM16_SCALE = 32767.0

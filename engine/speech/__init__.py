@@ -1,12 +1,13 @@
 """Text to speech on the engine: Orpheus-layout speech LMs and the SNAC decoder."""
 
 from .codec import DecodeWindow, SpeechCodec, write_random_codec
-from .context import TTSContext
+from .context import DEFAULT_SPEECH_SAMPLING, TTSContext
 from .generator import AudioGenerationOutput, AudioGenerator
 from .layout import CODES_PER_FRAME, SpeechLayout
 
 __all__ = [
     "CODES_PER_FRAME",
+    "DEFAULT_SPEECH_SAMPLING",
     "AudioGenerationOutput",
     "AudioGenerator",
     "DecodeWindow",

@@ -5,9 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from engine.context import TextContext
+from engine.sampling_params import SamplingParams
 
 from .codec import DecodeWindow
 from .layout import CODES_PER_FRAME, SpeechLayout
+
+# Orpheus' recommended sampling, used when a speech request sets none.
+DEFAULT_SPEECH_SAMPLING = SamplingParams(temperature=0.6, top_p=0.95, repetition_penalty=1.1)
 
 
 class TTSContext(TextContext):

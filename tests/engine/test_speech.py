@@ -154,3 +154,30 @@ def test_two_engines_share_one_device_thread(make_llm):
     assert len(text.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=4))[0].token_ids) == 4
     speech.close()  # does not stop the shared thread
     assert len(text.generate([[5, 6]], SamplingParams(temperature=0, max_new_tokens=2))[0].token_ids) == 2
+
+
+def test_prompt_overflow_names_the_voice_prompt(speech_llm):
+    llm = speech_llm(max_model_len=120)
+    eng = llm.engine
+    with pytest.raises(InvalidRequest) as err:
+        eng.make_speech_context("short text", audio_prompt_codes=list(range(7)) * 15)
+    assert err.value.field == "audio_prompt_tokens"
+    with pytest.raises(InvalidRequest) as err:
+        eng.make_speech_context("word " * 150)
+    assert err.value.field == "input"
+    with pytest.raises(InvalidRequest) as err:
+        eng.make_speech_context("hi", SamplingParams(logit_bias={10**6: 1.0}))
+    assert err.value.field == "logit_bias"
+
+
+def test_executor_refuses_work_after_close():
+    import torch
+
+    from engine.executor import StepExecutor
+
+    ex = StepExecutor(torch.device("cpu"))
+    assert ex.call(lambda: 7) == 7
+    ex.close()
+    with pytest.raises(RuntimeError, match="stopped"):
+        ex.submit(lambda: 1).result(timeout=5)
+    ex.close()  # twice is fine
