@@ -32,6 +32,9 @@ class EngineConfig:
     num_steps: int = 1
     attention: str = "auto"
     overlap: bool = True
+    # CPU fp32: a second, blocked copy of the weights for batches of <= 16 tokens
+    # (decoding ~1.6x faster at batch 1; doubles fp32 weight memory).
+    cpu_small_batch_gemm: bool = True
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 10.0
     # A SNAC codec directory: makes a speech LM checkpoint serve speech requests.

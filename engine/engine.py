@@ -80,7 +80,8 @@ class EngineCore:
         config, mc = self.config, self.model_config
         device, dtype = config.torch_device, config.torch_dtype
         source = WeightSource(config.model)
-        self.model = LlamaFamilyModel(mc, source, device, dtype, cpu_ops() if device.type == "cpu" else None)
+        self.model = LlamaFamilyModel(mc, source, device, dtype, cpu_ops() if device.type == "cpu" else None,
+                                      small_batch_gemm=config.cpu_small_batch_gemm)
         source.close()
         if wrap_model is not None:
             self.model = wrap_model(self.model)

@@ -39,13 +39,18 @@ class LlamaFamilyModel:
     """Forward pass of a Llama-family checkpoint; returns final hidden states."""
 
     def __init__(self, config: ModelConfig, source: WeightSource, device: torch.device,
-                 dtype: torch.dtype, ops: ModuleType | None = None):
+                 dtype: torch.dtype, ops: ModuleType | None = None, small_batch_gemm: bool = True):
         if config.extra.get("hidden_act", "silu") not in ("silu", "swish"):
             raise CheckpointError(f"unsupported hidden_act {config.extra['hidden_act']!r} (need silu)")
         self.config = config
         self.device = device
         self.dtype = dtype
         self.ops = ops if device.type == "cpu" else None
+        small = self.ops if small_batch_gemm else None
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, small_batch_ops=small)
+
         perm = interleave_permutation(config.head_dim)
 
         def load(name: str) -> torch.Tensor:
@@ -72,12 +77,12 @@ class LlamaFamilyModel:
                 ]).to(device)
             layer = DecoderLayer(
                 input_norm=load(p + "input_layernorm.weight").to(device),
-                qkv=Linear(torch.cat([q, k, v]).to(device), bias),
-                o_proj=Linear(load(p + "self_attn.o_proj.weight").to(device)),
+                qkv=linear(torch.cat([q, k, v]).to(device), bias),
+                o_proj=linear(load(p + "self_attn.o_proj.weight").to(device)),
                 post_norm=load(p + "post_attention_layernorm.weight").to(device),
-                gate_up=Linear(torch.cat([load(p + "mlp.gate_proj.weight"),
+                gate_up=linear(torch.cat([load(p + "mlp.gate_proj.weight"),
                                           load(p + "mlp.up_proj.weight")]).to(device)),
-                down=Linear(load(p + "mlp.down_proj.weight").to(device)),
+                down=linear(load(p + "mlp.down_proj.weight").to(device)),
             )
             if config.qk_norm:
                 layer.q_norm = load(p + "self_attn.q_norm.weight")[perm].contiguous().to(device)
@@ -85,9 +90,9 @@ class LlamaFamilyModel:
             self.layers.append(layer)
         self.final_norm = load("model.norm.weight").to(device)
         if config.tie_word_embeddings or "lm_head.weight" not in source:
-            self.lm_head = Linear(self.embed)
+            self.lm_head = linear(self.embed)
         else:
-            self.lm_head = Linear(load("lm_head.weight").to(device))
+            self.lm_head = linear(load("lm_head.weight").to(device))
         self.rotations = rotation_table(config.rope, config.head_dim,
                                         config.max_position_embeddings).to(device)
 

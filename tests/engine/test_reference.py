@@ -75,3 +75,15 @@ def test_torch_fallback_path_matches(make_llm, monkeypatch, arch):
     tokens = prompts(2)[1]
     torch.testing.assert_close(engine_logits(llm, tokens, [20, 33, 1, 1, 5]), hf_logits(arch, tokens),
                                atol=1e-4, rtol=0)
+
+
+def test_without_the_small_batch_kernel(make_llm):
+    """cpu_small_batch_gemm=False keeps only oneDNN's packed weights; same answers."""
+    llm = make_llm("tiny-qwen2", cpu_small_batch_gemm=False)
+    assert all(layer.qkv.blocked is None for layer in llm.engine.model.layers)
+    batch = prompts(4)
+    for prompt, res in zip(batch, llm.generate(batch, GREEDY), strict=True):
+        assert res.token_ids == hf_greedy("tiny-qwen2", prompt)
+    tokens = prompts(2)[1]
+    torch.testing.assert_close(engine_logits(llm, tokens, [20, 33, 1, 1, 5]), hf_logits("tiny-qwen2", tokens),
+                               atol=1e-4, rtol=0)

@@ -170,14 +170,16 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
       for (int64_t start = 0; start < n_keys; start += P) {
         const int64_t nk = std::min<int64_t>(P, n_keys - start);
         const scalar_t* page_k = c + pages[start / P] * page_stride + layer * layer_stride;
-        if (start + P < n_keys) {
-          // Pages are scattered: fetch the next one's keys and values early.
-          const char* nk_base = reinterpret_cast<const char*>(
-              c + pages[start / P + 1] * page_stride + layer * layer_stride);
+        if (start + 2 * P < n_keys) {
+          // Pages are scattered, so hardware prefetchers cannot see the next
+          // one: fetch the keys and values two pages ahead into L2 (into L1
+          // they would evict the page being computed).
+          const char* ahead = reinterpret_cast<const char*>(
+              c + pages[start / P + 2] * page_stride + layer * layer_stride);
           const int64_t bytes = P * slot_stride * static_cast<int64_t>(sizeof(scalar_t));
           for (int64_t off = 0; off < bytes; off += 64) {
-            __builtin_prefetch(nk_base + off);
-            __builtin_prefetch(nk_base + kv_stride * sizeof(scalar_t) + off);
+            __builtin_prefetch(ahead + off, 0, 2);
+            __builtin_prefetch(ahead + kv_stride * sizeof(scalar_t) + off, 0, 2);
           }
         }
         for (int64_t hg = 0; hg < heads_per_item; ++hg) {
@@ -365,6 +367,83 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
   });
 }
 
+
+// ---------------------------------------------------------------------------
+// Small-batch linear layer: y[M, N] = x[M, K] @ W^T (+ bias), M <= 16, fp32.
+// W is stored in blocks of 16 output features, [N/16][K][16], so one vector
+// load of weights feeds one FMA per input row (its element broadcast) and the
+// weights stream from memory exactly once per call whatever M is: decoding is
+// bound by that stream at small M and by FMAs near M = 16.
+#ifdef __AVX512F__
+template <int M>
+void gemm_block(const float* __restrict x, int64_t ldx, const float* __restrict wb, int64_t K,
+                float* __restrict y, int64_t ldy, const float* bias, int64_t n_valid) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (k + 16) * 16), _MM_HINT_T0);
+    const __m512 w = _mm512_loadu_ps(wb + k * 16);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w, acc[m]);
+  }
+  const __mmask16 mask = n_valid >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                       : static_cast<__mmask16>((1u << n_valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ldy, mask, _mm512_add_ps(acc[m], b));
+}
+
+template <int M>
+void gemm_rows(const float* x, int64_t ldx, const float* wb, int64_t K, int64_t N, float* y, const float* bias) {
+  const int64_t blocks = (N + 15) / 16;
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      gemm_block<M>(x, ldx, wb + nb * K * 16, K, y + nb * 16, N, bias ? bias + nb * 16 : nullptr,
+                    std::min<int64_t>(16, N - nb * 16));
+  });
+}
+#endif
+
+// Weights [N, K] -> blocks [ceil(N/16), K, 16] (zero padded), into `out`.
+void pack_small_gemm(torch::Tensor weight, torch::Tensor out) {
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2, "weight must be fp32 [N, K]");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + 15) / 16;
+  TORCH_CHECK(out.is_contiguous() && out.numel() == blocks * K * 16, "out must hold ceil(N/16) * K * 16 floats");
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < 16; ++j) {
+          const int64_t n = nb * 16 + j;
+          dst[(nb * K + k) * 16 + j] = n < N ? src[n * K + k] : 0.f;
+        }
+  });
+}
+
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor blocked, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1, "x must be fp32 [M, K] rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= 16, "small_gemm takes 1 to 16 rows");
+  TORCH_CHECK(blocked.numel() == (N + 15) / 16 * K * 16, "blocked weight does not match");
+  auto y = torch::empty({M, N}, x.options());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+#ifdef __AVX512F__
+  const float* xp = x.data_ptr<float>();
+  const float* wb = blocked.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  switch (M) {
+#define CASE(n) case n: gemm_rows<n>(xp, ldx, wb, K, N, yp, b); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+  }
+#else
+  TORCH_CHECK(false, "small_gemm needs AVX-512");
+#endif
+  return y;
+}
+
 // out = silu(gate_up[:, :I]) * gate_up[:, I:]
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
@@ -392,6 +471,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("silu_mul", &silu_mul, "silu(gate) * up for a fused gate|up projection", release());
   m.def("snake", &snake, "SNAC snake activation", release());
+  m.def("pack_small_gemm", &pack_small_gemm, "weights into 16-feature blocks", release());
+  m.def("small_gemm", &small_gemm, "linear layer for 1 to 16 rows", release());
+  m.attr("has_avx512") = py::bool_(
+#ifdef __AVX512F__
+      true
+#else
+      false
+#endif
+  );
   m.def("write_kv", &write_kv, "write new keys/values into the paged cache", release());
   m.def("paged_attention", &paged_attention, "paged attention for short queries", release());
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm, in place", release());
