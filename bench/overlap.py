@@ -17,10 +17,18 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-SCHEMA = {
+# Run as a script, bench/ comes first on sys.path, and bench/grammar.py would
+# shadow the grammar package: put the repository root first.
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# An array of records: key-heavy, and long enough that every request runs to
+# --new-tokens, so constrained and free requests produce the same token counts.
+RECORD = {
     "type": "object",
     "properties": {
         "id": {"type": "integer", "minimum": 0, "maximum": 100000},
@@ -34,6 +42,7 @@ SCHEMA = {
     "required": ["id", "name", "email", "role", "active", "score", "team"],
     "additionalProperties": False,
 }
+SCHEMA = {"type": "array", "items": RECORD, "minItems": 20}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -48,8 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     for constrained in (False, True):
         for batch in args.batches:
             prompts = [rng.integers(5, 8000, size=args.prompt_len).tolist() for _ in range(batch)]
-            params = SamplingParams(temperature=0.8, seed=7, max_new_tokens=args.new_tokens,
-                                    ignore_eos=not constrained)
+            params = SamplingParams(temperature=0.8, seed=7, max_new_tokens=args.new_tokens, ignore_eos=True)
             constraint = spec if constrained else None
             llm.generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=4), constraint=constraint)
             best = None

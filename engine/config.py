@@ -32,6 +32,9 @@ class EngineConfig:
     num_steps: int = 1
     attention: str = "auto"
     overlap: bool = True
+    # Schedule constrained requests before their last token is known (see
+    # SchedulerConfig.speculative_constrained); off: forced runs take one pass.
+    speculative_constrained: bool = False
     # CPU fp32: a second, blocked copy of the weights for batches of <= 16 tokens
     # (decoding ~1.6x faster at batch 1; doubles fp32 weight memory).
     cpu_small_batch_gemm: bool = True

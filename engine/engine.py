@@ -114,7 +114,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_seq_len=max_len, num_steps=config.num_steps),
+                            max_seq_len=max_len, num_steps=config.num_steps,
+                            speculative_constrained=config.speculative_constrained),
             self.kv_manager,
             release=self.pipeline.release,
         )

@@ -28,6 +28,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_seq_len: int = 2048
     num_steps: int = 1  # decode steps per scheduled decode-only batch
+    # With overlap, a constrained request whose last token is still in flight
+    # may be scheduled speculatively (the step then samples the first forced
+    # token, and the rest of a forced run follows a step later), or wait one
+    # step and run its whole forced run in one pass (the default).
+    speculative_constrained: bool = False
     # Admission keeps this share of pages free so running requests can grow.
     watermark: float = 0.01
 
@@ -122,6 +127,9 @@ class Scheduler:
             ctx = self.running[i]
             if ctx.end_idx >= min(ctx.max_length, self.config.max_seq_len):
                 i += 1  # nothing left to compute; waiting for in-flight tokens
+                continue
+            if ctx.matcher is not None and ctx.pending_futures and not self.config.speculative_constrained:
+                i += 1  # its forced tokens are known once the in-flight token is
                 continue
             n = min(ctx.end_idx - ctx.start_idx, budget)
             while not self.kv.reserve(ctx, ctx.start_idx + n):

@@ -49,8 +49,9 @@ def outputs(llm, batch, params, specs):
             for o in llm.generate(batch, params, constraint=specs)]
 
 
-def test_mixed_batch_identical_with_and_without_overlap(make_llm):
-    on = make_llm("tiny-llama", overlap=True)
+@pytest.mark.parametrize("speculative", [False, True])
+def test_mixed_batch_identical_with_and_without_overlap(make_llm, speculative):
+    on = make_llm("tiny-llama", overlap=True, speculative_constrained=speculative)
     off = make_llm("tiny-llama", overlap=False)
     assert on.engine.pipeline.overlap and not off.engine.pipeline.overlap
     batch, params, specs = mixed_workload()
@@ -160,7 +161,9 @@ def test_xgrammar_forced_text_with_overlap(make_llm, whitespace):
         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
         "ok": {"type": "boolean"}}, "required": ["name", "tags", "ok"], "additionalProperties": False})
     spec = GrammarSpec.json_schema(schema, GrammarOptions(whitespace=whitespace))
-    on = make_llm("tiny-llama", overlap=True, grammar_backend="xgrammar")
+    # Speculative scheduling of constrained requests exercises forced tokens
+    # appended behind an in-flight placeholder.
+    on = make_llm("tiny-llama", overlap=True, grammar_backend="xgrammar", speculative_constrained=True)
     off = make_llm("tiny-llama", overlap=False, grammar_backend="xgrammar")
     params = [SamplingParams(temperature=0.8, seed=s, max_new_tokens=80) for s in range(16)]
     prompts_ = [[5 + s, 9] for s in range(16)]
