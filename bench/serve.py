@@ -22,10 +22,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,8 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from bench._server import ServerProcess  # noqa: E402
 from service.gen.stencil.v1 import generate_pb2 as pb  # noqa: E402
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -120,53 +117,6 @@ def run_offline_level(llm, batches: list[list[list[int]]], new_tokens: int) -> t
     return time.perf_counter() - start, tokens
 
 
-# -- server process -------------------------------------------------------------
-class ServerProcess:
-    """`stencild serve` on a free port, for the duration of the benchmark."""
-
-    def __init__(self, args: argparse.Namespace):
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--preset", args.preset, "--port", "0",
-               "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
-               "--max-num-seqs", str(args.max_num_seqs), "--log-level", "INFO"]
-        if args.no_overlap:
-            cmd.append("--no-overlap")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.port: int | None = None
-        found = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if self.port is None and (m := re.search(r"listening on [^ ]+:(\d+)", line)):
-                    self.port = int(m.group(1))
-                    found.set()
-                elif "ERROR" in line or "Traceback" in line:
-                    sys.stderr.write("[server] " + line)
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(120):
-            self.stop()
-            raise SystemExit("the server did not start")
-
-    def wait_serving(self, address: str, timeout: float = 300.0) -> None:
-        with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + timeout
-            while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("the server never became SERVING")
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1000) if values else float("nan")
 
@@ -195,7 +145,9 @@ def main() -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     server = None
     if args.address is None:
-        server = ServerProcess(args)
+        serve_args = ["--preset", args.preset, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
+                      "--max-num-seqs", str(args.max_num_seqs), "--log-level", "INFO"]
+        server = ServerProcess(serve_args + (["--no-overlap"] if args.no_overlap else []))
         address = f"127.0.0.1:{server.port}"
         server.wait_serving(address)
     else:

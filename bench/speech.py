@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +28,8 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+
+from bench._server import ServerProcess  # noqa: E402
 
 TEXT = "Benchmark sentence number {i}, spoken aloud."
 
@@ -74,54 +73,6 @@ async def run_grpc(address: str, concurrency: int, args: argparse.Namespace) -> 
         wall = time.perf_counter() - start
     first, last, seconds = (list(x) for x in zip(*results, strict=True))
     return summary(first, last, seconds, wall)
-
-
-class ServerProcess:
-    """`stencild serve` on a free port for the duration of the benchmark."""
-
-    def __init__(self, args: argparse.Namespace):
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--preset", args.preset, "--port", "0",
-               "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib), "--no-embedding-model"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.port: int | None = None
-        found = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if self.port is None and (m := re.search(r"listening on [^ ]+:(\d+)", line)):
-                    self.port = int(m.group(1))
-                    found.set()
-                elif "ERROR" in line or "Traceback" in line:
-                    sys.stderr.write("[server] " + line)
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(120):
-            self.stop()
-            raise SystemExit("the server did not start")
-
-    def wait_serving(self, address: str, timeout: float = 300.0) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + timeout
-            check = health_pb2.HealthCheckRequest(service="stencil.v1.Speech")
-            while health.Check(check).status != health_pb2.HealthCheckResponse.SERVING:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("the server never became SERVING")
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 # -- offline path ---------------------------------------------------------------
@@ -176,9 +127,10 @@ def main() -> None:
         path = "offline engine"
     else:
         if args.address is None:
-            server = ServerProcess(args)
+            server = ServerProcess(["--preset", args.preset, "--device", args.device,
+                                    "--kv-cache-gib", str(args.kv_cache_gib), "--no-embedding-model"])
             args.address = f"127.0.0.1:{server.port}"
-            server.wait_serving(args.address)
+            server.wait_serving(args.address, service="stencil.v1.Speech")
         path = f"gRPC ({args.address})"
     try:
         print(f"demo-speech + demo-codec on {args.device}, {path}; {args.seconds} s of audio per request, "

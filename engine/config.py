@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from .devices import resolve_dtype, validate_device_dtype
+from .devices import DeviceOptions, validate_device_dtype
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(DeviceOptions):
     """Everything needed to build an engine for one model.
 
     dtype None means float32 on CPU and bfloat16 on CUDA. kv_cache_gib sizes the
@@ -59,11 +57,3 @@ class EngineConfig:
             raise ValueError("num_steps > 1 needs overlap=False")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.torch_device, self.dtype)

