@@ -166,7 +166,7 @@ class EngineCore:
             max_length = self.max_model_len
         self._check_token_ids(params)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        kwargs = {"request_id": request_id} if request_id else {}
+        kwargs: dict[str, Any] = {"request_id": request_id} if request_id else {}
         return TextContext(tokens=ids, max_length=max_length, sampling_params=params,
                            eos_token_ids=self.eos_token_ids, seed=seed, matcher=matcher, **kwargs)
 
@@ -231,7 +231,8 @@ class EngineCore:
                                      stop_token_ids=(*base.stop_token_ids, layout.end_of_speech),
                                      ignore_eos=True, logprobs=None, prompt_logprobs=None)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        kwargs = {"request_id": request_id} if request_id else {}
+        kwargs: dict[str, Any] = {"request_id": request_id} if request_id else {}
+        assert params.max_new_tokens is not None
         return TTSContext(tokens=np.asarray(prompt), max_length=len(prompt) + params.max_new_tokens,
                           sampling_params=params, eos_token_ids=self.eos_token_ids, seed=seed,
                           layout=layout, chunk_frames=chunk_frames, **kwargs)

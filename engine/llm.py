@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -106,7 +106,8 @@ class LLM:
         results: dict[str, CompletionOutput] = {}
         order: list[str] = []
         for prompt, p, matcher in zip(prompts, params, matchers, strict=True):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else \
+                [int(t) for t in cast(Sequence[int], prompt)]
             ctx = self.engine.make_context(ids, p, matcher=matcher)
             self.engine.add_request(ctx)
             out = CompletionOutput(ctx.request_id, ids, logprobs=[] if p.logprobs is not None else None)

@@ -199,13 +199,14 @@ class TextGenerationPipeline:
                 step: int) -> SamplerOutput:
         logits = self.runner.model.logits(hidden)
         mask = None
-        if handle.grammar_ready is not None:
+        ready = handle.grammar_ready
+        if ready is not None:
             def mask(lg: torch.Tensor) -> None:
                 # The host fills the bitmask once the previous step's tokens are in.
-                handle.grammar_ready.wait()
+                ready.wait()
                 if handle.bitmask is not None:
                     assert self.structured is not None
-                    self.structured.apply(lg, handle.bitmask, handle.bitmask_rows)
+                    self.structured.apply(lg, handle.bitmask, handle.bitmask_rows or [])
         return sample(logits, sbatch, mask, position_offset=step)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, q_start: int, targets: torch.Tensor, n: int):
@@ -256,7 +257,7 @@ class TextGenerationPipeline:
                     if params.logprobs is not None and lp is not None:
                         n = params.logprobs
                         top = list(zip(top_ids[k, :n].tolist(), top_lp[k, :n].tolist(), strict=True)) \
-                            if top_ids is not None else []
+                            if top_ids is not None and top_lp is not None else []
                         ctx.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
                     self.check_stop(ctx, tok, index)
                     if ctx.is_done:

@@ -109,12 +109,15 @@ def build_sampling_batch(contexts: Sequence[TextContext], vocab_size: int,
                     cols.append(tok)
     if rows:
         batch.eos_block = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    ranges = [(r, c.allowed_token_range()) for r, c in enumerate(contexts)]
-    ranges = [(r, rule) for r, rule in ranges if rule is not None]
-    if ranges:
-        batch.token_ranges = tuple(  # type: ignore[assignment]
-            torch.tensor(col, dtype=torch.int64, device=device) for col in zip(
-                *[(r, lo, hi, -1 if extra is None else extra) for r, (lo, hi, extra) in ranges], strict=True))
+    range_rows: list[list[int]] = []
+    for r, c in enumerate(contexts):
+        rule = c.allowed_token_range()
+        if rule is not None:
+            lo, hi, extra = rule
+            range_rows.append([r, lo, hi, -1 if extra is None else extra])
+    if range_rows:
+        table = torch.tensor(range_rows, dtype=torch.int64, device=device).T
+        batch.token_ranges = (table[0], table[1], table[2], table[3])
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     batch.num_logprobs = max(wanted) if wanted else None
     return batch

@@ -123,6 +123,7 @@ class LlamaFamilyModel:
         if layer.q_norm is None:
             qk = apply_rotation(qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), rot)
             return qk[:, :c.num_heads], qk[:, c.num_heads:], v
+        assert layer.k_norm is not None
         q = self._norm(qkv[:, :q_size].view(t, c.num_heads, c.head_dim), layer.q_norm)
         k = self._norm(qkv[:, q_size:q_size + kv_size].view(t, c.num_kv_heads, c.head_dim), layer.k_norm)
         return apply_rotation(q, rot), apply_rotation(k, rot), v
