@@ -29,6 +29,7 @@ class CompletionOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     cached_prompt_tokens: int = 0
     forced_tokens: int = 0
+    grammar_backend: str | None = None
     error: str | None = None
 
     def _add(self, delta: RequestOutput) -> None:
@@ -43,6 +44,7 @@ class CompletionOutput:
             self.stop_reason = delta.stop_reason
             self.cached_prompt_tokens = delta.cached_prompt_tokens
             self.forced_tokens = delta.forced_tokens
+            self.grammar_backend = delta.grammar_backend
             self.error = delta.error
 
 

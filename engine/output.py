@@ -43,6 +43,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
     audio: np.ndarray | None = None  # new speech samples (float32, mono), speech requests only
+    grammar_backend: str | None = None  # the library that compiled the constraint, if any
 
     @property
     def finish_reason(self) -> str | None:
@@ -123,6 +124,7 @@ class OutputStream:
             completion_tokens=final_tokens,
             cached_prompt_tokens=ctx.num_cached_prompt_tokens,
             forced_tokens=ctx.num_forced_tokens,
+            grammar_backend=getattr(ctx.matcher, "backend", None),
         )
         if not self.prompt_logprobs_sent and ctx.sampling_params.prompt_logprobs is not None \
                 and len(ctx.prompt_logprobs) >= ctx.prompt_len:

@@ -230,6 +230,7 @@ def complete_response(request_id: str, final: RequestOutput) -> pb.GenerateRespo
         usage=pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
                        cached_prompt_tokens=final.cached_prompt_tokens,
                        forced_tokens=final.forced_tokens),
+        grammar_backend=final.grammar_backend or "",
     )
     if isinstance(final.stop_reason, str):
         done.stop_string = final.stop_reason

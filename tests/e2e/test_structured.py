@@ -213,11 +213,19 @@ def test_json_object_regex_choice_and_grammars_match(grammar_server: ServerHandl
 
 
 def test_per_request_backend(grammar_server: ServerHandle) -> None:
-    for backend in (C.BACKEND_LLGUIDANCE, C.BACKEND_AUTO):
+    # The completion reports which library compiled the constraint; auto picks
+    # llguidance for JSON schemas and xgrammar for EBNF.
+    for backend, expected in ((C.BACKEND_LLGUIDANCE, "llguidance"), (C.BACKEND_XGRAMMAR, "xgrammar"),
+                              (C.BACKEND_AUTO, "llguidance")):
         text, _, done, _ = generate(grammar_server.stub,
                                     constrained("p", json_schema=json.dumps(PERSON), backend=backend))
         assert done.finish_reason == Finish.EOS
         jsonschema.validate(json.loads(text), PERSON)
+        assert done.grammar_backend == expected
+    _, _, done, _ = generate(grammar_server.stub, constrained("e", ebnf='root ::= "a" | "b"'))
+    assert done.grammar_backend == "xgrammar"
+    _, _, done, _ = generate(grammar_server.stub, greedy("free", max_new_tokens=2))
+    assert done.grammar_backend == ""
 
 
 def test_cut_by_max_new_tokens_finishes_with_length(grammar_server: ServerHandle) -> None:
