@@ -140,17 +140,7 @@ def bpe32k(corpus_mb: int) -> Path:
     tok.train_from_iterator(corpus(), trainer=trainer)
     print(f"trained 32k BPE in {time.perf_counter() - start:.1f} s -> {target}", file=sys.stderr)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tok.save(str(tmp / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|pad|>",
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-    }
-    (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    demo.save_tokenizer(tok, tmp)
     tmp.rename(target)
     return target
 

@@ -20,22 +20,16 @@ import llguidance
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from .bitmask import check_bitmask
 from .errors import GrammarError, clean_message
 from .matcher import Matcher
+from .spec import KIND_LABELS
 
 if TYPE_CHECKING:
     from .spec import GrammarSpec
     from .tokenizer import TokenizerData
 
 BACKEND = "llguidance"
-_LABELS = {
-    "json_schema": "JSON schema",
-    "json_object": "JSON object grammar",
-    "regex": "regex",
-    "choice": "choice list",
-    "ebnf": "EBNF grammar",
-    "lark": "Lark grammar",
-}
 
 
 def build_tokenizer(
@@ -112,7 +106,7 @@ def _error(spec: GrammarSpec, raw: str) -> GrammarError:
     msg = clean_message(raw, keep_positions=spec.kind in ("lark", "ebnf"))
     reason = "too_large" if "too large" in msg or "too complex" in msg.lower() else "invalid"
     return GrammarError(
-        f"cannot compile {_LABELS[spec.kind]}: {msg}", reason=reason, backend=BACKEND
+        f"cannot compile {KIND_LABELS[spec.kind]}: {msg}", reason=reason, backend=BACKEND
     )
 
 
@@ -179,7 +173,7 @@ class LLGuidanceMatcher(Matcher):
         if self._eos or self._m.is_error():
             self._fill_eos_only(bitmask, row)
             return
-        _check_bitmask(bitmask, self._tok.bitmask_words)
+        check_bitmask(bitmask, self._tok.bitmask_words)
         target = bitmask[row]
         self._m.unsafe_compute_mask_ptr(target.data_ptr(), self._row_bytes)
 
@@ -213,18 +207,3 @@ class LLGuidanceMatcher(Matcher):
             num_tokens -= 1
         if num_tokens:
             self._m.rollback(num_tokens)
-
-
-def _check_bitmask(bitmask: torch.Tensor, words: int) -> None:
-    # llguidance writes through a raw pointer: refuse anything but the exact layout.
-    if (
-        bitmask.dtype != torch.int32
-        or bitmask.device.type != "cpu"
-        or bitmask.dim() != 2
-        or bitmask.shape[1] != words
-        or not bitmask.is_contiguous()
-    ):
-        raise ValueError(
-            f"bitmask must be a contiguous CPU int32 tensor of shape [batch, {words}], "
-            f"got {tuple(bitmask.shape)} {bitmask.dtype} on {bitmask.device}"
-        )

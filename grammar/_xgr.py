@@ -24,20 +24,13 @@ import xgrammar as xgr
 
 from .errors import GrammarError, clean_message
 from .matcher import Matcher
+from .spec import KIND_LABELS
 
 if TYPE_CHECKING:
     from .spec import GrammarSpec
     from .tokenizer import TokenizerData
 
 BACKEND = "xgrammar"
-LABELS = {
-    "json_schema": "JSON schema",
-    "json_object": "JSON object grammar",
-    "regex": "regex",
-    "choice": "choice list",
-    "ebnf": "EBNF grammar",
-    "lark": "Lark grammar",
-}
 
 
 def build_tokenizer_info(data: TokenizerData) -> xgr.TokenizerInfo:
@@ -174,7 +167,7 @@ def compile_native(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Comp
                 "grammar is too large", reason="too_large", backend=BACKEND
             ) from None
         raise GrammarError(
-            f"cannot compile {LABELS[spec.kind]}: {clean_message(str(e))}", backend=BACKEND
+            f"cannot compile {KIND_LABELS[spec.kind]}: {clean_message(str(e))}", backend=BACKEND
         ) from None
     except MemoryError:
         raise GrammarError("grammar is too large", reason="too_large", backend=BACKEND) from None

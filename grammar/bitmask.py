@@ -121,14 +121,7 @@ class BitmaskFiller:
         if len(rows) != len(matchers):
             raise ValueError("rows and matchers differ in length")
         words = self._tok.bitmask_words
-        if (
-            bitmask.dtype != torch.int32
-            or bitmask.device.type != "cpu"
-            or bitmask.dim() != 2
-            or bitmask.shape[1] != words
-            or not bitmask.is_contiguous()
-        ):
-            raise ValueError(f"bitmask must be a contiguous CPU int32 tensor [batch, {words}]")
+        check_bitmask(bitmask, words)
         batch = bitmask.shape[0]
         xgr_m, xgr_rows, llg_pairs = [], [], []
         for matcher, row in zip(matchers, rows, strict=True):
@@ -159,3 +152,21 @@ class BitmaskFiller:
 
                 self._llg_exec = llguidance.LLExecutor(num_threads=self._num_threads)
             self._llg_exec.unsafe_compute_mask_ptr(llg_pairs, bitmask.data_ptr(), words * 4, batch)
+
+
+def check_bitmask(bitmask: torch.Tensor, words: int) -> None:
+    """Refuse anything but a contiguous CPU int32 [batch, words] tensor.
+
+    The native fills write through a raw pointer, so the layout must be exact.
+    """
+    if (
+        bitmask.dtype != torch.int32
+        or bitmask.device.type != "cpu"
+        or bitmask.dim() != 2
+        or bitmask.shape[1] != words
+        or not bitmask.is_contiguous()
+    ):
+        raise ValueError(
+            f"bitmask must be a contiguous CPU int32 tensor of shape [batch, {words}], "
+            f"got {tuple(bitmask.shape)} {bitmask.dtype} on {bitmask.device}"
+        )

@@ -50,6 +50,17 @@ _DEFAULT_MAX_WHITESPACE = 4
 _DEFAULT_INDENT = 2
 
 
+# How error messages name each kind of spec.
+KIND_LABELS = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice list",
+    "ebnf": "EBNF grammar",
+    "lark": "Lark grammar",
+}
+
+
 @dataclass(frozen=True)
 class GrammarOptions:
     """How JSON output is laid out (ignored, and normalised away, for other kinds).

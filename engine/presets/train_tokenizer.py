@@ -81,6 +81,11 @@ def train(out_dir: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    save_tokenizer(tok, out_dir, {"model_max_length": 2048, "chat_template": CHAT_TEMPLATE})
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: Path, extra: dict | None = None) -> None:
+    """Write tokenizer.json and a tokenizer_config.json with our special tokens."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     config = {
@@ -90,8 +95,7 @@ def train(out_dir: Path) -> None:
         "pad_token": "<|pad|>",
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 2048,
-        "chat_template": CHAT_TEMPLATE,
+        **(extra or {}),
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
