@@ -96,10 +96,16 @@ class EngineCore:
                         num_pages * config.page_size, max_len)
             max_len = num_pages * config.page_size
         self.max_model_len = max_len
-        # Every slot is written before it is read, so no need to zero (or touch) it.
         shape = page_tensor_shape(num_pages, mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim)
-        kv_blocks = empty_huge(shape, dtype) if device.type == "cpu" else \
-            torch.empty(shape, dtype=dtype, device=device)
+        if device.type == "cpu":
+            # Every slot is written before it is read, but on CPU the memory is
+            # touched now anyway: left to first use, the OS's page faults land
+            # inside write_kv and cost more than the copy (200 ms of a 2.5 s
+            # prefill of 16 x 128 tokens on the bench model). Zeroing up front
+            # takes about 0.25 s per GiB, once.
+            kv_blocks = empty_huge(shape, dtype).zero_()
+        else:
+            kv_blocks = torch.empty(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(kv_blocks, self.allocator)
         self.attention = make_attention(kv_blocks, mc.num_heads, mc.head_dim, config.attention)

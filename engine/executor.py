@@ -72,6 +72,10 @@ class StepExecutor:
                     future.set_result(job())
             except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
                 future.set_exception(e)
+            # Drop the finished job before blocking on the next one: its
+            # closure can reach the whole engine (weights, KV cache), which
+            # would otherwise stay alive as long as this idle thread.
+            del job, future, item
 
     def close(self) -> None:
         """Finish the queued jobs, then stop; later submissions fail at once."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -84,6 +86,9 @@ class LLM:
                                    kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs, **kwargs)
         self.engine = EngineCore(self.config, wrap_model=wrap_model, executor=executor)
         self.tokenizer = self.engine.tokenizer
+        # An LLM dropped without close() still stops its device thread and
+        # grammar worker (the engine itself holds no reference back to us).
+        self._finalizer = weakref.finalize(self, self.engine.close)
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -153,4 +158,4 @@ class LLM:
         return [outs[r] for r in order]
 
     def close(self) -> None:
-        self.engine.close()
+        self._finalizer()

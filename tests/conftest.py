@@ -47,3 +47,4 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
     yield factory
     for llm in made:
         assert_no_page_leak(llm)
+        llm.close()
