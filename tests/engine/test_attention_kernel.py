@@ -1,0 +1,113 @@
+"""The native CPU paged-attention kernel against a plain torch reference.
+
+The reference-model tests run tiny checkpoints whose head_dim (16, 32) takes
+the kernel's generic path; this file covers the fp32 fast path for head_dim
+64 and 128 too, with group sizes that do and do not fill its head blocks,
+page sizes below, at and above its 16-key blocks, and contexts that end
+mid-block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import cpu_ops
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable")
+
+
+def reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale):
+    kv_heads, head_dim = cache.shape[4], cache.shape[5]
+    group = q.shape[1] // kv_heads
+    out = torch.zeros_like(q, dtype=torch.float64)
+    for t in tokens.tolist():
+        n = int(token_ctx[t])
+        pages = table[int(token_seq[t])]
+        keys = cache[pages.long(), 0, layer].reshape(-1, kv_heads, head_dim)[:n].double()
+        values = cache[pages.long(), 1, layer].reshape(-1, kv_heads, head_dim)[:n].double()
+        for h in range(q.shape[1]):
+            scores = keys[:, h // group] @ q[t, h].double() * scale
+            out[t, h] = torch.softmax(scores, 0) @ values[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("kv_heads,group", [(1, 1), (3, 3), (2, 4), (1, 5)])
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+@pytest.mark.parametrize("num_tokens", [2, 12])
+def test_paged_attention_matches_reference(head_dim, kv_heads, group, page_size, num_tokens):
+    g = torch.Generator().manual_seed(head_dim * 1000 + kv_heads * 100 + group * 10 + page_size)
+    layers, num_pages, max_pages = 2, 40, 8
+    cache = torch.randn(num_pages, 2, layers, page_size, kv_heads, head_dim, generator=g)
+    num_seqs = 3
+    table = torch.stack([torch.randperm(num_pages, generator=g)[:max_pages] for _ in range(num_seqs)]).int()
+    # Contexts ending mid-block, on a block edge, and past one page.
+    lengths = [1, 15, 16, 17, 33, page_size * 3 + 5, 50, page_size * max_pages]
+    token_ctx = torch.tensor([lengths[i % len(lengths)] for i in range(num_tokens)], dtype=torch.int32)
+    token_seq = torch.tensor([i % num_seqs for i in range(num_tokens)], dtype=torch.int32)
+    # q as a strided view, the way the model passes it.
+    q = torch.randn(num_tokens, kv_heads * group + 2, head_dim, generator=g)[:, 1:-1]
+    tokens = torch.arange(num_tokens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    for layer in range(layers):
+        out = torch.full_like(q, float("nan"))
+        ops.paged_attention(out, q, cache, layer, tokens, token_seq, token_ctx, table, scale)
+        expected = reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_bf16_cache():
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(12, 2, 1, 16, 2, 64, generator=g).bfloat16()
+    table = torch.randperm(12, generator=g)[:4].int().unsqueeze(0)
+    q = torch.randn(3, 6, 64, generator=g).bfloat16()
+    token_ctx = torch.tensor([5, 30, 64], dtype=torch.int32)
+    token_seq = torch.zeros(3, dtype=torch.int32)
+    tokens = torch.arange(3, dtype=torch.int32)
+    out = torch.empty_like(q)
+    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, 0.125)
+    expected = reference(q.float(), cache.float(), 0, tokens, token_seq, token_ctx, table, 0.125)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_kernel_backend_matches_torch_backend_on_a_mixed_step(head_dim):
+    """Decode tokens, a fresh prompt, a prompt chunk over cached context and a
+    chunk too long for the kernel, in one step, through both CPU backends."""
+    from engine.attention import KernelAttention, SeqSpan, TorchAttention, build_metadata
+
+    g = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, page_size, layers = 6, 2, 16, 2
+    probe = KernelAttention(torch.empty(1, 2, layers, page_size, kv_heads, head_dim), heads, head_dim, ops)
+    too_long = probe.kernel_max_context + 9 if probe.kernel_max_context else 200
+    # (cache_len, q_len): decode, decode, fresh prompt, chunk over cached keys, long chunk.
+    shapes = [(40, 1), (7, 1), (0, 37), (20, 30), (too_long - 150, 150)]
+    spans, start = [], 0
+    for i, (cache_len, q_len) in enumerate(shapes):
+        spans.append(SeqSpan(i, start, start + q_len, cache_len))
+        start += q_len
+    pages_per_seq = max(c + q for c, q in shapes) // page_size + 1
+    num_pages = len(shapes) * pages_per_seq
+    shape = (num_pages, 2, layers, page_size, kv_heads, head_dim)
+    caches = [torch.randn(shape, generator=g) for _ in range(2)]
+    caches[1].copy_(caches[0])
+    kernel = KernelAttention(caches[0], heads, head_dim, ops)
+    torch_backend = TorchAttention(caches[1], heads, head_dim)
+    table = torch.randperm(num_pages, generator=g).view(len(shapes), -1).int().numpy()
+    outs = []
+    for backend in (kernel, torch_backend):
+        meta = build_metadata(spans, table, page_size, torch.device("cpu"))
+        backend.prepare(meta, table)
+        g2 = torch.Generator().manual_seed(1)
+        per_layer = []
+        for layer in range(layers):
+            q = torch.randn(start, heads, head_dim, generator=g2)
+            k = torch.randn(start, kv_heads, head_dim, generator=g2)
+            v = torch.randn(start, kv_heads, head_dim, generator=g2)
+            per_layer.append(backend(q, k, v, layer, meta))
+        outs.append(per_layer)
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0], caches[1])
