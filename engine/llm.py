@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast

@@ -204,47 +204,66 @@ inline void attend_group(const float* q, float* acc, float* m, float* l, const f
 }
 #endif
 
-// fp32 attention with head_dim 64 or 128: keys in blocks of 16 (see attend_block).
-template <int DV>
-void attention_f32(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache, int64_t layer,
-                   const torch::Tensor& tokens, const torch::Tensor& token_seq,
-                   const torch::Tensor& token_ctx, const torch::Tensor& lookup_table, double scale) {
-#ifdef __AVX512F__
-  constexpr int64_t D = DV * 16;
-  const int64_t H = q.size(1);
-  const int64_t KVH = cache.size(4), L = cache.size(2), P = cache.size(3);
-  const int64_t G = H / KVH;
-  const int64_t slot_stride = KVH * D, layer_stride = P * slot_stride, kv_stride = L * layer_stride,
-                page_stride = 2 * kv_stride;
+// The layer's geometry and inputs of one paged_attention call.
+template <typename scalar_t>
+struct AttentionArgs {
+  int64_t H, D, KVH, G, P;
+  int64_t slot_stride, layer_stride, kv_stride, page_stride;
+  const scalar_t* cache;
+  AttentionArgs(const torch::Tensor& q, const torch::Tensor& cache_t)
+      : H(q.size(1)), D(q.size(2)), KVH(cache_t.size(4)), G(H / KVH), P(cache_t.size(3)),
+        slot_stride(KVH * D), layer_stride(P * slot_stride), kv_stride(cache_t.size(2) * layer_stride),
+        page_stride(2 * kv_stride), cache(cache_t.data_ptr<scalar_t>()) {}
+};
+
+// Running state of one work item: its query heads (scaled), and per head the
+// online-softmax max `m`, sum `l` and output accumulator `acc`.
+struct ItemState {
+  std::vector<float> qf, acc, m, l;
+  explicit ItemState(int64_t heads, int64_t D) : qf(heads * D), acc(heads * D), m(heads), l(heads) {}
+};
+
+// The walk shared by both kernels: split the query tokens into items, walk
+// each item's pages with a prefetch two pages ahead, and normalise the output.
+// `make_page_fn()` is called once per thread and returns the per-page body,
+// `page_fn(state, page_keys_ptr, page_keys, g0, heads_per_item)`, which folds
+// one page's keys and values into `state` for kv heads [g0, g0 + heads_per_item).
+template <typename scalar_t, typename MakePageFn>
+void walk_pages(torch::Tensor& out, const torch::Tensor& q, const AttentionArgs<scalar_t>& a, int64_t layer,
+                const torch::Tensor& tokens, const torch::Tensor& token_seq, const torch::Tensor& token_ctx,
+                const torch::Tensor& lookup_table, double scale, MakePageFn make_page_fn) {
+  const int64_t D = a.D, G = a.G, P = a.P;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t table_stride = lookup_table.stride(0);
-  const float* qp = q.data_ptr<float>();
-  const float* c = cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
   const int32_t* tok = tokens.data_ptr<int32_t>();
   const int32_t* seq = token_seq.data_ptr<int32_t>();
   const int32_t* ctx = token_ctx.data_ptr<int32_t>();
   const int32_t* table = lookup_table.data_ptr<int32_t>();
-  // As in attention_impl: one token per item when there are enough tokens,
-  // else split by kv head too.
+  const scalar_t* layer_base = a.cache + layer * a.layer_stride;
+  // With many tokens an item is one token and all its kv heads, so each page's
+  // keys and values are read front to back; with few tokens, split by head too
+  // so every thread has work.
   const int64_t n_tokens = tokens.size(0);
-  const int64_t groups = n_tokens >= 4 * at::get_num_threads() ? 1 : KVH;
-  const int64_t heads_per_item = KVH / groups;
+  const int64_t groups = n_tokens >= 4 * at::get_num_threads() ? 1 : a.KVH;
+  const int64_t heads_per_item = a.KVH / groups;
   const float fscale = static_cast<float>(scale);
+  const int64_t page_bytes = P * a.slot_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t value_bytes = a.kv_stride * static_cast<int64_t>(sizeof(scalar_t));
 
   at::parallel_for(0, n_tokens * groups, 1, [&](int64_t begin, int64_t end) {
-    const int64_t HG = heads_per_item * G;
-    std::vector<float> qf(HG * D), acc(HG * D), m(HG), l(HG);
-    // The layer's keys of the page `ahead` pages past page `pi` of `item`,
-    // running on into this thread's next items, so that prefetching does not
-    // stop at the end of a sequence (every item would otherwise start on two
-    // cold pages: 16 items x 30 layers of stalls per decode step).
-    auto page_ahead = [&](int64_t item, int64_t pi, int64_t ahead) -> const float* {
+    const int64_t HG = heads_per_item * G;  // query heads handled by one item
+    ItemState st(HG, D);
+    auto page_fn = make_page_fn();
+    // The page `ahead` pages past page `pi` of `item`, running on into this
+    // thread's next items, so prefetching does not stop at a sequence's end
+    // (each item would otherwise start on two cold pages).
+    auto page_ahead = [&](int64_t item, int64_t pi, int64_t ahead) -> const scalar_t* {
       for (; item < end; ++item, pi = 0) {
         const int64_t t = tok[item / groups];
         const int64_t n_pages = (ctx[t] + P - 1) / P;
-        if (pi + ahead < n_pages)
-          return c + table[seq[t] * table_stride + pi + ahead] * page_stride + layer * layer_stride;
+        if (pi + ahead < n_pages) return layer_base + table[seq[t] * table_stride + pi + ahead] * a.page_stride;
         ahead -= n_pages - pi;
       }
       return nullptr;
@@ -254,156 +273,119 @@ void attention_f32(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
       const int64_t n_keys = ctx[t];
       const int32_t* pages = table + seq[t] * table_stride;
       for (int64_t h = 0; h < HG; ++h) {
-        const float* src = qp + t * qs0 + (g0 * G + h) * qs1;
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = src[d] * fscale;
-        m[h] = -std::numeric_limits<float>::infinity();
-        l[h] = 0.f;
+        const scalar_t* src = qp + t * qs0 + (g0 * G + h) * qs1;
+        for (int64_t d = 0; d < D; ++d) st.qf[h * D + d] = to_f(src[d]) * fscale;
+        st.m[h] = -std::numeric_limits<float>::infinity();
+        st.l[h] = 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(st.acc.begin(), st.acc.end(), 0.f);
       for (int64_t start = 0; start < n_keys; start += P) {
-        const int64_t page_keys = std::min<int64_t>(P, n_keys - start);
-        const float* page_k = c + pages[start / P] * page_stride + layer * layer_stride;
-        if (const float* next = page_ahead(item, start / P, 2)) {
-          // Pages are scattered: fetch the one two ahead into L2 (see attention_impl).
+        if (const scalar_t* next = page_ahead(item, start / P, 2)) {
+          // Pages are scattered, so hardware prefetchers cannot see the next
+          // one: fetch its keys and values into L2 (into L1 they would evict
+          // the page being computed).
           const char* ahead = reinterpret_cast<const char*>(next);
-          const int64_t bytes = P * slot_stride * static_cast<int64_t>(sizeof(float));
-          for (int64_t off = 0; off < bytes; off += 64) {
+          for (int64_t off = 0; off < page_bytes; off += 64) {
             __builtin_prefetch(ahead + off, 0, 2);
-            __builtin_prefetch(ahead + kv_stride * sizeof(float) + off, 0, 2);
+            __builtin_prefetch(ahead + value_bytes + off, 0, 2);
           }
         }
-        for (int64_t j0 = 0; j0 < page_keys; j0 += 16) {
-          const int nk = static_cast<int>(std::min<int64_t>(16, page_keys - j0));
-          for (int64_t hg = 0; hg < heads_per_item; ++hg) {
-            const float* kb = page_k + j0 * slot_stride + (g0 + hg) * D;
-            const int64_t h = hg * G;
-            attend_group<DV>(qf.data() + h * D, acc.data() + h * D, m.data() + h, l.data() + h, kb,
-                             kb + kv_stride, slot_stride, nk, G);
-          }
-        }
+        page_fn(st, layer_base + pages[start / P] * a.page_stride, std::min<int64_t>(P, n_keys - start), g0,
+                heads_per_item);
       }
       for (int64_t h = 0; h < HG; ++h) {
-        float* dst = op + t * os0 + (g0 * G + h) * os1;
-        const float inv = 1.f / l[h];
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[h * D + d] * inv;
+        scalar_t* dst = op + t * os0 + (g0 * G + h) * os1;
+        const float inv = 1.f / st.l[h];
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(st.acc[h * D + d] * inv);
       }
     }
+  });
+}
+
+// fp32 attention with head_dim 16 * DV (64 or 128): keys in blocks of 16 (see attend_block).
+template <int DV>
+void attention_f32(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache, int64_t layer,
+                   const torch::Tensor& tokens, const torch::Tensor& token_seq,
+                   const torch::Tensor& token_ctx, const torch::Tensor& lookup_table, double scale) {
+#ifdef __AVX512F__
+  const AttentionArgs<float> a(q, cache);
+  constexpr int64_t D = DV * 16;
+  walk_pages<float>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale, [&] {
+    return [&](ItemState& st, const float* page_k, int64_t page_keys, int64_t g0, int64_t heads) {
+      for (int64_t j0 = 0; j0 < page_keys; j0 += 16) {
+        const int nk = static_cast<int>(std::min<int64_t>(16, page_keys - j0));
+        for (int64_t hg = 0; hg < heads; ++hg) {
+          const float* kb = page_k + j0 * a.slot_stride + (g0 + hg) * D;
+          const int64_t h = hg * a.G;
+          attend_group<DV>(st.qf.data() + h * D, st.acc.data() + h * D, st.m.data() + h, st.l.data() + h, kb,
+                           kb + a.kv_stride, a.slot_stride, nk, a.G);
+        }
+      }
+    };
   });
 #else
   TORCH_CHECK(false, "attention_f32 needs AVX-512");
 #endif
 }
 
+// Any dtype and head_dim: one key at a time; non-fp32 rows are staged as floats.
 template <typename scalar_t>
 void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache, int64_t layer,
                     const torch::Tensor& tokens, const torch::Tensor& token_seq,
                     const torch::Tensor& token_ctx, const torch::Tensor& lookup_table, double scale) {
-  const int64_t H = q.size(1), D = q.size(2);
-  const int64_t KVH = cache.size(4), L = cache.size(2), P = cache.size(3);
-  const int64_t G = H / KVH;
-  const int64_t slot_stride = KVH * D, layer_stride = P * slot_stride, kv_stride = L * layer_stride,
-                page_stride = 2 * kv_stride;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t table_stride = lookup_table.stride(0);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* c = cache.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const int32_t* tok = tokens.data_ptr<int32_t>();
-  const int32_t* seq = token_seq.data_ptr<int32_t>();
-  const int32_t* ctx = token_ctx.data_ptr<int32_t>();
-  const int32_t* table = lookup_table.data_ptr<int32_t>();
-  // With many tokens an item is one token and all its kv heads, so each page's
-  // keys and values are read front to back; with few tokens, split by head too
-  // so every thread has work.
-  const int64_t n_tokens = tokens.size(0);
-  const int64_t groups = n_tokens >= 4 * at::get_num_threads() ? 1 : KVH;
-  const int64_t heads_per_item = KVH / groups;
-  const int64_t n_items = n_tokens * groups;
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
-    const int64_t HG = heads_per_item * G;  // query heads handled by one item
-    std::vector<float> qf(HG * D), acc(HG * D), kblk(P * D), vblk(P * D), scores(HG * P);
-    std::vector<float> m(HG), l(HG);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = tok[item / groups], g0 = (item % groups) * heads_per_item;
-      const int64_t n_keys = ctx[t];
-      const int32_t* pages = table + seq[t] * table_stride;
-      for (int64_t h = 0; h < HG; ++h) {
-        const scalar_t* src = qp + t * qs0 + (g0 * G + h) * qs1;
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(src[d]) * fscale;
-        m[h] = -std::numeric_limits<float>::infinity();
-        l[h] = 0.f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < n_keys; start += P) {
-        const int64_t nk = std::min<int64_t>(P, n_keys - start);
-        const scalar_t* page_k = c + pages[start / P] * page_stride + layer * layer_stride;
-        if (start + 2 * P < n_keys) {
-          // Pages are scattered, so hardware prefetchers cannot see the next
-          // one: fetch the keys and values two pages ahead into L2 (into L1
-          // they would evict the page being computed).
-          const char* ahead = reinterpret_cast<const char*>(
-              c + pages[start / P + 2] * page_stride + layer * layer_stride);
-          const int64_t bytes = P * slot_stride * static_cast<int64_t>(sizeof(scalar_t));
-          for (int64_t off = 0; off < bytes; off += 64) {
-            __builtin_prefetch(ahead + off, 0, 2);
-            __builtin_prefetch(ahead + kv_stride * sizeof(scalar_t) + off, 0, 2);
-          }
+  const AttentionArgs<scalar_t> a(q, cache);
+  const int64_t D = a.D, G = a.G, P = a.P;
+  walk_pages<scalar_t>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale, [&] {
+    // Per-thread scratch, owned by the returned body.
+    return [&, kblk = std::vector<float>(P * D), vblk = std::vector<float>(P * D),
+            scores = std::vector<float>(P)](ItemState& st, const scalar_t* page_k, int64_t nk, int64_t g0,
+                                            int64_t heads) mutable {
+      for (int64_t hg = 0; hg < heads; ++hg) {
+        const scalar_t* kb = page_k + (g0 + hg) * D;
+        const scalar_t* vb = kb + a.kv_stride;
+        // fp32 rows are read in place; other dtypes are staged as floats.
+        const float* krows;
+        const float* vrows;
+        int64_t row_stride;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          krows = kb;
+          vrows = vb;
+          row_stride = a.slot_stride;
+        } else {
+          for (int64_t j = 0; j < nk; ++j)
+            for (int64_t d = 0; d < D; ++d) {
+              kblk[j * D + d] = to_f(kb[j * a.slot_stride + d]);
+              vblk[j * D + d] = to_f(vb[j * a.slot_stride + d]);
+            }
+          krows = kblk.data();
+          vrows = vblk.data();
+          row_stride = D;
         }
-        for (int64_t hg = 0; hg < heads_per_item; ++hg) {
-          const int64_t g = g0 + hg;
-          const scalar_t* kb = page_k + g * D;
-          const scalar_t* vb = kb + kv_stride;
-          // fp32 rows are read in place; other dtypes are staged as floats.
-          const float* krows;
-          const float* vrows;
-          int64_t row_stride;
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            krows = kb;
-            vrows = vb;
-            row_stride = slot_stride;
-          } else {
-            for (int64_t j = 0; j < nk; ++j)
-              for (int64_t d = 0; d < D; ++d) {
-                kblk[j * D + d] = to_f(kb[j * slot_stride + d]);
-                vblk[j * D + d] = to_f(vb[j * slot_stride + d]);
-              }
-            krows = kblk.data();
-            vrows = vblk.data();
-            row_stride = D;
+        for (int64_t hq = 0; hq < G; ++hq) {
+          const int64_t h = hg * G + hq;
+          float* sh = scores.data();
+          float blk_max = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < nk; ++j) {
+            sh[j] = dot(st.qf.data() + h * D, krows + j * row_stride, D);
+            blk_max = std::max(blk_max, sh[j]);
           }
-          for (int64_t hq = 0; hq < G; ++hq) {
-            const int64_t h = hg * G + hq;
-            float* sh = scores.data() + h * P;
-            float blk_max = -std::numeric_limits<float>::infinity();
-            for (int64_t j = 0; j < nk; ++j) {
-              sh[j] = dot(qf.data() + h * D, krows + j * row_stride, D);
-              blk_max = std::max(blk_max, sh[j]);
-            }
-            const float new_max = std::max(m[h], blk_max);
-            const float correction = std::exp(m[h] - new_max);
-            for (int64_t j = 0; j < nk; ++j) sh[j] -= new_max;
-            exp_inplace(sh, nk);
-            float* ah = acc.data() + h * D;
-            float sum = 0.f;
-            if (correction != 1.f)
-              for (int64_t d = 0; d < D; ++d) ah[d] *= correction;
-            for (int64_t j = 0; j < nk; ++j) {
-              sum += sh[j];
-              axpy(sh[j], vrows + j * row_stride, ah, D);
-            }
-            l[h] = l[h] * correction + sum;
-            m[h] = new_max;
+          const float new_max = std::max(st.m[h], blk_max);
+          const float correction = std::exp(st.m[h] - new_max);
+          for (int64_t j = 0; j < nk; ++j) sh[j] -= new_max;
+          exp_inplace(sh, nk);
+          float* ah = st.acc.data() + h * D;
+          float sum = 0.f;
+          if (correction != 1.f)
+            for (int64_t d = 0; d < D; ++d) ah[d] *= correction;
+          for (int64_t j = 0; j < nk; ++j) {
+            sum += sh[j];
+            axpy(sh[j], vrows + j * row_stride, ah, D);
           }
+          st.l[h] = st.l[h] * correction + sum;
+          st.m[h] = new_max;
         }
       }
-      for (int64_t h = 0; h < HG; ++h) {
-        scalar_t* dst = op + t * os0 + (g0 * G + h) * os1;
-        const float inv = 1.f / l[h];
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[h * D + d] * inv);
-      }
-    }
+    };
   });
 }
 
