@@ -18,7 +18,10 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "cpu" / "ops.cpp"]
+_CPU_DIR = Path(__file__).parent / "cpu"
+_SOURCES = sorted(_CPU_DIR.glob("*.cpp"))
+# Headers change the build too, so they are part of its cache key.
+_HASHED = _SOURCES + sorted(_CPU_DIR.glob("*.h"))
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -31,7 +34,8 @@ def _build_dir() -> Path:
     from engine.presets import cache_root
 
     digest = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _HASHED:
+        digest.update(src.name.encode())
         digest.update(src.read_bytes())
     digest.update(platform.machine().encode())
     # -march=native code is specific to the CPU it was built on.

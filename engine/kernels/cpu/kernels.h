@@ -1,0 +1,29 @@
+// Entry points of stencild's CPU kernels, bound to Python in ops.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+namespace stencild {
+
+// Write this step's keys and values into their cache slots for `layer`.
+void write_kv(at::Tensor k_new, at::Tensor v_new, at::Tensor cache, int64_t layer, at::Tensor slot_page,
+              at::Tensor slot_offset);
+// Attention of the query tokens listed in `tokens` over their sequences' cached
+// keys [0, token_ctx[t]); results go to out[t].
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor cache, int64_t layer, at::Tensor tokens,
+                     at::Tensor token_seq, at::Tensor token_ctx, at::Tensor lookup_table, double scale);
+
+// Weights [N, K] -> blocks [ceil(N/16), K, 16] (zero padded), into `out`.
+void pack_small_gemm(at::Tensor weight, at::Tensor out);
+// y = x @ W^T (+ bias) for 1 to 16 fp32 rows, W packed by pack_small_gemm.
+at::Tensor small_gemm(at::Tensor x, at::Tensor blocked, int64_t N, c10::optional<at::Tensor> bias);
+
+// residual += x; x = rms_norm(residual) * weight  (both in place).
+void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+// out = silu(gate_up[:, :I]) * gate_up[:, I:]
+at::Tensor silu_mul(at::Tensor gate_up);
+// Snake activation for x [B, C, T] (fp32) with per-channel alpha.
+at::Tensor snake(at::Tensor x, at::Tensor alpha);
+
+}  // namespace stencild
