@@ -58,6 +58,29 @@ def test_paged_attention_matches_reference(head_dim, kv_heads, group, page_size,
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim,kv_heads,group", [(64, 3, 3), (128, 2, 4), (64, 1, 7)])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_long_contexts_span_several_held_chunks(head_dim, kv_heads, group, num_tokens):
+    """The fast path holds at most ~128 KiB of value rows before it folds them
+    in (160 keys at 3 x 64 fp32): contexts of hundreds of keys fold several
+    times, the softmax carrying its max and sum across the folds."""
+    g = torch.Generator().manual_seed(head_dim + kv_heads + group + num_tokens)
+    page_size, max_pages = 16, 64
+    cache = torch.randn(80, 2, 1, page_size, kv_heads, head_dim, generator=g)
+    # Spread scores so a later chunk's max exceeds an earlier one's.
+    cache[:, 0] *= torch.linspace(0.5, 3.0, 80).view(80, 1, 1, 1, 1)
+    table = torch.randperm(80, generator=g)[:max_pages].int().unsqueeze(0)
+    lengths = [1000, 161, 321, 999, 17, 640, 1024, 500, 163]
+    token_ctx = torch.tensor(lengths[:num_tokens], dtype=torch.int32)
+    token_seq = torch.zeros(num_tokens, dtype=torch.int32)
+    q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=g)
+    tokens = torch.arange(num_tokens, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, head_dim ** -0.5)
+    expected = reference(q, cache, 0, tokens, token_seq, token_ctx, table, head_dim ** -0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_bf16_cache():
     g = torch.Generator().manual_seed(7)
     cache = torch.randn(12, 2, 1, 16, 2, 64, generator=g).bfloat16()

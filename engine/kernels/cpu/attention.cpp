@@ -46,65 +46,6 @@ void write_kv_impl(const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor&
   }
 }
 
-#ifdef __AVX512F__
-// One block of up to 16 keys for S query heads sharing a kv head, head_dim
-// 16 * DV, fp32. The S heads' output accumulators stay in registers for the
-// whole block (S * DV independent FMA chains per value row): accumulating
-// through memory instead chains every key's update on a store-to-load
-// round trip, which was most of the decode attention time.
-template <int DV, int S>
-inline void attend_block(const float* q, float* acc, float* m, float* l, const float* krows,
-                         const float* vrows, int64_t row_stride, int nk) {
-  alignas(64) float p[S][16];
-  __m512 av[S][DV];
-  const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1);
-  for (int h = 0; h < S; ++h) {
-    __m512 qv[DV], part[16];
-    for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(q + h * DV * 16 + d * 16);
-    for (int j = 0; j < 16; ++j) {
-      part[j] = _mm512_setzero_ps();
-      if (j < nk)
-        for (int d = 0; d < DV; ++d)
-          part[j] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(krows + j * row_stride + d * 16), part[j]);
-    }
-    const __m512 scores = reduce16(part);
-    const float block_max = _mm512_mask_reduce_max_ps(valid, scores);
-    const float new_max = std::max(m[h], block_max);
-    const float correction = std::exp(m[h] - new_max);
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-    _mm512_store_ps(p[h], e);
-    l[h] = l[h] * correction + _mm512_reduce_add_ps(e);
-    m[h] = new_max;
-    const __m512 c = _mm512_set1_ps(correction);
-    for (int d = 0; d < DV; ++d) av[h][d] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * DV * 16 + d * 16), c);
-  }
-  for (int j = 0; j < nk; ++j) {
-    __m512 vv[DV];
-    for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(vrows + j * row_stride + d * 16);
-    for (int h = 0; h < S; ++h) {
-      const __m512 w = _mm512_set1_ps(p[h][j]);
-      for (int d = 0; d < DV; ++d) av[h][d] = _mm512_fmadd_ps(w, vv[d], av[h][d]);
-    }
-  }
-  for (int h = 0; h < S; ++h)
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc + h * DV * 16 + d * 16, av[h][d]);
-}
-
-// S heads at a time, as many as keep queries, accumulators and a value row
-// within the 32 vector registers.
-template <int DV>
-inline void attend_group(const float* q, float* acc, float* m, float* l, const float* krows,
-                         const float* vrows, int64_t row_stride, int nk, int64_t G) {
-  constexpr int S = DV <= 4 ? 3 : 1;
-  constexpr int64_t D = DV * 16;
-  int64_t h = 0;
-  for (; h + S <= G; h += S)
-    attend_block<DV, S>(q + h * D, acc + h * D, m + h, l + h, krows, vrows, row_stride, nk);
-  for (; h < G; ++h)
-    attend_block<DV, 1>(q + h * D, acc + h * D, m + h, l + h, krows, vrows, row_stride, nk);
-}
-#endif
-
 // The layer's geometry and inputs of one paged_attention call.
 template <typename scalar_t>
 struct AttentionArgs {
@@ -124,15 +65,43 @@ struct ItemState {
   explicit ItemState(int64_t heads, int64_t D) : qf(heads * D), acc(heads * D), m(heads), l(heads) {}
 };
 
+// The rows of a page that an item will read two pages from now (its kv heads'
+// slice of each key row, and the matching value rows), fetched into L2 in
+// slices while the current page is computed. Pages are scattered, so hardware
+// prefetchers cannot see the next one. Fetching a whole page in one burst at
+// the start of the current one stalled the core on its miss buffers instead
+// of computing: spreading the same fetches over the page's blocks took a
+// decode step's attention from 7.1 to 5.4 ms (bench model, batch 16).
+struct PagePrefetch {
+  const char* keys = nullptr;  // first byte of the item's slice of key row 0, or null
+  int64_t rows = 0, row_bytes = 0, row_stride = 0, value_offset = 0;
+
+  // Slice `i` of `n`: rows [i * rows / n, (i + 1) * rows / n).
+  void slice(int64_t i, int64_t n) const {
+    if (keys == nullptr) return;
+    for (int64_t r = i * rows / n; r < (i + 1) * rows / n; ++r) {
+      // Every line the row's bytes touch, from the line holding its start.
+      const char* k = keys + r * row_stride;
+      const int64_t lead = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k) & 63);
+      for (int64_t off = -lead; off < row_bytes; off += 64) {
+        prefetch_l2(k + off);
+        prefetch_l2(k + value_offset + off);
+      }
+    }
+  }
+};
+
 // The walk shared by both kernels: split the query tokens into items, walk
-// each item's pages with a prefetch two pages ahead, and normalise the output.
-// `make_page_fn()` is called once per thread and returns the per-page body,
-// `page_fn(state, page_keys_ptr, page_keys, g0, heads_per_item)`, which folds
-// one page's keys and values into `state` for kv heads [g0, g0 + heads_per_item).
-template <typename scalar_t, typename MakePageFn>
+// each item's pages and normalise the output. `make_kernel(heads)` is called
+// once per thread, with the kv heads of one item, and returns an object with
+//   page(state, page_keys_ptr, page_keys, g0, heads, prefetch): fold one
+//     page's keys and values into `state` for kv heads [g0, g0 + heads),
+//     calling prefetch.slice(i, n) as it goes;
+//   finish(state, g0, heads): fold in anything still held back.
+template <typename scalar_t, typename MakeKernel>
 void walk_pages(at::Tensor& out, const at::Tensor& q, const AttentionArgs<scalar_t>& a, int64_t layer,
                 const at::Tensor& tokens, const at::Tensor& token_seq, const at::Tensor& token_ctx,
-                const at::Tensor& lookup_table, double scale, MakePageFn make_page_fn) {
+                const at::Tensor& lookup_table, double scale, MakeKernel make_kernel) {
   const int64_t D = a.D, G = a.G, P = a.P;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t table_stride = lookup_table.stride(0);
@@ -150,24 +119,32 @@ void walk_pages(at::Tensor& out, const at::Tensor& q, const AttentionArgs<scalar
   const int64_t groups = n_tokens >= 4 * at::get_num_threads() ? 1 : a.KVH;
   const int64_t heads_per_item = a.KVH / groups;
   const float fscale = static_cast<float>(scale);
-  const int64_t page_bytes = P * a.slot_stride * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t value_bytes = a.kv_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
 
   at::parallel_for(0, n_tokens * groups, 1, [&](int64_t begin, int64_t end) {
     const int64_t HG = heads_per_item * G;  // query heads handled by one item
     ItemState st(HG, D);
-    auto page_fn = make_page_fn();
+    auto kernel = make_kernel(heads_per_item);
     // The page `ahead` pages past page `pi` of `item`, running on into this
     // thread's next items, so prefetching does not stop at a sequence's end
     // (each item would otherwise start on two cold pages).
-    auto page_ahead = [&](int64_t item, int64_t pi, int64_t ahead) -> const scalar_t* {
+    auto prefetch_ahead = [&](int64_t item, int64_t pi, int64_t ahead) {
+      PagePrefetch pf;
       for (; item < end; ++item, pi = 0) {
         const int64_t t = tok[item / groups];
         const int64_t n_pages = (ctx[t] + P - 1) / P;
-        if (pi + ahead < n_pages) return layer_base + table[seq[t] * table_stride + pi + ahead] * a.page_stride;
+        if (pi + ahead < n_pages) {
+          const scalar_t* page = layer_base + table[seq[t] * table_stride + pi + ahead] * a.page_stride;
+          pf.keys = reinterpret_cast<const char*>(page + (item % groups) * heads_per_item * D);
+          pf.rows = std::min<int64_t>(P, ctx[t] - (pi + ahead) * P);
+          pf.row_bytes = heads_per_item * D * elem;
+          pf.row_stride = a.slot_stride * elem;
+          pf.value_offset = a.kv_stride * elem;
+          break;
+        }
         ahead -= n_pages - pi;
       }
-      return nullptr;
+      return pf;
     };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = tok[item / groups], g0 = (item % groups) * heads_per_item;
@@ -180,20 +157,10 @@ void walk_pages(at::Tensor& out, const at::Tensor& q, const AttentionArgs<scalar
         st.l[h] = 0.f;
       }
       std::fill(st.acc.begin(), st.acc.end(), 0.f);
-      for (int64_t start = 0; start < n_keys; start += P) {
-        if (const scalar_t* next = page_ahead(item, start / P, 2)) {
-          // Pages are scattered, so hardware prefetchers cannot see the next
-          // one: fetch its keys and values into L2 (into L1 they would evict
-          // the page being computed).
-          const char* ahead = reinterpret_cast<const char*>(next);
-          for (int64_t off = 0; off < page_bytes; off += 64) {
-            __builtin_prefetch(ahead + off, 0, 2);
-            __builtin_prefetch(ahead + value_bytes + off, 0, 2);
-          }
-        }
-        page_fn(st, layer_base + pages[start / P] * a.page_stride, std::min<int64_t>(P, n_keys - start), g0,
-                heads_per_item);
-      }
+      for (int64_t start = 0; start < n_keys; start += P)
+        kernel.page(st, layer_base + pages[start / P] * a.page_stride, std::min<int64_t>(P, n_keys - start), g0,
+                    heads_per_item, prefetch_ahead(item, start / P, 2));
+      kernel.finish(st, g0, heads_per_item);
       for (int64_t h = 0; h < HG; ++h) {
         scalar_t* dst = op + t * os0 + (g0 * G + h) * os1;
         const float inv = 1.f / st.l[h];
@@ -203,91 +170,254 @@ void walk_pages(at::Tensor& out, const at::Tensor& q, const AttentionArgs<scalar
   });
 }
 
-// fp32 attention with head_dim 16 * DV (64 or 128): keys in blocks of 16 (see attend_block).
+#ifdef __AVX512F__
+// Scores q.k of up to 16 keys (head_dim 16 * DV) into s[0, nk): one FMA chain
+// per key, summed across lanes for all 16 keys at once by reduce16. FULL
+// blocks (nk = 16, the common case) get a fully unrolled body; with a runtime
+// key count the compiler keeps a loop that spills the partial sums.
+template <int DV, bool FULL>
+inline void block_scores(const float* q, const float* krows, int64_t row_stride, int nk, float* s) {
+  __m512 qv[DV], part[16];
+  for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(q + d * 16);
+  for (int j = 0; j < 16; ++j) {
+    part[j] = _mm512_setzero_ps();
+    if (FULL || j < nk)
+      for (int d = 0; d < DV; ++d)
+        part[j] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(krows + j * row_stride + d * 16), part[j]);
+  }
+  if (FULL)
+    _mm512_storeu_ps(s, reduce16(part));
+  else
+    _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << nk) - 1), reduce16(part));
+}
+
+// Online-softmax update of one head over n held scores: the scores become
+// exp(s - new max), and the running max and sum move on. Returns the factor
+// by which the head's accumulator must be scaled.
+inline float softmax_update(float* s, int64_t n, float& m, float& l) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  if (i < n) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + i));
+  const float new_max = std::max(m, _mm512_reduce_max_ps(mx));
+  const __m512 shift = _mm512_set1_ps(new_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (i < n) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), shift)));
+    _mm512_mask_storeu_ps(s + i, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const float correction = std::exp(m - new_max);  // 0 on the first update (m = -inf)
+  l = l * correction + _mm512_reduce_add_ps(sum);
+  m = new_max;
+  return correction;
+}
+
+// A run of held keys: its value rows and how many.
+struct HeldBlock {
+  const float* values;
+  int64_t keys;
+};
+
+// acc[h] = acc[h] * correction[h] + sum_j p[h][j] * v[j] for S heads sharing
+// a kv head (head_dim 16 * DV), over the held blocks. The S * DV accumulators
+// stay in registers for all the keys: accumulating through memory chains every
+// key's update on a store-to-load round trip.
+template <int DV, int S>
+inline void weighted_values(const float* p, int64_t p_stride, const HeldBlock* blocks, int64_t n_blocks,
+                            int64_t head_offset, int64_t row_stride, float* acc, const float* correction) {
+  __m512 av[S][DV];
+  for (int h = 0; h < S; ++h) {
+    const __m512 c = _mm512_set1_ps(correction[h]);
+    for (int d = 0; d < DV; ++d) av[h][d] = _mm512_mul_ps(_mm512_loadu_ps(acc + (h * DV + d) * 16), c);
+  }
+  int64_t n = 0;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const float* vr = blocks[b].values + head_offset;
+    for (int64_t j = 0; j < blocks[b].keys; ++j, ++n) {
+      __m512 vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(vr + j * row_stride + d * 16);
+      for (int h = 0; h < S; ++h) {
+        const __m512 w = _mm512_set1_ps(p[h * p_stride + n]);
+        for (int d = 0; d < DV; ++d) av[h][d] = _mm512_fmadd_ps(w, vv[d], av[h][d]);
+      }
+    }
+  }
+  for (int h = 0; h < S; ++h)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc + (h * DV + d) * 16, av[h][d]);
+}
+
+// fp32, head_dim 16 * DV (64 or 128). Scores are computed block by block as
+// pages arrive and held (up to `chunk` keys); the softmax and the weighted sum
+// of values then run over the whole run of held keys. Updating the softmax
+// per block of 16 instead put a serial chain (horizontal max, exp, rescale)
+// between every block's scores and its values.
+template <int DV>
+struct F32Kernel {
+  static constexpr int64_t D = DV * 16;
+  static constexpr int MAX_S = DV <= 4 ? 4 : 2;  // heads whose accumulators fit in registers
+  const AttentionArgs<float>& a;
+  int64_t chunk;
+  std::vector<float> scores;  // [query heads of an item][chunk]
+  std::vector<HeldBlock> blocks;
+  std::vector<float> correction;
+  int64_t held = 0;
+
+  F32Kernel(const AttentionArgs<float>& args, int64_t item_heads)
+      : a(args),
+        // Held keys' values must still be in L2 when the weighted sum reads
+        // them: about 128 KiB of value rows, 16 to 512 keys.
+        chunk(std::clamp<int64_t>((128 << 10) / (item_heads * D * 4) / 16 * 16, 16, 512)),
+        scores(item_heads * args.G * chunk),
+        correction(item_heads * args.G) {
+    blocks.reserve(chunk);
+  }
+
+  void page(ItemState& st, const float* page_k, int64_t page_keys, int64_t g0, int64_t heads,
+            const PagePrefetch& prefetch) {
+    const int64_t steps = (page_keys + 15) / 16 * heads;
+    int64_t step = 0;
+    for (int64_t j0 = 0; j0 < page_keys; j0 += 16) {
+      const int nk = static_cast<int>(std::min<int64_t>(16, page_keys - j0));
+      if (held + nk > chunk) finish(st, g0, heads);
+      for (int64_t hg = 0; hg < heads; ++hg) {
+        prefetch.slice(step++, steps);
+        const float* kb = page_k + j0 * a.slot_stride + (g0 + hg) * D;
+        for (int64_t hq = 0; hq < a.G; ++hq) {
+          const int64_t h = hg * a.G + hq;
+          float* sh = scores.data() + h * chunk + held;
+          if (nk == 16)
+            block_scores<DV, true>(st.qf.data() + h * D, kb, a.slot_stride, nk, sh);
+          else
+            block_scores<DV, false>(st.qf.data() + h * D, kb, a.slot_stride, nk, sh);
+        }
+      }
+      blocks.push_back({page_k + a.kv_stride + j0 * a.slot_stride + g0 * D, nk});
+      held += nk;
+    }
+  }
+
+  void finish(ItemState& st, int64_t /*g0*/, int64_t heads) {
+    if (held == 0) return;
+    const int64_t HG = heads * a.G;
+    for (int64_t h = 0; h < HG; ++h)
+      correction[h] = softmax_update(scores.data() + h * chunk, held, st.m[h], st.l[h]);
+    for (int64_t hg = 0; hg < heads; ++hg) {
+      for (int64_t h0 = 0; h0 < a.G;) {
+        const int64_t h = hg * a.G + h0;
+        const int s = static_cast<int>(std::min<int64_t>(MAX_S, a.G - h0));
+        const float* p = scores.data() + h * chunk;
+        float* acc = st.acc.data() + h * D;
+        const int64_t n_blocks = static_cast<int64_t>(blocks.size());
+        switch (s) {
+#define CASE(S_)                                                                                          \
+  case S_:                                                                                                \
+    if constexpr (S_ <= MAX_S)                                                                            \
+      weighted_values<DV, S_>(p, chunk, blocks.data(), n_blocks, hg * D, a.slot_stride, acc, &correction[h]); \
+    break;
+          CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+        }
+        h0 += s;
+      }
+    }
+    blocks.clear();
+    held = 0;
+  }
+};
+#endif
+
+// fp32 attention with head_dim 16 * DV (64 or 128): see F32Kernel.
 template <int DV>
 void attention_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
                    const at::Tensor& tokens, const at::Tensor& token_seq,
                    const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale) {
 #ifdef __AVX512F__
   const AttentionArgs<float> a(q, cache);
-  constexpr int64_t D = DV * 16;
-  walk_pages<float>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale, [&] {
-    return [&](ItemState& st, const float* page_k, int64_t page_keys, int64_t g0, int64_t heads) {
-      for (int64_t j0 = 0; j0 < page_keys; j0 += 16) {
-        const int nk = static_cast<int>(std::min<int64_t>(16, page_keys - j0));
-        for (int64_t hg = 0; hg < heads; ++hg) {
-          const float* kb = page_k + j0 * a.slot_stride + (g0 + hg) * D;
-          const int64_t h = hg * a.G;
-          attend_group<DV>(st.qf.data() + h * D, st.acc.data() + h * D, st.m.data() + h, st.l.data() + h, kb,
-                           kb + a.kv_stride, a.slot_stride, nk, a.G);
-        }
-      }
-    };
-  });
+  walk_pages<float>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale,
+                    [&](int64_t item_heads) { return F32Kernel<DV>(a, item_heads); });
 #else
   TORCH_CHECK(false, "attention_f32 needs AVX-512");
 #endif
 }
 
-// Any dtype and head_dim: one key at a time; non-fp32 rows are staged as floats.
+// Any dtype and head_dim: one key at a time, the softmax updated per page;
+// non-fp32 rows are staged as floats.
+template <typename scalar_t>
+struct GenericKernel {
+  const AttentionArgs<scalar_t>& a;
+  std::vector<float> kblk, vblk, scores;
+
+  explicit GenericKernel(const AttentionArgs<scalar_t>& args)
+      : a(args), kblk(args.P * args.D), vblk(args.P * args.D), scores(args.P) {}
+
+  void page(ItemState& st, const scalar_t* page_k, int64_t nk, int64_t g0, int64_t heads,
+            const PagePrefetch& prefetch) {
+    const int64_t D = a.D, G = a.G;
+    for (int64_t hg = 0; hg < heads; ++hg) {
+      prefetch.slice(hg, heads);
+      const scalar_t* kb = page_k + (g0 + hg) * D;
+      const scalar_t* vb = kb + a.kv_stride;
+      // fp32 rows are read in place; other dtypes are staged as floats.
+      const float* krows;
+      const float* vrows;
+      int64_t row_stride;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        krows = kb;
+        vrows = vb;
+        row_stride = a.slot_stride;
+      } else {
+        for (int64_t j = 0; j < nk; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            kblk[j * D + d] = to_f(kb[j * a.slot_stride + d]);
+            vblk[j * D + d] = to_f(vb[j * a.slot_stride + d]);
+          }
+        krows = kblk.data();
+        vrows = vblk.data();
+        row_stride = D;
+      }
+      for (int64_t hq = 0; hq < G; ++hq) {
+        const int64_t h = hg * G + hq;
+        float* sh = scores.data();
+        float blk_max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < nk; ++j) {
+          sh[j] = dot(st.qf.data() + h * D, krows + j * row_stride, D);
+          blk_max = std::max(blk_max, sh[j]);
+        }
+        const float new_max = std::max(st.m[h], blk_max);
+        const float correction = std::exp(st.m[h] - new_max);
+        for (int64_t j = 0; j < nk; ++j) sh[j] -= new_max;
+        exp_inplace(sh, nk);
+        float* ah = st.acc.data() + h * D;
+        float sum = 0.f;
+        if (correction != 1.f)
+          for (int64_t d = 0; d < D; ++d) ah[d] *= correction;
+        for (int64_t j = 0; j < nk; ++j) {
+          sum += sh[j];
+          axpy(sh[j], vrows + j * row_stride, ah, D);
+        }
+        st.l[h] = st.l[h] * correction + sum;
+        st.m[h] = new_max;
+      }
+    }
+  }
+
+  void finish(ItemState&, int64_t, int64_t) {}
+};
+
 template <typename scalar_t>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
                     const at::Tensor& tokens, const at::Tensor& token_seq,
                     const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale) {
   const AttentionArgs<scalar_t> a(q, cache);
-  const int64_t D = a.D, G = a.G, P = a.P;
-  walk_pages<scalar_t>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale, [&] {
-    // Per-thread scratch, owned by the returned body.
-    return [&, kblk = std::vector<float>(P * D), vblk = std::vector<float>(P * D),
-            scores = std::vector<float>(P)](ItemState& st, const scalar_t* page_k, int64_t nk, int64_t g0,
-                                            int64_t heads) mutable {
-      for (int64_t hg = 0; hg < heads; ++hg) {
-        const scalar_t* kb = page_k + (g0 + hg) * D;
-        const scalar_t* vb = kb + a.kv_stride;
-        // fp32 rows are read in place; other dtypes are staged as floats.
-        const float* krows;
-        const float* vrows;
-        int64_t row_stride;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          krows = kb;
-          vrows = vb;
-          row_stride = a.slot_stride;
-        } else {
-          for (int64_t j = 0; j < nk; ++j)
-            for (int64_t d = 0; d < D; ++d) {
-              kblk[j * D + d] = to_f(kb[j * a.slot_stride + d]);
-              vblk[j * D + d] = to_f(vb[j * a.slot_stride + d]);
-            }
-          krows = kblk.data();
-          vrows = vblk.data();
-          row_stride = D;
-        }
-        for (int64_t hq = 0; hq < G; ++hq) {
-          const int64_t h = hg * G + hq;
-          float* sh = scores.data();
-          float blk_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < nk; ++j) {
-            sh[j] = dot(st.qf.data() + h * D, krows + j * row_stride, D);
-            blk_max = std::max(blk_max, sh[j]);
-          }
-          const float new_max = std::max(st.m[h], blk_max);
-          const float correction = std::exp(st.m[h] - new_max);
-          for (int64_t j = 0; j < nk; ++j) sh[j] -= new_max;
-          exp_inplace(sh, nk);
-          float* ah = st.acc.data() + h * D;
-          float sum = 0.f;
-          if (correction != 1.f)
-            for (int64_t d = 0; d < D; ++d) ah[d] *= correction;
-          for (int64_t j = 0; j < nk; ++j) {
-            sum += sh[j];
-            axpy(sh[j], vrows + j * row_stride, ah, D);
-          }
-          st.l[h] = st.l[h] * correction + sum;
-          st.m[h] = new_max;
-        }
-      }
-    };
-  });
+  walk_pages<scalar_t>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale,
+                       [&](int64_t) { return GenericKernel<scalar_t>(a); });
 }
 
 void check_index(const at::Tensor& t, const char* name) {
