@@ -95,6 +95,8 @@ class LlamaFamilyModel:
             self.lm_head = linear(load("lm_head.weight").to(device))
         self.rotations = rotation_table(config.rope, config.head_dim,
                                         config.max_position_embeddings).to(device)
+        # The CPU kernel reads the same table as (cos, sin) float pairs.
+        self.rotation_pairs = torch.view_as_real(self.rotations).flatten(1) if self.ops is not None else None
 
     # -- building blocks --------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -114,19 +116,28 @@ class LlamaFamilyModel:
         inter = self.config.intermediate_size
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
-    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, rot: torch.Tensor):
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:
+        """Rope on `x` `[T, heads, head_dim]`: in place on CPU, else into a new tensor."""
+        if self.ops is not None:
+            self.ops.rotary_embedding(x, self.rotation_pairs, positions)
+            return x
+        assert rot is not None
+        return apply_rotation(x, rot)
+
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None):
         c = self.config
         t = x.shape[0]
         qkv = layer.qkv(x)
         q_size, kv_size = c.q_size, c.kv_size
         v = qkv[:, q_size + kv_size:].view(t, c.num_kv_heads, c.head_dim)
         if layer.q_norm is None:
-            qk = apply_rotation(qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), rot)
+            qk = qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = self._rotate(qk, positions, rot)
             return qk[:, :c.num_heads], qk[:, c.num_heads:], v
         assert layer.k_norm is not None
         q = self._norm(qkv[:, :q_size].view(t, c.num_heads, c.head_dim), layer.q_norm)
         k = self._norm(qkv[:, q_size:q_size + kv_size].view(t, c.num_kv_heads, c.head_dim), layer.k_norm)
-        return apply_rotation(q, rot), apply_rotation(k, rot), v
+        return self._rotate(q, positions, rot), self._rotate(k, positions, rot), v
 
     # -- forward ----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
@@ -134,14 +145,16 @@ class LlamaFamilyModel:
         """Hidden states after the final norm, `[T, hidden]`, for a flat token batch."""
         c = self.config
         t = input_ids.shape[0]
-        rot = self.rotations[positions]
+        # Off CPU, gather each token's rotation once for all layers.
+        rot = self.rotations[positions] if self.ops is None else None
+        positions = positions.contiguous()
         h = F.embedding(input_ids, self.embed)
         residual = h.clone()
         x = self._norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x = self._add_norm(h, residual, layer.input_norm)
-            q, k, v = self._qkv(layer, x, rot)
+            q, k, v = self._qkv(layer, x, positions, rot)
             attn = attention(q, k, v, i, meta)
             h = layer.o_proj(attn.reshape(t, c.q_size))
             x = self._add_norm(h, residual, layer.post_norm)

@@ -21,6 +21,8 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor blocked, int64_t N, c10::optional
 
 // residual += x; x = rms_norm(residual) * weight  (both in place).
 void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+// Rotate x [T, heads, head_dim] (interleaved pairs) in place by table[positions[t]] ((cos, sin) pairs).
+void rotary_embedding(at::Tensor x, at::Tensor table, at::Tensor positions);
 // out = silu(gate_up[:, :I]) * gate_up[:, I:]
 at::Tensor silu_mul(at::Tensor gate_up);
 // Snake activation for x [B, C, T] (fp32) with per-channel alpha.

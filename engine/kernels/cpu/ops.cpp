@@ -26,4 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "write new keys/values into the paged cache", release());
   m.def("paged_attention", &paged_attention, "paged attention for short queries", release());
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm, in place", release());
+  m.def("rotary_embedding", &rotary_embedding, "rotary position embedding of interleaved pairs, in place",
+        release());
 }
