@@ -29,10 +29,10 @@ import torch.nn.functional as F
 SHORT_QUERY = 8
 # Keys plus values of one layer of one sequence, in bytes, that the kernel
 # reads once per query token: kept in a core's L2 (1-2 MiB on current x86),
-# the kernel beats SDPA on a fresh prompt (30 layers of the bench model: 123 vs
-# 180 ms for 16 x 128 tokens, 388 vs 518 ms at 4 x 512, even at 2 x 1024,
-# where the context reaches this limit); past it SDPA wins (2.3 vs 1.3 s at
-# 1 x 2048).
+# the kernel beats SDPA on a fresh prompt (30 layers of the bench model, 1.5
+# KiB of keys and values per token: 123 vs 180 ms for 16 x 128 tokens, 388 vs
+# 518 ms at 4 x 512, this limit); at 2 x 1024 the two tie (780 ms) and past
+# that SDPA wins (2.3 vs 1.3 s at 1 x 2048).
 KERNEL_CONTEXT_BYTES = 768 << 10
 
 
