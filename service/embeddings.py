@@ -33,7 +33,6 @@ from engine.errors import InvalidRequest
 from engine.executor import StepExecutor
 
 from .errors import (
-    failed_precondition,
     invalid_argument,
     resource_exhausted,
     rpc_guard,
@@ -166,17 +165,10 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
         self.slot = slot
 
     def _require(self) -> EmbeddingRuntime:
-        if not self.slot.enabled:
-            raise failed_precondition("this server serves no embedding model "
-                                      "(start it without --no-embedding-model)")
-        if self.state.draining:
-            raise unavailable("the server is shutting down")
-        runtime = self.slot.runtime
-        if runtime is None:
-            raise unavailable("the embedding model is still loading")
-        if not runtime.alive:
-            raise unavailable("the embedding model is not running")
-        return runtime
+        return self.state.require_ready(
+            self.slot.runtime, lambda runtime: runtime.alive, served=self.slot.enabled,
+            not_served="this server serves no embedding model (start it without --no-embedding-model)",
+            loading="the embedding model is still loading", stopped="the embedding model is not running")
 
     @rpc_guard
     async def Embed(self, request: pb.EmbedRequest, context: Any) -> pb.EmbedResponse:

@@ -73,18 +73,27 @@ class ServingState:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def require_engine(self) -> EngineLoop:
-        """The engine loop, or UNAVAILABLE while loading, draining or after a failure."""
-        if not self.serves_generation:
-            raise failed_precondition("this server serves no generation model (embeddings only)")
+    def require_ready(self, handle: T | None, alive: Callable[[T], bool], *, served: bool, not_served: str,
+                      loading: str, stopped: str) -> T:
+        """`handle` if a call may use it: FAILED_PRECONDITION (`not_served`)
+        when the server does not serve it, else UNAVAILABLE while draining,
+        while it loads (`loading`) or once it has stopped (`stopped`)."""
+        if not served:
+            raise failed_precondition(not_served)
         if self.draining:
             raise unavailable("the server is shutting down")
-        loop = self.engine_loop
-        if loop is None:
-            raise unavailable("the model is still loading")
-        if not loop.alive:
-            raise unavailable("the engine is not running")
-        return loop
+        if handle is None:
+            raise unavailable(loading)
+        if not alive(handle):
+            raise unavailable(stopped)
+        return handle
+
+    def require_engine(self) -> EngineLoop:
+        """The engine loop, or UNAVAILABLE while loading, draining or after a failure."""
+        return self.require_ready(
+            self.engine_loop, lambda loop: loop.alive, served=self.serves_generation,
+            not_served="this server serves no generation model (embeddings only)",
+            loading="the model is still loading", stopped="the engine is not running")
 
     @property
     def engine_loops(self) -> list[EngineLoop]:

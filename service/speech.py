@@ -25,7 +25,7 @@ from engine import EngineCore
 from engine.executor import StepExecutor
 
 from .engine_loop import EngineLoop
-from .errors import failed_precondition, rpc_guard, unavailable
+from .errors import rpc_guard, unavailable
 from .gen.stencil.v1 import speech_pb2 as pb
 from .gen.stencil.v1 import speech_pb2_grpc as pb_grpc
 from .generation import REQUEST_ID_METADATA, ServingState, next_outputs, run_maybe_off_loop
@@ -76,17 +76,10 @@ class SpeechServicer(pb_grpc.SpeechServicer):
         self.slot = slot
 
     def _require(self) -> EngineLoop:
-        if not self.slot.enabled:
-            raise failed_precondition("this server serves no speech model "
-                                      "(start it with --speech-model DIR --codec DIR)")
-        if self.state.draining:
-            raise unavailable("the server is shutting down")
-        loop = self.slot.loop
-        if loop is None:
-            raise unavailable("the speech model is still loading")
-        if not self.slot.alive():
-            raise unavailable("the speech engine is not running")
-        return loop
+        return self.state.require_ready(
+            self.slot.loop, lambda _loop: self.slot.alive(), served=self.slot.enabled,
+            not_served="this server serves no speech model (start it with --speech-model DIR --codec DIR)",
+            loading="the speech model is still loading", stopped="the speech engine is not running")
 
     @rpc_guard
     async def Synthesize(self, request: pb.SynthesizeRequest, context: grpc.aio.ServicerContext) -> None:
