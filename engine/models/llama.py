@@ -116,15 +116,19 @@ class LlamaFamilyModel:
         inter = self.config.intermediate_size
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:
+    def _rope_input(self, positions: torch.Tensor) -> torch.Tensor:
+        """What `_rotate` takes for a step: the positions themselves for the CPU
+        kernel, else each token's rotation, gathered once for all layers."""
+        return positions.contiguous() if self.ops is not None else self.rotations[positions]
+
+    def _rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """Rope on `x` `[T, heads, head_dim]`: in place on CPU, else into a new tensor."""
         if self.ops is not None:
-            self.ops.rotary_embedding(x, self.rotation_pairs, positions)
+            self.ops.rotary_embedding(x, self.rotation_pairs, rope)
             return x
-        assert rot is not None
-        return apply_rotation(x, rot)
+        return apply_rotation(x, rope)
 
-    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None):
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, rope: torch.Tensor):
         c = self.config
         t = x.shape[0]
         qkv = layer.qkv(x)
@@ -132,12 +136,12 @@ class LlamaFamilyModel:
         v = qkv[:, q_size + kv_size:].view(t, c.num_kv_heads, c.head_dim)
         if layer.q_norm is None:
             qk = qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
-            qk = self._rotate(qk, positions, rot)
+            qk = self._rotate(qk, rope)
             return qk[:, :c.num_heads], qk[:, c.num_heads:], v
         assert layer.k_norm is not None
         q = self._norm(qkv[:, :q_size].view(t, c.num_heads, c.head_dim), layer.q_norm)
         k = self._norm(qkv[:, q_size:q_size + kv_size].view(t, c.num_kv_heads, c.head_dim), layer.k_norm)
-        return self._rotate(q, positions, rot), self._rotate(k, positions, rot), v
+        return self._rotate(q, rope), self._rotate(k, rope), v
 
     # -- forward ----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
@@ -145,16 +149,14 @@ class LlamaFamilyModel:
         """Hidden states after the final norm, `[T, hidden]`, for a flat token batch."""
         c = self.config
         t = input_ids.shape[0]
-        # Off CPU, gather each token's rotation once for all layers.
-        rot = self.rotations[positions] if self.ops is None else None
-        positions = positions.contiguous()
+        rope = self._rope_input(positions)
         h = F.embedding(input_ids, self.embed)
         residual = h.clone()
         x = self._norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x = self._add_norm(h, residual, layer.input_norm)
-            q, k, v = self._qkv(layer, x, positions, rot)
+            q, k, v = self._qkv(layer, x, rope)
             attn = attention(q, k, v, i, meta)
             h = layer.o_proj(attn.reshape(t, c.q_size))
             x = self._add_norm(h, residual, layer.post_norm)
