@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from engine.cpu_features import cpu_flags
+
 log = logging.getLogger(__name__)
 
 _CPU_DIR = Path(__file__).parent / "cpu"
@@ -39,13 +41,7 @@ def _build_dir() -> Path:
         digest.update(src.read_bytes())
     digest.update(platform.machine().encode())
     # -march=native code is specific to the CPU it was built on.
-    try:
-        flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-        digest.update(flags.encode())
-    except (OSError, StopIteration):
-        pass
+    digest.update(" ".join(sorted(cpu_flags())).encode())
     import torch
 
     digest.update(torch.__version__.encode())

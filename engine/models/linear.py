@@ -20,14 +20,21 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_features
+
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """Whether `weight` can be prepacked for oneDNN on this CPU.
+
+    bf16 needs AVX-512 (or AVX-NE-CONVERT): on an AVX2-only CPU oneDNN's bf16
+    reorder raises, so bf16 weights there take `F.linear` instead.
+    """
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return cpu_features.onednn_bf16_supported()
+    return weight.dtype == torch.float32
 
 
 SMALL_BATCH_ROWS = 16
