@@ -5,10 +5,18 @@ Flow of `compile_async(spec)`:
    failure) completes the returned future at once, on the caller's thread;
 2. otherwise one compile per distinct (spec, backend) is in flight at a time
    (concurrent callers share it), on a compiler thread that hands the work to
-   a worker process (`_pool`) and waits at most `compile_timeout_s`;
+   a worker process (`_pool`). Its deadline, `compile_timeout_s`, starts when
+   the compile is queued: time spent waiting for a worker counts;
 3. with backend "auto" the spec's preferred library is tried first and the
    other one if the first cannot compile it, both within the same deadline;
 4. the compiled artifact is cached and each caller gets a fresh `Matcher`.
+
+A caller that stops waiting cancels its future; a queued compile that nobody
+waits for any more leaves the queue, so abandoned compiles never delay others.
+
+Locking: `_lock` guards `_inflight` only. No future callback is ever added or
+triggered while it is held, because a future that is already done runs a new
+callback at once, on the same thread, and the callbacks here take the lock.
 
 Backend choice for "auto": EBNF -> xgrammar, Lark -> llguidance (their native
 syntaxes); regex and choice -> llguidance (its lazily built lexer compiles
@@ -20,11 +28,12 @@ the indentation.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +52,9 @@ from .spec import JSON_KINDS, GrammarSpec
 from .tokenizer import TokenizerData
 
 BACKENDS = ("xgrammar", "llguidance")
+# A compile that timed out is cached as a failure only if it had (nearly) the
+# whole timeout; one whose budget went on queueing may succeed another time.
+_FULL_BUDGET = 0.9
 # From bench/grammar_conformance.py on the draft 2020-12 suite (see BENCHMARKS.md).
 JSON_ORDER = ("llguidance", "xgrammar")
 _KIND_ORDER = {
@@ -51,6 +63,14 @@ _KIND_ORDER = {
     "ebnf": ("xgrammar", "llguidance"),
     "lark": ("llguidance", "xgrammar"),
 }
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A compile in flight and how many callers still wait for it."""
+
+    future: Future[_Artifact]
+    waiters: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,7 +115,7 @@ class GrammarCompiler:
         self.vocab_size = self.tokenizer_data.vocab_size
         cfg = self.config
         self._cache = cache or GrammarCache(cfg.cache_entries, cfg.cache_bytes)
-        self._inflight: dict[tuple[GrammarSpec, str], Future[_Artifact]] = {}
+        self._inflight: dict[tuple[GrammarSpec, str], _Pending] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(
             cfg.compile_workers, thread_name_prefix="grammar-compile"
@@ -129,22 +149,47 @@ class GrammarCompiler:
         return self.compile_async(spec, backend).result()
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:
-        """Like `compile`, without blocking: the future is already done on a cache hit."""
+        """Like `compile`, without blocking: the future is already done on a cache hit.
+
+        Cancel the returned future to stop waiting: a compile nobody waits for
+        any more is taken off the queue if it has not started.
+        """
         out: Future[Matcher] = Future()
         try:
-            artifact = self._artifact_future(spec, _check_backend(backend or self.backend))
+            artifact, key = self._artifact_future(spec, _check_backend(backend or self.backend))
         except GrammarError as e:
             out.set_exception(e)
             return out
 
         def deliver(done: Future[_Artifact]) -> None:
+            if out.done():  # the caller cancelled
+                return
             try:
-                out.set_result(self._new_matcher(done.result()))
+                result: Matcher | BaseException = self._new_matcher(done.result())
             except BaseException as e:  # GrammarError, or a bug surfaced to the caller
-                out.set_exception(e)
+                result = e
+            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                if isinstance(result, BaseException):
+                    out.set_exception(result)
+                else:
+                    out.set_result(result)
 
+        if key is not None:
+            pending_key = key
+
+            def on_done(f: Future[Matcher]) -> None:
+                if f.cancelled():
+                    self._abandon(pending_key)
+
+            out.add_done_callback(on_done)
         artifact.add_done_callback(deliver)
         return out
+
+    @property
+    def pending_compiles(self) -> int:
+        """Distinct compiles queued or running."""
+        with self._lock:
+            return len(self._inflight)
 
     def backends_for(self, spec: GrammarSpec, backend: str | None = None) -> tuple[str, ...]:
         """The backends tried for `spec`, in order."""
@@ -155,7 +200,11 @@ class GrammarCompiler:
             return ("xgrammar", "llguidance") if spec.options.whitespace == "pretty" else JSON_ORDER
         return _KIND_ORDER[spec.kind]
 
-    def _artifact_future(self, spec: GrammarSpec, backend: str) -> Future[_Artifact]:
+    def _artifact_future(
+        self, spec: GrammarSpec, backend: str
+    ) -> tuple[Future[_Artifact], tuple[GrammarSpec, str] | None]:
+        """The artifact's future, and the in-flight key the caller now waits on
+        (None for a cache hit)."""
         if not isinstance(spec, GrammarSpec):
             raise TypeError(f"expected a GrammarSpec, got {type(spec).__name__}")
         if self._finalizer.alive is False:
@@ -169,22 +218,41 @@ class GrammarCompiler:
         order = self.backends_for(spec, backend)
         cached = self._from_cache(spec, order)
         if cached is not None:
-            return cached
+            return cached, None
         key = (spec, backend)
         with self._lock:
-            fut = self._inflight.get(key)
-            if fut is None:
+            pending = self._inflight.get(key)
+            created = pending is None
+            if pending is None:
+                deadline = time.monotonic() + self.config.compile_timeout_s
                 try:
-                    fut = self._executor.submit(self._resolve, spec, order)
+                    fut = self._executor.submit(self._resolve, spec, order, deadline)
                 except RuntimeError:  # shut down by a concurrent close()
                     raise GrammarError("grammar compiler is closed", reason="crashed") from None
-                self._inflight[key] = fut
-                fut.add_done_callback(lambda _f: self._forget(key))
-        return fut
+                pending = self._inflight[key] = _Pending(fut)
+            pending.waiters += 1
+        if created:
+            # Outside the lock: a compile that already ended runs this at once.
+            pending.future.add_done_callback(lambda f: self._forget(key, f))
+        return pending.future, key
 
-    def _forget(self, key: tuple[GrammarSpec, str]) -> None:
+    def _forget(self, key: tuple[GrammarSpec, str], fut: Future[_Artifact]) -> None:
         with self._lock:
-            self._inflight.pop(key, None)
+            pending = self._inflight.get(key)
+            if pending is not None and pending.future is fut:
+                del self._inflight[key]
+
+    def _abandon(self, key: tuple[GrammarSpec, str]) -> None:
+        """A caller stopped waiting; drop the compile if it was the last and it has not started."""
+        with self._lock:
+            pending = self._inflight.get(key)
+            if pending is None:
+                return
+            pending.waiters -= 1
+            if pending.waiters > 0 or pending.future.running():
+                return
+            del self._inflight[key]  # a new caller starts afresh
+        pending.future.cancel()  # outside the lock: its callbacks run here
 
     def _key(self, backend: str, spec: GrammarSpec) -> tuple[str, str, GrammarSpec]:
         return (self.tokenizer_data.fingerprint, backend, spec)
@@ -200,8 +268,8 @@ class GrammarCompiler:
             errors.append(entry)
         return _done(None, _combine(errors))
 
-    def _resolve(self, spec: GrammarSpec, order: tuple[str, ...]) -> _Artifact:
-        deadline = time.monotonic() + self.config.compile_timeout_s
+    def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float) -> _Artifact:
+        timeout = self.config.compile_timeout_s
         errors: list[GrammarError] = []
         for b in order:
             key = self._key(b, spec)
@@ -211,16 +279,28 @@ class GrammarCompiler:
             if isinstance(entry, GrammarError):
                 errors.append(entry)
                 continue
+            budget = deadline - time.monotonic()
+            if budget <= 0:
+                # Spent waiting for a worker (or on the first backend): the
+                # server was busy, which says nothing about the spec. Not cached.
+                errors.append(GrammarError(
+                    f"grammar compile timed out after {timeout:g} s (the compiler was busy)",
+                    reason="timeout",
+                ))
+                break
             try:
-                artifact = self._compile_one(b, spec, deadline - time.monotonic())
+                artifact = self._compile_one(b, spec, budget)
             except GrammarError as e:
                 if e.reason == "timeout":
                     e = GrammarError(
-                        f"grammar compile timed out after {self.config.compile_timeout_s:g} s",
+                        f"grammar compile timed out after {timeout:g} s",
                         reason="timeout",
                         backend=b,
                     )
-                if e.backend is not None:  # not worker start-up or shutdown trouble
+                # Worker start-up or shutdown trouble is not the spec's doing,
+                # nor is a timeout on a budget cut by queueing: not cached.
+                full_budget = budget >= _FULL_BUDGET * timeout
+                if e.backend is not None and (e.reason != "timeout" or full_budget):
                     self._cache.put(key, e, 512)
                 errors.append(e)
                 if e.reason == "timeout":

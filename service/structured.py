@@ -108,56 +108,46 @@ def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
 class ConstraintCompiler:
     """Compiles constraints for one engine without blocking the event loop.
 
-    `max_in_flight` bounds the compiles waiting at once (the grammar compiler
-    queues them behind one worker), so a flood of slow schemas is refused with
-    RESOURCE_EXHAUSTED instead of piling up. `warm` says the engine's grammar
-    compiler already exists (started at warm-up).
+    `max_in_flight` bounds the distinct compiles queued or running at once (the
+    grammar compiler runs them behind one worker), so a flood of slow schemas
+    is refused with RESOURCE_EXHAUSTED instead of piling up. `warm` says the
+    engine's grammar compiler already exists (started at warm-up).
     """
 
     def __init__(self, structured: Any, max_in_flight: int = 64, warm: bool = False):
         self._structured = structured  # engine.structured.StructuredOutput
         self.max_in_flight = max_in_flight
-        self.in_flight = 0
         self._started = warm
+
+    @property
+    def in_flight(self) -> int:
+        """Distinct compiles queued or running now."""
+        return self._structured.compiler.pending_compiles if self._started else 0
 
     async def compile(self, constraint: ConstraintSpec) -> Any:
         """A fresh matcher for the constraint; ServiceError if it cannot be compiled.
 
-        Cancellation (client gone, deadline) only stops the waiting: the compile
-        runs on in its worker, bounded by the timeout, and its result is cached
-        for the next request with the same spec. Nothing else holds the matcher,
-        so it is simply dropped.
+        Cancellation (client gone, deadline) stops the waiting and cancels the
+        compile's future: a compile nobody else waits for leaves the queue if it
+        has not started, and one that has started runs on in its worker,
+        bounded by the timeout, and is cached for the next request.
         """
-        if self.in_flight >= self.max_in_flight:
-            raise resource_exhausted(f"{self.in_flight} constraints are compiling; retry later")
         compile_async = self._structured.compile_async
-        if self._started:
-            future = compile_async(constraint.spec, constraint.backend)
-        else:
+        if not self._started:
             # The first call builds the compiler (tokenizer tables, worker
             # spawn) unless the server warmed it up: not on the event loop.
-            future = await asyncio.to_thread(compile_async, constraint.spec, constraint.backend)
+            await asyncio.to_thread(lambda: self._structured.compiler)
             self._started = True
+        if self.in_flight >= self.max_in_flight:
+            raise resource_exhausted(f"{self.in_flight} constraints are compiling; retry later")
+        future = compile_async(constraint.spec, constraint.backend)
         if future.done():  # a cache hit (or a cached failure)
             return self._result(future, constraint.field)
-        waiter = asyncio.wrap_future(future)
-        # Counted until the compile ends, not until the caller stops waiting, so
-        # clients that cancel cannot stack up compiles behind the limit.
-        self.in_flight += 1
-        waiter.add_done_callback(self._compile_done)
         try:
-            # shield: a cancelled call must not cancel the compiler's future
-            # (its completion callback would then fail).
-            return await asyncio.shield(waiter)
+            # A cancelled await cancels `future` too (asyncio.wrap_future chains it).
+            return await asyncio.wrap_future(future)
         except GrammarError as err:
             raise _compile_error(err, constraint.field) from None
-
-    def _compile_done(self, waiter: asyncio.Future[Any]) -> None:
-        self.in_flight -= 1
-        if not waiter.cancelled():
-            # Consumed here: a caller that stopped waiting never will, and
-            # asyncio would log the failure as "never retrieved".
-            waiter.exception()
 
     @staticmethod
     def _result(future: Any, field: str) -> Any:
