@@ -13,7 +13,6 @@ matcher about half a millisecond).
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -23,6 +22,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from .bitmask import check_bitmask
 from .errors import GrammarError, clean_message
 from .matcher import Matcher
+from .productive import ACCEPTS_NOTHING
 from .spec import KIND_LABELS
 
 if TYPE_CHECKING:
@@ -38,9 +38,35 @@ def build_tokenizer(
     return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
 
+# The Earley parser refuses a row with more items than this. Its default (2000)
+# is below realistic grammars (a Lark rule of 5000 alternatives needs 5001) and,
+# worse, llguidance enforces it when consuming a token but not when computing the
+# mask, so a token the mask allowed was then rejected. `step_max_items` (50000
+# by default) bounds the work of each step anyway, so the row limit matches it.
+MAX_ITEMS_IN_ROW = 50_000
+
+
 def limits() -> llguidance.LLParserLimits:
     # verbose_errors=False keeps parser state and grammar dumps out of messages.
-    return llguidance.LLParserLimits(verbose_errors=False)
+    return llguidance.LLParserLimits(verbose_errors=False, max_items_in_row=MAX_ITEMS_IN_ROW)
+
+
+# The characters the Rust regex syntax (llguidance's) treats as meta; escaping
+# any other character is an error there.
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def choice_regex(choices: tuple[str, ...]) -> str:
+    """A regex matching exactly one of `choices`.
+
+    A choice list is a regular language: as one regex it is a single lexeme,
+    which llguidance's lexer handles at any size, where a Lark rule with one
+    alternative per choice puts every choice into one parser row.
+    """
+    return "|".join(
+        "".join("\\" + ch if ch in _REGEX_META else ch for ch in choice)
+        for choice in dict.fromkeys(choices)
+    )
 
 
 def _json_options(spec: GrammarSpec) -> dict[str, Any]:
@@ -87,8 +113,7 @@ def grammar_text(spec: GrammarSpec) -> str:
             return llguidance.LLMatcher.grammar_from_regex(spec.source)
         if spec.kind == "choice":
             assert isinstance(spec.source, tuple)
-            alts = " | ".join(json.dumps(c) for c in dict.fromkeys(spec.source))
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {alts}\n")
+            return llguidance.LLMatcher.grammar_from_regex(choice_regex(spec.source))
         if spec.kind == "ebnf":
             assert isinstance(spec.source, str)
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.source))
@@ -103,6 +128,9 @@ def grammar_text(spec: GrammarSpec) -> str:
 
 
 def _error(spec: GrammarSpec, raw: str) -> GrammarError:
+    if "NoExtensionBias" in raw:  # llguidance's word for a start rule that never ends
+        return GrammarError(f"cannot compile {KIND_LABELS[spec.kind]}: {ACCEPTS_NOTHING}",
+                            backend=BACKEND)
     msg = clean_message(raw, keep_positions=spec.kind in ("lark", "ebnf"))
     reason = "too_large" if "too large" in msg or "too complex" in msg.lower() else "invalid"
     return GrammarError(
@@ -118,9 +146,12 @@ def check(tokenizer: llguidance.LLTokenizer, spec: GrammarSpec, grammar: str) ->
     if is_error:
         raise _error(spec, messages[0] if messages else "invalid grammar")
     matcher = new_template(tokenizer, spec, grammar)
-    matcher.compute_bitmask()  # forces the initial lexer/parser work
+    mask = matcher.compute_bitmask()  # forces the initial lexer/parser work
     if matcher.is_error():
         raise _error(spec, matcher.get_error())
+    if not any(mask):  # not even a stop token may come first
+        raise GrammarError(f"cannot compile {KIND_LABELS[spec.kind]}: {ACCEPTS_NOTHING}",
+                           backend=BACKEND)
 
 
 def new_template(
@@ -183,6 +214,17 @@ class LLGuidanceMatcher(Matcher):
         # llguidance already withholds a final token that could still merge
         # with what follows, so these are canonical tokens.
         return list(self._m.compute_ff_tokens())
+
+    def rejection(self, token_id: int) -> str:
+        # try_consume_tokens refuses without saying why; a throwaway copy that
+        # consumes the token for real records the parser's reason (a limit,
+        # for instance) as its error.
+        probe = self._m.deep_copy()
+        if not probe.is_error() and not probe.consume_token(int(token_id)) and probe.is_error():
+            return f"token {token_id} was rejected by the grammar: " + clean_message(
+                probe.get_error(), keep_positions=False
+            )
+        return super().rejection(token_id)
 
     def is_terminated(self) -> bool:
         return self._eos

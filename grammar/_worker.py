@@ -16,12 +16,17 @@ The child exits when the parent closes its pipe, and is killed by the kernel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
 
 from .errors import GrammarError
-from .spec import GrammarSpec
+from .productive import RECURSIVE_KINDS, check_completable
+from .spec import KIND_LABELS, GrammarSpec
+
+# How much lower than the server a compile worker runs (see `nice(1)`).
+COMPILE_NICENESS = 10
 
 
 class CompileContext:
@@ -72,8 +77,27 @@ class CompileContext:
         grammar = _llg.grammar_text(spec)
         if len(grammar) > max_bytes:
             raise GrammarError("grammar is too large", reason="too_large", backend="llguidance")
+        _check_accepts_something(spec)
         _llg.check(self._llg_tokenizer, spec, grammar)
         return {"grammar": grammar, "size": len(grammar)}
+
+
+def _check_accepts_something(spec: GrammarSpec) -> None:
+    """Refuse, for llguidance too, a grammar whose start can never be completed.
+
+    llguidance catches a start rule that only recurses, but not a JSON object
+    that requires itself; xgrammar's conversion of the same spec shows both.
+    Where xgrammar cannot convert the spec, llguidance's own checks stand.
+    """
+    if spec.kind not in RECURSIVE_KINDS:
+        return
+    from . import _xgr
+
+    try:
+        text = str(_xgr.build_grammar(spec))
+    except Exception:  # noqa: BLE001 - a spec only llguidance reads
+        return
+    check_completable(text, KIND_LABELS[spec.kind], "llguidance", dead_ends=False)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -125,6 +149,9 @@ def main(read_fd: int, write_fd: int, parent_pid: int) -> None:
 
     ctx = CompileContext(init)
     _limit_memory(init.get("memory_limit_bytes"))
+    # A compile is background work: the engine's steps come first on a busy CPU.
+    with contextlib.suppress(OSError):
+        os.nice(COMPILE_NICENESS)
     outbox.send(("ready", os.getpid()))
     while True:
         try:

@@ -24,6 +24,7 @@ import xgrammar as xgr
 
 from .errors import GrammarError, clean_message
 from .matcher import Matcher
+from .productive import ACCEPTS_NOTHING, RECURSIVE_KINDS, check_completable
 from .spec import KIND_LABELS
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ def _unsupported_reference(node: Any) -> str | None:
     return None
 
 
-def _compile_json(compiler: xgr.GrammarCompiler, schema: str, spec: GrammarSpec) -> Any:
+def _json_grammar(schema: str, spec: GrammarSpec) -> xgr.Grammar:
     problem = _unsupported_reference(json.loads(schema))
     if problem:
         raise GrammarError(f"cannot compile JSON schema: {problem}", backend=BACKEND)
@@ -136,29 +137,42 @@ def _compile_json(compiler: xgr.GrammarCompiler, schema: str, spec: GrammarSpec)
     text = _string_fixup(str(xgr.Grammar.from_json_schema(schema, strict_mode=False, **kwargs)))
     if spec.options.whitespace == "compact":
         text = _compact_fixup(text)
-    return compiler.compile_grammar(text)
+    return xgr.Grammar.from_ebnf(text)
+
+
+def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
+    """`spec` as an xgrammar Grammar (converted, not compiled); library errors raise."""
+    if spec.kind == "json_schema":
+        assert isinstance(spec.source, str)
+        return _json_grammar(spec.source, spec)
+    if spec.kind == "json_object":
+        return _json_grammar('{"type": "object"}', spec)
+    if spec.kind == "regex":
+        assert isinstance(spec.source, str)
+        return xgr.Grammar.from_regex(spec.source)
+    if spec.kind == "choice":
+        assert isinstance(spec.source, tuple)
+        return xgr.Grammar.from_ebnf(choice_ebnf(spec.source))
+    if spec.kind == "ebnf":
+        assert isinstance(spec.source, str)
+        return xgr.Grammar.from_ebnf(spec.source, root_rule_name="root")
+    if spec.kind == "lark":
+        assert isinstance(spec.source, str)
+        return xgr.Grammar.from_lark(spec.source)
+    raise GrammarError(f"{spec.kind} is not supported by xgrammar", backend=BACKEND)
 
 
 def compile_native(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
-    """Compile `spec`; library errors become a clean GrammarError."""
+    """Compile `spec`; library errors become a clean GrammarError.
+
+    A grammar with a rule that can never be completed is refused before it is
+    compiled: xgrammar's jump-forward search would follow it for ever.
+    """
     try:
-        if spec.kind == "json_schema":
-            assert isinstance(spec.source, str)
-            return _compile_json(compiler, spec.source, spec)
-        if spec.kind == "json_object":
-            return _compile_json(compiler, '{"type": "object"}', spec)
-        if spec.kind == "regex":
-            assert isinstance(spec.source, str)
-            return compiler.compile_regex(spec.source)
-        if spec.kind == "choice":
-            assert isinstance(spec.source, tuple)
-            return compiler.compile_grammar(choice_ebnf(spec.source))
-        if spec.kind == "ebnf":
-            assert isinstance(spec.source, str)
-            return compiler.compile_grammar(spec.source, root_rule_name="root")
-        if spec.kind == "lark":
-            assert isinstance(spec.source, str)
-            return compiler.compile_lark(spec.source)
+        grammar = build_grammar(spec)
+        if spec.kind in RECURSIVE_KINDS:
+            check_completable(str(grammar), KIND_LABELS[spec.kind], BACKEND, dead_ends=True)
+        compiled = compiler.compile_grammar(grammar)
     except GrammarError:
         raise
     except (RuntimeError, ValueError, TypeError) as e:
@@ -171,7 +185,19 @@ def compile_native(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Comp
         ) from None
     except MemoryError:
         raise GrammarError("grammar is too large", reason="too_large", backend=BACKEND) from None
-    raise GrammarError(f"{spec.kind} is not supported by xgrammar", backend=BACKEND)
+    _check_first_mask(compiled, spec)
+    return compiled
+
+
+def _check_first_mask(compiled: xgr.CompiledGrammar, spec: GrammarSpec) -> None:
+    """Refuse a grammar under which no token, not even a stop token, may come first."""
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    if not bool(mask.any()):
+        raise GrammarError(
+            f"cannot compile {KIND_LABELS[spec.kind]}: {ACCEPTS_NOTHING}", backend=BACKEND
+        )
 
 
 def new_compiler(info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:

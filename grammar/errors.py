@@ -55,7 +55,8 @@ def clean_message(raw: str, *, keep_positions: bool = True) -> str:
     drops line/column references into grammars the library generated itself.
     """
     text = str(raw)
-    for marker in ("<state>", "<grammar>", "\nStack trace", "Traceback (most recent call last)"):
+    markers = ("<state>", "<grammar>", "<non-verbose/>", "\nStack trace", "Traceback (most recent call last)")
+    for marker in markers:
         text = text.split(marker, 1)[0]
     parts: list[str] = []
     for line in text.splitlines():

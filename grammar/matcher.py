@@ -64,6 +64,10 @@ class Matcher(ABC):
     def forced_tokens(self) -> list[int]:
         """Tokens that must come next whatever the model prefers (possibly empty)."""
 
+    def rejection(self, token_id: int) -> str:
+        """Why `token_id` cannot come next, as a one-line message."""
+        return f"token {token_id} was rejected by the grammar"
+
     @abstractmethod
     def is_terminated(self) -> bool:
         """True once a stop token has been accepted."""

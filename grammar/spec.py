@@ -33,6 +33,7 @@ the same. Two opt-in styles remain, both bounded:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,6 +200,10 @@ def _checked_source(kind: str, source: Any) -> Source:
         raise GrammarError(f"{kind} source is empty")
     if len(source) > MAX_SPEC_SOURCE_CHARS:
         raise GrammarError(f"{kind} source is too large ({len(source)} characters)")
+    if kind == "regex":
+        problem = _stacked_repetition(source)
+        if problem:
+            raise GrammarError(f"cannot compile regex: {problem}")
     if kind == "json_schema":
         try:
             schema = json.loads(source)
@@ -207,6 +212,59 @@ def _checked_source(kind: str, source: Any) -> Source:
         if not isinstance(schema, dict | bool):
             raise GrammarError("JSON schema must be a JSON object or a boolean")
     return source
+
+
+_COUNTED = re.compile(r"\{\d*(,\d*)?\}")
+
+
+def _stacked_repetition(pattern: str) -> str | None:
+    """A repetition applied straight to another (`a**`, `a+*`, `a{2}{3}`), if any.
+
+    xgrammar refuses these and llguidance reads them as a nested repetition, so
+    the same regex would mean different things per backend; both are refused
+    here. A `?` right after a repetition is its lazy form, which matches the
+    same strings, and is allowed (`a+?`). Group the inner one to nest: `(a*)*`.
+    """
+    i, after_repetition, lazy_seen = 0, False, False
+    n = len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            after_repetition = False
+            continue
+        if c == "[":  # a class: skip to its closing bracket (nested classes too)
+            depth, i = 1, i + 1
+            if i < n and pattern[i] == "^":
+                i += 1
+            if i < n and pattern[i] == "]":
+                i += 1  # a leading ] is literal
+            while i < n and depth:
+                if pattern[i] == "\\":
+                    i += 1
+                elif pattern[i] == "[":
+                    depth += 1
+                elif pattern[i] == "]":
+                    depth -= 1
+                i += 1
+            after_repetition = False
+            continue
+        counted = _COUNTED.match(pattern, i) if c == "{" else None
+        if c in "*+?" or counted is not None:
+            if after_repetition:
+                if c == "?" and not lazy_seen:
+                    lazy_seen = True
+                    i += 1
+                    continue
+                end = counted.end() if counted is not None else i + 1
+                return (f"two repetition operators in a row at position {i} "
+                        f"({pattern[max(0, i - 8):end]!r}); group the inner one, as in (a*)*")
+            after_repetition, lazy_seen = True, False
+            i = counted.end() if counted is not None else i + 1
+            continue
+        after_repetition = False
+        i += 1
+    return None
 
 
 def _short(e: BaseException) -> str:

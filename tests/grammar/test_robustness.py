@@ -1,5 +1,6 @@
 """Regressions from a hostile-client harness: compiler deadlock, abandoned
-compiles."""
+compiles, large constraints whose mask and matcher disagreed, grammars that
+accept nothing, and regexes the two backends read differently."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from concurrent.futures import CancelledError, Future
 import pytest
 
 from grammar import GrammarCompiler, GrammarError, GrammarSpec
+from grammar.productive import analyze
 
-from .conftest import BACKENDS, MODEL_VOCAB, STOP_IDS
+from .conftest import BACKENDS, MODEL_VOCAB, STOP_IDS, feed
 
 
 def _in_thread(fn, timeout: float = 20.0):
@@ -130,3 +132,93 @@ def test_distinct_failing_constraints_beside_each_other_never_hang(compiler):
         with pytest.raises(GrammarError):
             fut.result(timeout=60)
     assert compiler.pending_compiles == 0
+
+
+# -- large constraints: every mask the matcher allows, it accepts ---------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_choice_of_2000_options_runs_to_the_end(compiler, backend):
+    choices = [f"option-{i}" for i in range(2000)]
+    matcher = compiler.compile(GrammarSpec.choice(choices), backend=backend)
+    bitmask = compiler.allocate_bitmask(1)
+    tok = compiler.tokenizer_data
+    for text in ("option-1999", "option-7", "option-1582"):
+        matcher.reset()
+        assert feed(matcher, tok.encode(text), bitmask), text
+        assert matcher.can_terminate() and matcher.accept_token(STOP_IDS[0])
+    matcher.reset()
+    assert not feed(matcher, tok.encode("option-2000"), bitmask)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lark_rule_of_5000_alternatives_runs_to_the_end(compiler, backend):
+    alternatives = " | ".join(f'"t{i}"' for i in range(5000))
+    matcher = compiler.compile(GrammarSpec.lark(f"start: {alternatives}\n"), backend=backend)
+    bitmask = compiler.allocate_bitmask(1)
+    tok = compiler.tokenizer_data
+    for text in ("t4999", "t0", "t123"):
+        matcher.reset()
+        forced = matcher.forced_tokens()
+        assert all(matcher.accept_token(t) for t in forced)
+        rest = tok.encode(text)[len(forced):] if forced else tok.encode(text)
+        assert feed(matcher, rest, bitmask), text
+        assert matcher.accept_token(STOP_IDS[0])
+
+
+# -- grammars that accept no string --------------------------------------------------------------
+NOTHING = [
+    GrammarSpec.ebnf("root ::= root"),
+    GrammarSpec.ebnf('root ::= root "a"'),
+    GrammarSpec.lark("start: start"),
+    GrammarSpec.lark("start: x\nx: y\ny: x"),
+    GrammarSpec.lark("start: start start"),
+    GrammarSpec.json_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+    # No finite JSON value: an object that requires an object like itself.
+    GrammarSpec.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}},
+                             "required": ["a"]}),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", NOTHING, ids=lambda s: repr(s.source)[:30])
+def test_a_grammar_that_accepts_nothing_is_refused(compiler, spec, backend):
+    with pytest.raises(GrammarError, match="accepts no string") as err:
+        compiler.compile(spec, backend=backend)
+    assert err.value.reason == "invalid"
+
+
+def test_xgrammar_refuses_a_dead_end_that_llguidance_survives(compiler):
+    # Valid strings exist ("b"), but after "a" nothing can ever complete:
+    # xgrammar's forced-string search would grow "ccc..." until memory runs out.
+    spec = GrammarSpec.ebnf('root ::= "a" x | "b"\nx ::= "c" x')
+    with pytest.raises(GrammarError, match="rule x can never be completed"):
+        compiler.compile(spec, backend="xgrammar")
+    matcher = compiler.compile(spec, backend="llguidance")
+    assert matcher.accept_tokens(compiler.tokenizer_data.encode("b")) == 1
+    assert compiler.compile(spec).backend == "llguidance"  # auto falls back
+
+
+def test_productivity_analysis_reads_xgrammar_printouts():
+    import xgrammar as xgr
+
+    tree = xgr.Grammar.from_json_schema(
+        '{"type":"object","properties":{"kids":{"type":"array","items":{"$ref":"#"}}},'
+        '"required":["kids"]}')
+    result = analyze(str(tree))
+    assert result is not None and result.root_productive and not result.dead_rules
+    assert analyze("root ::= Unknown[[syntax") is None  # unknown: no verdict, no refusal
+
+
+# -- regexes the backends would read differently --------------------------------------------------
+@pytest.mark.parametrize("pattern", ["a**", "a+*", "a{2}{3}", "x*?+"])
+def test_stacked_repetitions_are_refused(pattern):
+    with pytest.raises(GrammarError, match="two repetition operators"):
+        GrammarSpec.regex(pattern)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lazy_repetitions_and_nested_groups_compile(compiler, backend):
+    tok = compiler.tokenizer_data
+    for pattern, text in (("a+?b", "aab"), ("(a*)*b", "aab"), (r"[*+]+", "*+*")):
+        matcher = compiler.compile(GrammarSpec.regex(pattern), backend=backend)
+        assert matcher.accept_tokens(tok.encode(text)) == len(tok.encode(text))
+        assert matcher.can_terminate()
