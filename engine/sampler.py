@@ -4,6 +4,13 @@ Order per row: penalties -> logit_bias -> min_new_tokens EOS mask -> grammar
 mask (by the caller) -> greedy argmax, or temperature -> top-k -> top-p ->
 min-p -> Gumbel-max draw. Log-probabilities are of the raw model output.
 
+Hard masks hold whatever the model outputs: the model's logits are made finite
+first (NaN and -inf become a very low finite value, +inf a very high one), so
+the -inf of a mask (grammar, speech token range, EOS block) is always below
+every allowed token, and no row can choose a token its masks rule out, even
+when the model gave every allowed token -inf or NaN (it then falls back to the
+first allowed one).
+
 Randomness is per request, not per batch: a row's Gumbel noise comes from a
 generator seeded by (request seed, token position), so a seeded request draws
 the same tokens whatever else shares its batch, and after a preemption.
@@ -20,6 +27,11 @@ import torch
 from .context import TextContext
 
 _MASK64 = (1 << 64) - 1
+# What non-finite model logits become (see the module docstring). Finite with
+# room to spare: a repetition penalty (at most 10) or a temperature down to
+# 1e-5 still leaves them finite.
+_LOW_LOGIT = -1e30
+_HIGH_LOGIT = 1e30
 
 
 def mix_seed(seed: int, position: int) -> int:
@@ -242,6 +254,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, grammar_mask=None,
     `position_offset` advances every row's position (multi-step decoding).
     """
     raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
+    torch.nan_to_num_(logits, nan=_LOW_LOGIT, posinf=_HIGH_LOGIT, neginf=_LOW_LOGIT)
     apply_penalties_and_bias(logits, batch)
     if grammar_mask is not None:
         grammar_mask(logits)

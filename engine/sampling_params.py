@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -11,6 +12,12 @@ from .errors import InvalidRequest
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
+# Temperatures below this sample greedily (vLLM's rule): dividing logits by a
+# tiny temperature overflows them to infinities.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# vLLM bounds repetition_penalty only below (> 0); a huge value multiplies
+# negative logits to -inf and is no longer a penalty, so it is capped here.
+MAX_REPETITION_PENALTY = 10.0
 
 
 class InvalidSamplingParams(InvalidRequest):
@@ -21,8 +28,11 @@ class InvalidSamplingParams(InvalidRequest):
 class SamplingParams:
     """Sampling and stopping options (MAX's SamplingParams, vLLM's names where they differ).
 
-    temperature 0 means greedy; top_k <= 0 means no top-k cut. max_new_tokens
-    None means "until the context is full". logprobs=N returns the sampled
+    temperature 0 (or below 1e-5) means greedy; top_k <= 0 means no top-k cut.
+    max_new_tokens None means "until the context is full". Ranges (vLLM's,
+    every float finite): temperature >= 0, top_p in (0, 1], min_p in [0, 1],
+    frequency and presence penalties in [-2, 2] (negative values encourage
+    repetition), repetition_penalty in (0, 10], logit_bias values in [-100, 100]. logprobs=N returns the sampled
     token's log-probability plus the N most likely (N <= 20); prompt_logprobs
     likewise for prompt tokens. Log-probabilities are of the model's raw
     distribution (before penalties, temperature and filtering).
@@ -59,6 +69,11 @@ class SamplingParams:
         def bad(name: str, msg: str) -> None:
             raise InvalidSamplingParams(name, msg)
 
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value}")
         if not self.temperature >= 0.0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -71,8 +86,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 bad(name, f"must be in [-2, 2], got {value}")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         for tok, bias in self.logit_bias.items():
             if tok < 0:
                 bad("logit_bias", f"token id {tok} is negative")
@@ -102,7 +118,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

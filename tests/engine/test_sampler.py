@@ -141,10 +141,18 @@ def test_same_seed_same_tokens_alone_and_in_a_batch(make_llm):
     assert other_seed != alone
 
 
+INF, NAN = float("inf"), float("nan")
+
+
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("repetition_penalty", 0.0), ("frequency_penalty", 3.0), ("logprobs", 21), ("prompt_logprobs", -1),
     ("max_new_tokens", 0), ("stop", ("",)),
+    # Non-finite and out-of-range values a hostile client sent.
+    ("temperature", INF), ("temperature", NAN), ("top_p", NAN), ("min_p", NAN),
+    ("repetition_penalty", 3e38), ("repetition_penalty", INF), ("repetition_penalty", 10.5),
+    ("presence_penalty", -INF), ("frequency_penalty", NAN), ("presence_penalty", -2.5),
+    ("logit_bias", {3: NAN}), ("logit_bias", {3: INF}),
 ])
 def test_invalid_values_name_their_field(field, value):
     from engine import InvalidSamplingParams
@@ -152,3 +160,39 @@ def test_invalid_values_name_their_field(field, value):
     with pytest.raises(InvalidSamplingParams) as err:
         SamplingParams(**{field: value})
     assert err.value.field == field
+
+
+def test_vllm_ranges_are_accepted_and_tiny_temperatures_are_greedy():
+    SamplingParams(presence_penalty=-2.0, frequency_penalty=-1.5, repetition_penalty=10.0)
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+ALLOWED = (3, 6)
+
+
+def grammar_mask(logits: torch.Tensor) -> None:
+    """A hard mask allowing only ALLOWED, as the grammar applies it."""
+    keep = torch.full_like(logits, float("-inf"))
+    keep[:, list(ALLOWED)] = 0.0
+    logits += keep
+
+
+@pytest.mark.parametrize("model_logit", [float("-inf"), float("nan"), float("inf")])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8, seed=4, top_p=0.9, top_k=5, min_p=0.1),
+    SamplingParams(temperature=1e-5, seed=4, repetition_penalty=10.0, presence_penalty=-2.0),
+], ids=["greedy", "filtered", "extreme"])
+def test_a_masked_row_never_leaves_its_mask(params, model_logit):
+    # The model gives every allowed token (or every token) a non-finite logit:
+    # the sampler still picks an allowed token, the best one when it can tell.
+    c = ctx(params, generated=(3, 6, 3))
+    for logits in (torch.full((1, VOCAB), model_logit),
+                   torch.where(torch.arange(VOCAB) == 6, model_logit, 1.0)[None, :].clone(),
+                   torch.where(torch.arange(VOCAB) >= 3, model_logit, 1.0)[None, :].clone()):
+        tok = int(sample(logits, batch_for(c), grammar_mask).tokens[0])
+        assert tok in ALLOWED, (logits, tok)
+    if model_logit == float("inf") and params.greedy:
+        logits = torch.zeros(1, VOCAB)
+        logits[0, 6] = model_logit
+        assert int(sample(logits, batch_for(c), grammar_mask).tokens[0]) == 6
