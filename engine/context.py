@@ -96,6 +96,13 @@ class TextContext:
         self.forced_positions: set[int] = set()
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
+        # Set when a step this request was in failed: it then runs alone until
+        # one of its steps succeeds, so a request that breaks steps is found
+        # and ended without taking its batch with it (see EngineCore.step).
+        self.suspect = False
+        # What ERROR was caused by: "constraint" when the request's grammar hit
+        # a library limit (the client's to fix), None for a server fault.
+        self.error_cause: str | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.first_token_time: float | None = None
@@ -265,3 +272,14 @@ class TextContext:
     def finish(self, status: GenerationStatus) -> None:
         if not self.status.is_done:
             self.status = status
+
+    def fail(self, message: str, cause: str | None = None) -> None:
+        """End with ERROR: `message` is shown to the client, `cause` says whose fault.
+
+        Unlike `finish`, this overrides a status already final: output that
+        cannot be delivered (a failed decode of the last audio or text) makes
+        a finished request a failed one.
+        """
+        self.error = message
+        self.error_cause = cause
+        self.status = GenerationStatus.ERROR

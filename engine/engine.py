@@ -27,7 +27,7 @@ from .output import OutputStream, RequestOutput
 from .pipeline import StepHandle, TextGenerationPipeline
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .speech import (
     CODES_PER_FRAME,
     DEFAULT_SPEECH_SAMPLING,
@@ -42,6 +42,15 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MAX_SPEECH_CHARS = 2000
+
+
+# Steps that may fail in a row (each is retried with fewer requests) before the
+# engine declares itself broken: a fault no single request explains.
+MAX_FAILED_STEPS = 8
+
+
+class EngineBroken(RuntimeError):
+    """Steps keep failing whatever runs in them; the engine cannot go on."""
 
 
 class SpeechUnavailable(RuntimeError):
@@ -75,6 +84,7 @@ class EngineCore:
             raise
         self._streams: dict[str, OutputStream] = {}
         self._inflight: StepHandle | None = None
+        self._failed_steps = 0  # steps failed in a row
 
     def _build(self, wrap_model: Callable[[Any], Any] | None) -> None:
         config, mc = self.config, self.model_config
@@ -273,13 +283,84 @@ class EngineCore:
 
     # -- stepping -------------------------------------------------------------
     def _decode_audio(self, touched: Sequence[TextContext]) -> dict[str, np.ndarray]:
-        """New audio of the speech requests in `touched` (all of it for finished ones)."""
+        """New audio of the speech requests in `touched` (all of it for finished ones).
+
+        Requests are decoded together; if that fails, one by one, and a request
+        whose audio cannot be decoded ends with an error.
+        """
         speech = [c for c in touched if isinstance(c, TTSContext) and c.status is not GenerationStatus.CANCELLED
                   and c.request_id in self._streams]
         if not speech or self.audio is None:
             return {}
         audio = self.audio
-        return self.executor.call(lambda: audio.drain(speech))
+        try:
+            return self.executor.call(lambda: audio.drain(speech))
+        except Exception:  # noqa: BLE001 - find the request at fault
+            out: dict[str, np.ndarray] = {}
+            for ctx in speech:
+                try:
+                    out.update(self.executor.call(lambda c=ctx: audio.drain([c])))  # type: ignore[misc]
+                except Exception:  # noqa: BLE001
+                    log.exception("request %s: decoding its audio failed", ctx.request_id)
+                    ctx.fail("internal error while decoding audio; see the server log")
+            return out
+
+    def _launch(self, sched: SchedulerOutput) -> StepHandle | None:
+        try:
+            return self.pipeline.launch(sched.contexts, sched.num_steps)
+        except Exception as exc:  # noqa: BLE001 - see _step_failed
+            self._step_failed(sched.contexts, exc)
+            return None
+
+    def _process(self, handle: StepHandle, next_step: StepHandle | None = None) -> bool:
+        """Process a launched step; False if it failed (see _step_failed).
+
+        `next_step` was launched on top of `handle` (overlap): when `handle`
+        failed it is discarded too, its requests recomputed.
+        """
+        try:
+            self.pipeline.process(handle)
+        except Exception as exc:  # noqa: BLE001
+            innocent: list[TextContext] = []
+            if next_step is not None:
+                self.pipeline.fill_grammar(next_step)  # its job may wait for the mask
+                assert next_step.job is not None
+                next_step.job.exception()  # wait for it; its result is dropped
+                self._inflight = None
+                innocent = next_step.contexts
+            self._step_failed(handle.contexts, exc, innocent)
+            return False
+        self._failed_steps = 0
+        return True
+
+    def _step_failed(self, contexts: Sequence[TextContext], exc: BaseException,
+                     innocent: Sequence[TextContext] = ()) -> None:
+        """A step failed as a whole: find the request at fault without failing the rest.
+
+        A step of one request fails that request. Otherwise every request in it
+        becomes a *suspect*: all are recomputed from scratch (as after a
+        preemption), and the scheduler runs each suspect alone until a step of
+        its own succeeds; the one that breaks its step alone is the one that
+        fails. Requests of a later step launched on top of the failed one are
+        recomputed too. Steps that keep failing whatever runs in them mean the
+        engine itself is broken: after MAX_FAILED_STEPS in a row it gives up.
+        """
+        self._failed_steps += 1
+        culprit = contexts[0] if len(contexts) == 1 else None
+        log.error("a step of %d request(s) failed (%s); %s", len(contexts), type(exc).__name__,
+                  f"ending request {culprit.request_id}" if culprit is not None
+                  else "running each of them alone to find the one at fault", exc_info=exc)
+        if self._failed_steps > MAX_FAILED_STEPS:
+            raise EngineBroken(f"{self._failed_steps} steps in a row failed") from exc
+        for ctx in dict.fromkeys([*contexts, *innocent]):
+            if ctx.is_done:
+                continue  # ended meanwhile; removed at the end of this step
+            if ctx is culprit:
+                ctx.fail("internal error while running this request; see the server log")
+                self.scheduler.abort(ctx)
+            else:
+                self.scheduler.requeue(ctx)
+                ctx.suspect = ctx.suspect or any(ctx is c for c in contexts)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return what each request produced.
@@ -288,24 +369,23 @@ class EngineCore:
         N+1 computes, so outputs trail the launches by one step.
         """
         sched = self.scheduler.schedule()
-        handle = self.pipeline.launch(sched.contexts, sched.num_steps) if sched is not None else None
+        handle = self._launch(sched) if sched is not None else None
         touched: list[TextContext] = []
         if not self.pipeline.overlap:
             if handle is not None:
                 self.pipeline.fill_grammar(handle)
-                self.pipeline.process(handle)
-                touched = handle.contexts
+                if self._process(handle):
+                    touched = handle.contexts
         else:
             previous, self._inflight = self._inflight, handle
             try:
-                if previous is not None:
-                    self.pipeline.process(previous)
+                if previous is not None and self._process(previous, next_step=handle):
                     touched = previous.contexts
             finally:
-                if handle is not None:
+                if handle is not None and self._inflight is handle:
                     # Matchers have now seen step N's tokens: release N+1's sampling.
                     self.pipeline.fill_grammar(handle)
-        # Requests that ended outside a step (aborted, or could never fit).
+        # Requests that ended outside a step (aborted, failed, or could never fit).
         touched = touched + self.scheduler.take_dropped()
         audio = self._decode_audio(touched)
         outputs = []
@@ -313,9 +393,7 @@ class EngineCore:
             stream = self._streams.get(ctx.request_id)
             if stream is None:
                 continue
-            delta = stream.delta()
-            if ctx.error:
-                delta.error = ctx.error
+            delta = self._delta(stream)
             if ctx.request_id in audio:
                 delta.audio = audio[ctx.request_id]
             if delta.finished:
@@ -325,3 +403,20 @@ class EngineCore:
                 outputs.append(delta)
         self.scheduler.remove_finished()
         return outputs
+
+    def _delta(self, stream: OutputStream) -> RequestOutput:
+        """The request's new output; a final error output if it cannot be built."""
+        ctx = stream.ctx
+        try:
+            delta = stream.delta()
+        except Exception:  # noqa: BLE001 - this request's fault; the others go on
+            log.exception("request %s: decoding its output failed", ctx.request_id)
+            ctx.fail("internal error while decoding the output; see the server log")
+            ctx.drop_futures()
+            self.scheduler.remove(ctx)
+            return RequestOutput(ctx.request_id, finished=True, status=ctx.status, error=ctx.error,
+                                 error_cause=ctx.error_cause, prompt_tokens=ctx.prompt_len)
+        if ctx.error:
+            delta.error = ctx.error
+            delta.error_cause = ctx.error_cause
+        return delta

@@ -42,6 +42,9 @@ class RequestOutput:
     forced_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
+    # "constraint" when the request's grammar hit a library limit (the client's
+    # to fix); None for a server fault.
+    error_cause: str | None = None
     audio: np.ndarray | None = None  # new speech samples (float32, mono), speech requests only
     grammar_backend: str | None = None  # the library that compiled the constraint, if any
 

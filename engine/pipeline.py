@@ -18,6 +18,7 @@ outputs are identical either way. Jobs run on the engine's device thread
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -32,6 +33,8 @@ from .kv_cache import KVCacheManager
 from .runner import ForwardBatch, ModelRunner
 from .sampler import SamplerOutput, SamplingBatch, build_sampling_batch, sample
 from .structured import StructuredOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -236,7 +239,11 @@ class TextGenerationPipeline:
 
     # -- process ---------------------------------------------------------------------
     def process(self, handle: StepHandle) -> dict[str, TextGenerationOutput]:
-        """Wait for the step and advance every context with its real tokens."""
+        """Wait for the step and advance every context with its real tokens.
+
+        Raises if the step itself failed (every request in it is affected); a
+        failure while advancing one request ends that request only.
+        """
         assert handle.job is not None
         result: StepResult = handle.job.result()
         host = [o.host() for o in result.outputs]
@@ -245,40 +252,56 @@ class TextGenerationPipeline:
         for row, ctx in enumerate(handle.contexts):
             if ctx.is_done or ctx.num_preemptions != handle.epochs[row]:
                 continue  # finished, aborted or preempted while this step ran
-            self._store_prompt_logprobs(ctx, result.prompt_logprobs.get(row), handle.prompt_targets.get(row))
-            k = sampled_row.get(row)
             new: list[int] = []
-            if k is not None:
-                for tokens, lp, top_ids, top_lp in host:
-                    tok = int(tokens[k])
-                    index = ctx.realize_future_token(tok)
-                    new.append(tok)
-                    params = ctx.sampling_params
-                    if params.logprobs is not None and lp is not None:
-                        n = params.logprobs
-                        top = list(zip(top_ids[k, :n].tolist(), top_lp[k, :n].tolist(), strict=True)) \
-                            if top_ids is not None and top_lp is not None else []
-                        ctx.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
-                    self.check_stop(ctx, tok, index)
-                    if ctx.is_done:
-                        break
-                if ctx.matcher is not None and self.structured is not None and not ctx.is_done:
-                    self.structured.advance(ctx, self.check_stop)
-                if ctx.is_done:
-                    ctx.drop_futures()
-            self.kv_manager.commit(ctx)
+            try:
+                self._store_prompt_logprobs(ctx, result.prompt_logprobs.get(row),
+                                            handle.prompt_targets.get(row))
+                k = sampled_row.get(row)
+                if k is not None:
+                    new = self._advance(ctx, host, k)
+                    ctx.suspect = False  # it sampled in a step that worked
+                self.kv_manager.commit(ctx)
+            except Exception:  # noqa: BLE001 - this request's fault; the others go on
+                log.exception("request %s failed while its step was processed", ctx.request_id)
+                ctx.fail("internal error while processing this request; see the server log")
+                ctx.drop_futures()
             results[ctx.request_id] = TextGenerationOutput(ctx.request_id, new, ctx.status)
         return results
+
+    def _advance(self, ctx: TextContext, host: list, k: int) -> list[int]:
+        """Realize ctx's sampled tokens (row k of each step), check stops, advance its grammar."""
+        new: list[int] = []
+        params = ctx.sampling_params
+        for tokens, lp, top_ids, top_lp in host:
+            tok = int(tokens[k])
+            index = ctx.realize_future_token(tok)
+            new.append(tok)
+            if params.logprobs is not None and lp is not None:
+                n = params.logprobs
+                top = list(zip(top_ids[k, :n].tolist(), top_lp[k, :n].tolist(), strict=True)) \
+                    if top_ids is not None and top_lp is not None else []
+                ctx.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
+            self.check_stop(ctx, tok, index)
+            if ctx.is_done:
+                break
+        if ctx.matcher is not None and self.structured is not None and not ctx.is_done:
+            self.structured.advance(ctx, self.check_stop)
+        if ctx.is_done:
+            ctx.drop_futures()
+        return new
 
     def check_stop(self, ctx: TextContext, token: int, index: int) -> None:
         """Token-level stop conditions for the token now known at `index`."""
         params = ctx.sampling_params
         generated = index + 1 - ctx.prompt_len
-        if generated >= params.min_new_tokens or ctx.matcher is not None:
-            if token in params.stop_token_ids:
+        constrained = ctx.matcher is not None
+        if generated >= params.min_new_tokens or constrained:
+            if token in params.stop_token_ids and not (constrained and token in ctx.eos_token_ids):
                 ctx.finish(GenerationStatus.STOP_TOKEN)
                 return
-            if not params.ignore_eos and token in ctx.eos_token_ids:
+            # A constrained output ends with EOS only when its matcher accepts
+            # the stop token (structured.advance): never on the sampler's word.
+            if not params.ignore_eos and token in ctx.eos_token_ids and not constrained:
                 ctx.finish(GenerationStatus.END_OF_SEQUENCE)
                 return
         # Length limits apply once everything before the limit is known.

@@ -7,6 +7,10 @@ cap on running requests and free pages allow. When a running request cannot
 get a page, the most recently admitted request is preempted by recompute: its
 pages are released (full pages stay in the prefix cache), its context reset,
 and it goes back to the front of the queue.
+
+A *suspect* request (one that was in a step that failed) is scheduled alone
+until a step of its own succeeds, so a request that breaks steps is found
+without failing the others that shared its batch (see EngineCore.step).
 """
 
 from __future__ import annotations
@@ -110,6 +114,17 @@ class Scheduler:
             self.remove(ctx)
         return done
 
+    def requeue(self, ctx: TextContext) -> None:
+        """Send `ctx` back to the front of the queue to be recomputed from scratch
+        (its work in flight is discarded, its pages freed)."""
+        if ctx in self.running:
+            self.running.remove(ctx)
+        elif ctx in self.waiting:
+            self.waiting.remove(ctx)
+        self._release(ctx)
+        ctx.reset()
+        self.waiting.appendleft(ctx)
+
     # -- scheduling ---------------------------------------------------------
     def _preempt(self, victim: TextContext) -> None:
         self.running.remove(victim)
@@ -119,6 +134,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput | None:
+        suspect = next((c for c in (*self.running, *self.waiting) if c.suspect), None)
+        if suspect is not None:
+            return self._schedule_alone(suspect)
         budget = self.config.max_num_batched_tokens
         scheduled: list[TextContext] = []
         preempted: list[TextContext] = []
@@ -151,9 +169,41 @@ class Scheduler:
         num_steps = self._num_steps(scheduled)
         return SchedulerOutput(scheduled, num_steps, sum(c.active_length for c in scheduled), preempted)
 
-    def _admit(self, scheduled: list[TextContext], budget: int) -> None:
+    def _schedule_alone(self, ctx: TextContext) -> SchedulerOutput | None:
+        """A step of `ctx` and nothing else (None while its last step is in flight).
+
+        Other requests are preempted if that is what it takes to give it pages.
+        """
+        budget = self.config.max_num_batched_tokens
+        if ctx in self.waiting:
+            self.waiting.remove(ctx)
+            self.waiting.appendleft(ctx)  # admission takes it first
+            while True:
+                scheduled: list[TextContext] = []
+                self._admit(scheduled, budget, limit=1)
+                if scheduled:
+                    return SchedulerOutput(scheduled, 1, scheduled[0].active_length, [])
+                if ctx not in self.waiting or not self.running:
+                    return None  # dropped: it can never fit
+                self._preempt(self.running[-1])
+                self.waiting.remove(ctx)
+                self.waiting.appendleft(ctx)
+        if ctx.end_idx >= min(ctx.max_length, self.config.max_seq_len) or ctx.pending_futures:
+            return None
+        n = min(ctx.end_idx - ctx.start_idx, budget)
+        while not self.kv.reserve(ctx, ctx.start_idx + n):
+            others = [c for c in self.running if c is not ctx]
+            if not others:
+                self._preempt(ctx)  # it does not fit even alone; it is retried from the queue
+                return None
+            self._preempt(others[-1])
+        ctx.set_chunk(n)
+        return SchedulerOutput([ctx], 1, n, [])
+
+    def _admit(self, scheduled: list[TextContext], budget: int, limit: int | None = None) -> None:
         reserve_pages = int(self.config.watermark * self.kv.allocator.num_pages)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and (limit is None or len(scheduled) < limit):
             ctx = self.waiting[0]
             # Requests asking for prompt log-probabilities need every prompt position computed.
             hit = self.kv.claim(ctx, use_prefix_cache=ctx.sampling_params.prompt_logprobs is None)

@@ -13,6 +13,7 @@ falls back to unconstrained output.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from .context import GenerationStatus, TextContext
+
+log = logging.getLogger(__name__)
 
 StopCheck = Callable[[TextContext, int, int], None]
 
@@ -84,12 +87,26 @@ class StructuredOutput:
         # previous step (its last reader) has finished.
         bitmask = self._bitmask[: len(contexts)]
         free = [i for i in rows if contexts[i].forced_next is None]  # type: ignore[union-attr]
-        compiler.fill_bitmasks([contexts[i].matcher for i in free], bitmask, free)  # type: ignore[union-attr]
+        try:
+            compiler.fill_bitmasks([contexts[i].matcher for i in free], bitmask, free)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - one matcher's fault must not fail the batch
+            self._fill_one_by_one([contexts[i] for i in free], bitmask, free)  # type: ignore[misc]
         for i in rows:
             token = contexts[i].forced_next  # type: ignore[union-attr]
             if token is not None:
                 _allow_only(bitmask[i], token)
         return bitmask, rows
+
+    def _fill_one_by_one(self, contexts: Sequence[TextContext], bitmask: torch.Tensor,
+                         rows: Sequence[int]) -> None:
+        """After a failed batch fill: each row on its own; a request whose matcher
+        fails ends (its row is left as it is: its token will be discarded)."""
+        for ctx, row in zip(contexts, rows, strict=True):
+            try:
+                self.compiler.fill_bitmasks([ctx.matcher], bitmask, [row])
+            except Exception:  # noqa: BLE001
+                log.exception("request %s: computing its grammar mask failed", ctx.request_id)
+                ctx.fail("internal error while computing the grammar mask; see the server log")
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """Mask disallowed tokens of `rows` of `logits` in place (on its device)."""
@@ -110,13 +127,11 @@ class StructuredOutput:
             if ctx.forced_next is not None:
                 # The in-flight step was masked to this one token.
                 if token != ctx.forced_next:
-                    ctx.error = f"token {token} differs from the forced token {ctx.forced_next}"
-                    ctx.finish(GenerationStatus.ERROR)
+                    ctx.fail(f"token {token} differs from the forced token {ctx.forced_next}")
                     return
                 ctx.forced_next = None
             if not matcher.accept_token(token):
-                ctx.error = f"token {token} was rejected by the grammar"
-                ctx.finish(GenerationStatus.ERROR)
+                _rejected(ctx, token)
                 return
             ctx.grammar_idx += 1
             if self._finished_by_grammar(ctx):
@@ -124,7 +139,9 @@ class StructuredOutput:
         in_flight = ctx.end_idx - ctx.grammar_idx
         if in_flight > 1:
             return  # tokens behind a placeholder are consumed when it is realized
-        forced = matcher.forced_tokens()
+        room = ctx.max_length - ctx.end_idx
+        usable = room + in_flight  # the in-flight position, then the room behind it
+        forced = matcher.forced_tokens(max_tokens=usable) if usable > 0 else []
         if in_flight == 1 and forced:
             # The step in flight samples the placeholder's position. Its mask is
             # narrowed to exactly the first forced token (a grammar may also
@@ -133,13 +150,11 @@ class StructuredOutput:
             ctx.forced_next = forced[0]
             ctx.forced_positions.add(ctx.end_idx - 1)
             forced = forced[1:]
-        room = min(ctx.max_length, ctx.end_idx + len(forced)) - ctx.end_idx
         for token in forced[:max(room, 0)]:
             ctx.jump_ahead(token)
             if in_flight == 0:
                 if not matcher.accept_token(token):
-                    ctx.error = f"forced token {token} was rejected by the grammar"
-                    ctx.finish(GenerationStatus.ERROR)
+                    _rejected(ctx, token)
                     return
                 ctx.grammar_idx += 1
         if forced:
@@ -150,8 +165,7 @@ class StructuredOutput:
         matcher = ctx.matcher
         message = matcher.error()
         if message:
-            ctx.error = message
-            ctx.finish(GenerationStatus.ERROR)
+            ctx.fail(f"the grammar library stopped: {message}", cause="constraint")
             return True
         if matcher.is_terminated():
             # The grammar accepted a stop token: the output is complete (even
@@ -159,6 +173,22 @@ class StructuredOutput:
             ctx.finish(GenerationStatus.END_OF_SEQUENCE)
             return True
         return False
+
+
+def _rejected(ctx: TextContext, token: int) -> None:
+    """End `ctx`: its matcher refused a token the mask (or the grammar's forced
+    run) had allowed. A library limit is the constraint's fault; anything else
+    is a disagreement between mask and matcher, a server fault."""
+    matcher = ctx.matcher
+    message = matcher.error()
+    if message:
+        ctx.fail(f"the grammar library stopped: {message}", cause="constraint")
+        return
+    reason = matcher.rejection_reason(token)
+    if reason:
+        ctx.fail(f"the grammar library refused token {token}: {reason}", cause="constraint")
+    else:
+        ctx.fail(f"token {token} was rejected by the grammar")
 
 
 def _allow_only(row: torch.Tensor, token: int) -> None:

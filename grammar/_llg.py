@@ -132,7 +132,9 @@ def _error(spec: GrammarSpec, raw: str) -> GrammarError:
         return GrammarError(f"cannot compile {KIND_LABELS[spec.kind]}: {ACCEPTS_NOTHING}",
                             backend=BACKEND)
     msg = clean_message(raw, keep_positions=spec.kind in ("lark", "ebnf"))
-    reason = "too_large" if "too large" in msg or "too complex" in msg.lower() else "invalid"
+    lowered = msg.lower()
+    limit_hit = any(word in lowered for word in ("too large", "too complex", "too many"))
+    reason = "too_large" if limit_hit else "invalid"
     return GrammarError(
         f"cannot compile {KIND_LABELS[spec.kind]}: {msg}", reason=reason, backend=BACKEND
     )
@@ -152,6 +154,24 @@ def check(tokenizer: llguidance.LLTokenizer, spec: GrammarSpec, grammar: str) ->
     if not any(mask):  # not even a stop token may come first
         raise GrammarError(f"cannot compile {KIND_LABELS[spec.kind]}: {ACCEPTS_NOTHING}",
                            backend=BACKEND)
+    # Some grammars pass every check above and then fail on their first token
+    # (`a{1000000}`: "too many expressions constructed" in the lexer). Consume
+    # one token the mask allows, so those fail here, where `auto` can still
+    # fall back to xgrammar, and not in the middle of a request.
+    probe = _first_token(matcher, mask)
+    if probe is not None and matcher.try_consume_tokens([probe]) != 1 and matcher.is_error():
+        raise _error(spec, matcher.get_error())
+
+
+def _first_token(matcher: llguidance.LLMatcher, mask: bytes) -> int | None:
+    """A token the grammar allows first: a forced one, else the lowest allowed id."""
+    forced = matcher.compute_ff_tokens()
+    if forced:
+        return int(forced[0])
+    for i, byte in enumerate(mask):
+        if byte:
+            return 8 * i + (byte & -byte).bit_length() - 1
+    return None
 
 
 def new_template(
@@ -208,23 +228,21 @@ class LLGuidanceMatcher(Matcher):
         target = bitmask[row]
         self._m.unsafe_compute_mask_ptr(target.data_ptr(), self._row_bytes)
 
-    def forced_tokens(self) -> list[int]:
+    def forced_tokens(self, max_tokens: int | None = None) -> list[int]:
         if self._eos or self._m.is_error():
             return []
         # llguidance already withholds a final token that could still merge
         # with what follows, so these are canonical tokens.
-        return list(self._m.compute_ff_tokens())
+        return list(self._m.compute_ff_tokens()[:max_tokens])
 
-    def rejection(self, token_id: int) -> str:
+    def rejection_reason(self, token_id: int) -> str | None:
         # try_consume_tokens refuses without saying why; a throwaway copy that
         # consumes the token for real records the parser's reason (a limit,
         # for instance) as its error.
         probe = self._m.deep_copy()
         if not probe.is_error() and not probe.consume_token(int(token_id)) and probe.is_error():
-            return f"token {token_id} was rejected by the grammar: " + clean_message(
-                probe.get_error(), keep_positions=False
-            )
-        return super().rejection(token_id)
+            return clean_message(probe.get_error(), keep_positions=False)
+        return None
 
     def is_terminated(self) -> bool:
         return self._eos

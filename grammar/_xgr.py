@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from .tokenizer import TokenizerData
 
 BACKEND = "xgrammar"
+# Enough characters of a forced string for one token (tokens are far shorter).
+_MAX_CHARS_PER_TOKEN = 64
 
 
 def build_tokenizer_info(data: TokenizerData) -> xgr.TokenizerInfo:
@@ -241,13 +243,20 @@ class XGrammarMatcher(Matcher):
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
 
-    def forced_tokens(self) -> list[int]:
+    def forced_tokens(self, max_tokens: int | None = None) -> list[int]:
         if self._m.is_terminated():
             return []
         text = self._m.find_jump_forward_string()
         if not text:
             return []
+        if max_tokens is not None:
+            # A forced string can be megabytes (`a{1000000}`); tokenize only
+            # what can be used. A cut may split a token: the hold-back below
+            # keeps a last token that could still grow.
+            text = text[: max(1, max_tokens) * _MAX_CHARS_PER_TOKEN]
         tokens = self._tok.encode(text)
+        if max_tokens is not None:
+            tokens = tokens[: max_tokens + 1]
         n = 0
         for tok in tokens:
             if not self._m.accept_token(tok):
@@ -267,7 +276,7 @@ class XGrammarMatcher(Matcher):
         finally:
             if n:
                 self._m.rollback(n)
-        return tokens[:keep]
+        return tokens[: keep if max_tokens is None else min(keep, max_tokens)]
 
     def _extendable(self, token_id: int) -> bool:
         longer = self._tok.extensions(token_id)

@@ -61,12 +61,14 @@ class Matcher(ABC):
         """Write the allowed next tokens into `bitmask[row]` (CPU int32 tensor)."""
 
     @abstractmethod
-    def forced_tokens(self) -> list[int]:
-        """Tokens that must come next whatever the model prefers (possibly empty)."""
+    def forced_tokens(self, max_tokens: int | None = None) -> list[int]:
+        """Tokens that must come next whatever the model prefers (possibly empty),
+        at most `max_tokens` of them."""
 
-    def rejection(self, token_id: int) -> str:
-        """Why `token_id` cannot come next, as a one-line message."""
-        return f"token {token_id} was rejected by the grammar"
+    def rejection_reason(self, token_id: int) -> str | None:
+        """The library's own reason for refusing `token_id` now (a limit it hit),
+        or None when it gives none: the token simply does not fit the grammar."""
+        return None
 
     @abstractmethod
     def is_terminated(self) -> bool:

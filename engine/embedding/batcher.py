@@ -197,7 +197,10 @@ class EmbeddingBatcher:
                 pooled = self.pipeline.forward(sequences)
                 self._forward_passes += 1
             except Exception as e:  # noqa: BLE001 - reported to the callers, the worker lives on
-                self._fail([job for job, _, _ in taken], e)
+                if len(taken) == 1:
+                    self._fail([taken[0][0]], e)
+                else:
+                    self._forward_each(taken)
                 continue
             row = 0
             for job, a, b in taken:
@@ -205,6 +208,20 @@ class EmbeddingBatcher:
                 row += b - a
                 if b == job.num_seqs and not job.future.done():
                     self._complete(job)
+
+    def _forward_each(self, taken: list[tuple[_Job, int, int]]) -> None:
+        """After a merged pass failed: each request's sequences on their own, so
+        only the request that breaks a pass fails."""
+        for job, a, b in taken:
+            try:
+                pooled = self.pipeline.forward(job.request.token_ids[a:b])
+                self._forward_passes += 1
+            except Exception as e:  # noqa: BLE001
+                self._fail([job], e)
+                continue
+            job.pooled.append(pooled)
+            if b == job.num_seqs and not job.future.done():
+                self._complete(job)
 
     def _complete(self, job: _Job) -> None:
         try:

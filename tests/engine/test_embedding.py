@@ -397,3 +397,42 @@ def test_pending_token_limit(pipeline: EmbeddingPipeline) -> None:
         gated.gate.set()
         first.result(60)
         queued.result(60)
+
+
+class PoisonedPipeline(GatedPipeline):
+    """A gated pipeline whose forward pass fails on any batch holding `poison`."""
+
+    def __init__(self, inner: EmbeddingPipeline, poison: int):
+        super().__init__(inner)
+        self.poison = poison
+
+    def forward(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        if any(self.poison in s for s in sequences):
+            self.entered.set()
+            raise RuntimeError("injected fault in the embedding pass")
+        return super().forward(sequences)
+
+
+def test_a_request_that_breaks_a_merged_pass_fails_alone(pipeline: EmbeddingPipeline) -> None:
+    texts = ["a cat", "a kitten", "stock prices rose"]
+    expected = expected_rows(pipeline, texts)
+    poison_text = "xylophone zeppelins"
+    others = {t for text in [*texts, "hold the worker", "next request"]
+              for t in pipeline.tokenizer.encode([text])[0]}
+    poison = next(t for t in pipeline.tokenizer.encode([poison_text])[0] if t not in others)
+    gated = PoisonedPipeline(pipeline, poison)
+    with EmbeddingBatcher(gated) as batcher:  # type: ignore[arg-type]
+        first = batcher.submit(["hold the worker"])
+        assert gated.entered.wait(30)  # the worker waits inside its first pass
+        calls = [batcher.submit([t]) for t in texts[:2]]
+        bad = batcher.submit([poison_text])
+        calls.append(batcher.submit([texts[2]]))
+        gated.gate.set()  # all four queued: they go into one merged pass, which fails
+        first.result(60)
+        with pytest.raises(RuntimeError, match="injected fault"):
+            bad.result(60)
+        for call, want in zip(calls, expected, strict=True):
+            np.testing.assert_allclose(call.result(60)[0][0], want, atol=1e-5)
+        after, _ = batcher.embed_sync(["next request"], timeout=60)
+        assert after.shape == (1, 384)
+        assert batcher.pending_tokens == 0
