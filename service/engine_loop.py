@@ -21,6 +21,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -117,6 +118,9 @@ class EngineLoop:
         self._pending_tokens = 0
         self._failure: BaseException | None = None
         self._stopping = False
+        # When the engine thread last made progress while it had work (None
+        # while idle); written by the engine thread, read by the watchdog.
+        self._progress_at: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="stencild-engine", daemon=True)
 
@@ -144,6 +148,16 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._failure is None and not self._stopping and self._thread.is_alive()
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine last completed a step while it had work (0 when idle)."""
+        since = self._progress_at
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    @property
+    def threads(self) -> list[threading.Thread | None]:
+        """The engine thread and the device thread it drives (for stack dumps)."""
+        return [self._thread, getattr(self.engine.executor, "_thread", None)]
 
     @property
     def num_pending(self) -> int:
@@ -264,7 +278,13 @@ class EngineLoop:
         engine = self.engine
         try:
             while True:
-                for cmd in self._take_commands(block=not engine.has_work()):
+                idle = not engine.has_work()
+                if idle:
+                    self._progress_at = None
+                commands = self._take_commands(block=idle)
+                if self._progress_at is None:
+                    self._progress_at = time.monotonic()  # work may have arrived: the clock starts
+                for cmd in commands:
                     kind = cmd[0]
                     if kind == "stop":
                         return
@@ -284,6 +304,7 @@ class EngineLoop:
                             fut.set_exception(exc)
                 if engine.has_work():
                     outputs = engine.step()
+                    self._progress_at = time.monotonic()
                     if outputs:
                         self._to_loop(self._deliver, outputs)
         except BaseException as exc:

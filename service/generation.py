@@ -12,7 +12,7 @@ from engine import GenerationStatus, RequestOutput
 
 from . import convert
 from .engine_loop import EngineFailed, EngineLoop, RequestStream
-from .errors import failed_precondition, internal, rpc_guard, unavailable
+from .errors import failed_precondition, internal, invalid_argument, rpc_guard, unavailable
 from .gen.stencil.v1 import generate_pb2 as pb
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from .structured import ConstraintCompiler
@@ -32,11 +32,13 @@ async def run_maybe_off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-async def next_outputs(stream: RequestStream) -> tuple[list[RequestOutput], RequestOutput | None]:
+async def next_outputs(stream: RequestStream, constraint_field: str | None = None
+                       ) -> tuple[list[RequestOutput], RequestOutput | None]:
     """A request's next outputs and its final one (None while it runs).
 
     Ends the call instead when the engine failed (INTERNAL), the request failed
-    in the engine (INTERNAL) or the server cut it short (UNAVAILABLE).
+    in the engine (INTERNAL; INVALID_ARGUMENT naming `constraint_field` when its
+    grammar hit a library limit) or the server cut it short (UNAVAILABLE).
     """
     try:
         outputs = await stream.next_outputs()
@@ -44,6 +46,8 @@ async def next_outputs(stream: RequestStream) -> tuple[list[RequestOutput], Requ
         raise internal("the engine failed while running this request; see the server log") from None
     final = outputs[-1] if outputs[-1].finished else None
     if final is not None and final.status is GenerationStatus.ERROR:
+        if final.error_cause == "constraint" and constraint_field is not None:
+            raise invalid_argument(constraint_field, final.error or "the grammar library failed")
         raise internal(f"generation failed: {final.error or 'engine error'}")
     if final is not None and final.status is GenerationStatus.CANCELLED and stream.shutdown_reason:
         raise unavailable(stream.shutdown_reason)
@@ -145,8 +149,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.state.call_started()
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
+            field = prepared.constraint.field if prepared.constraint is not None else None
             while True:
-                outputs, final = await next_outputs(stream)
+                outputs, final = await next_outputs(stream, field)
                 chunk = convert.chunk_response(rid, outputs, prepared.options)
                 if chunk is not None:
                     await context.write(chunk)

@@ -61,6 +61,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds in-flight streams may finish after SIGTERM")
     p.add_argument("--max-message-mb", type=float, default=16.0, help="max gRPC message size")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
+    p.add_argument("--watchdog-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="an engine with work that completes no step for this long reports "
+                        "NOT_SERVING and logs what it is doing (0: off)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     g = p.add_argument_group("structured output")
     g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
@@ -198,6 +201,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         host=args.host, port=args.port, grace_period_s=args.grace_period,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), warmup=not args.no_warmup,
         admission=AdmissionLimits(args.max_pending_requests, args.max_pending_tokens),
+        watchdog_timeout_s=args.watchdog_timeout,
     )
     return ServePlan(factory, model_name, config, embedding, speech)
 

@@ -8,6 +8,16 @@ embedding model (stencil.v1.Embeddings), any of which may be absent.
 `drain()` turns NOT_SERVING, refuses new calls with UNAVAILABLE, lets
 Generate and Synthesize streams and Embed calls in flight finish for up to the
 grace period, then aborts the rest (their streams end UNAVAILABLE) and stops.
+
+An engine thread that dies (a failure no single request explains: requests
+that break a step are ended one by one, see EngineCore.step) takes the whole
+server down: everything turns NOT_SERVING at once, its calls end INTERNAL, the
+others are cut short, and `serve` returns EXIT_ENGINE_FAILED so the process
+exits non-zero and its supervisor (Kubernetes, systemd) starts a fresh one.
+The engine is not restarted in-process: whatever broke it (the device, the KV
+cache, a native library) cannot be trusted, and a restart loop inside one
+process would hide the fault from the orchestrator that can fix it. A
+watchdog (service/watchdog.py) reports an engine that hangs without failing.
 """
 
 from __future__ import annotations
@@ -31,16 +41,20 @@ from .engine_loop import AdmissionLimits, EngineLoop
 from .gen.stencil.v1 import embed_pb2_grpc, speech_pb2_grpc
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from .generation import SERVICE_NAME, GenerationServicer, ServingState
-from .health import NOT_SERVING, HealthState
+from .health import OVERALL_HEALTH, HealthState
 from .loading import LoadedModels, load_models
 from .speech import SERVICE_NAME as SPEECH_SERVICE
 from .speech import SpeechOptions, SpeechServicer, SpeechSlot
 from .structured import ConstraintCompiler
+from .watchdog import Watchdog, Watched
 
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "0.1.0"
 SHUTDOWN_MESSAGE = "the server is shutting down"
+# Process exit codes of `serve`: a model that could not load, an engine that died.
+EXIT_LOAD_FAILED = 1
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,9 @@ class ServerConfig:
     warmup: bool = True
     # Start the grammar compiler's worker during warm-up (else on first use).
     warmup_grammar: bool = True
+    # Seconds an engine with work may go without completing a step before its
+    # services report NOT_SERVING (0: no watchdog).
+    watchdog_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -63,6 +80,8 @@ class ServerConfig:
             raise ValueError("grace_period_s must be >= 0")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be >= 1024")
+        if self.watchdog_timeout_s < 0:
+            raise ValueError("watchdog_timeout_s must be >= 0 (0 turns the watchdog off)")
 
 
 class StencilServer:
@@ -90,6 +109,8 @@ class StencilServer:
         self.models: LoadedModels | None = None
         self.port: int | None = None
         self.load_error: BaseException | None = None
+        # Why an engine died (the server then shuts down; see the module docstring).
+        self.engine_failure: BaseException | None = None
         self._server: grpc.aio.Server | None = None
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -190,7 +211,22 @@ class StencilServer:
                                         (EMBEDDINGS_SERVICE, models.embeddings is not None),
                                         (SPEECH_SERVICE, self.speech.loop is not None)) if on]
         await self.health.serving(served)
+        if self.config.watchdog_timeout_s > 0:
+            watchdog = Watchdog(self.config.watchdog_timeout_s, self._watched, self.health,
+                                lambda: self.state.draining)
+            self._spawn(watchdog.run())
         self._ready.set()
+
+    def _watched(self) -> list[Watched]:
+        """Each engine loop with the health services that stop with it."""
+        out = []
+        shared_speech = self.speech.loop is not None and self.speech.loop is self.state.engine_loop
+        if self.state.engine_loop is not None:
+            out.append(Watched(self.state.engine_loop, (OVERALL_HEALTH, SERVICE_NAME)
+                               + ((SPEECH_SERVICE,) if shared_speech else ())))
+        if self.state.speech_loop is not None:
+            out.append(Watched(self.state.speech_loop, (SPEECH_SERVICE,)))
+        return out
 
     def _start_speech(self, models: LoadedModels) -> None:
         """Give the speech servicer its loop: the generation engine's when it serves
@@ -200,18 +236,20 @@ class StencilServer:
         if models.speech is None:
             self.speech.loop = self.state.engine_loop
             return
-        loop = EngineLoop(models.speech, self.config.admission, on_failure=self._on_speech_failure)
+        loop = EngineLoop(models.speech, self.config.admission, on_failure=self._on_engine_failure)
         loop.start()
         self.state.speech_loop = self.speech.loop = loop
         # It runs on the generation engine's device thread, which dies with that engine.
         self.speech.alive = lambda: loop.alive and self._engine_alive()
 
     def _on_engine_failure(self, exc: BaseException) -> None:
+        """An engine thread died: NOT_SERVING now, then shut down (see the module docstring)."""
+        if self.engine_failure is None:
+            self.engine_failure = exc
+            log.critical("an engine failed (%s: %s); the server stops so that it can be restarted",
+                         type(exc).__name__, exc)
         self._spawn(self.health.shut_down())
-
-    def _on_speech_failure(self, exc: BaseException) -> None:
-        # Text and embeddings do not depend on a separate speech engine.
-        self._spawn(self.health.set(SPEECH_SERVICE, NOT_SERVING))
+        self.drain(0.0)
 
     async def wait_ready(self) -> bool:
         """Wait until the models are loaded (True) or failed to load (False)."""
@@ -270,7 +308,8 @@ async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str
                 speech: SpeechOptions | None = None) -> int:
     """Run a server until SIGTERM/SIGINT (graceful) or a second signal (at once).
 
-    Returns a process exit code: 0 after a drain, 1 if the model failed to load.
+    Returns a process exit code: 0 after a drain, EXIT_LOAD_FAILED (1) if a
+    model failed to load, EXIT_ENGINE_FAILED (70) if an engine died.
     """
     server = StencilServer(engine_factory, model_name, config, embedding, speech)
     port = await server.start()
@@ -291,7 +330,7 @@ async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
     if ready.done() and server.load_error is not None:
         await server.stop()
-        return 1
+        return EXIT_LOAD_FAILED
     await stopped
     ready.cancel()
-    return 0
+    return EXIT_ENGINE_FAILED if server.engine_failure is not None else 0

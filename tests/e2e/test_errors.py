@@ -4,12 +4,11 @@ ALREADY_EXISTS, UNAVAILABLE, INTERNAL (never UNKNOWN, never a traceback)."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from service.errors import bad_request_violations
 from service.gen.stencil.v1 import generate_pb2 as pb
@@ -194,6 +193,7 @@ class _Exploding:
 
 def test_engine_failure_is_internal_then_unavailable(make_server) -> None:
     from engine import EngineConfig, EngineCore
+    from engine.engine import MAX_FAILED_STEPS
     from engine.presets import ensure_preset
 
     path = ensure_preset("tiny-llama")
@@ -201,13 +201,16 @@ def test_engine_failure_is_internal_then_unavailable(make_server) -> None:
     server = make_server(lambda: EngineCore(EngineConfig(str(path), kv_cache_gib=0.05),
                                             wrap_model=lambda real: _Exploding(real, armed)))
     armed.set()
+    # A failing step ends only the request in it; the engine goes on...
     err = _generate_error(server.stub, greedy("explode", max_new_tokens=4))
     assert err.code() == grpc.StatusCode.INTERNAL
     assert "boom" not in err.details() and "Traceback" not in err.details()
+    assert server.server.engine_loop is not None and server.server.engine_loop.alive
+    # ...until steps keep failing whatever runs in them: then it is broken.
+    codes = [_generate_error(server.stub, greedy(f"explode {i}", max_new_tokens=4)).code()
+             for i in range(MAX_FAILED_STEPS)]
+    assert codes == [grpc.StatusCode.INTERNAL] * MAX_FAILED_STEPS
     err = _generate_error(server.stub, greedy("after", max_new_tokens=4))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
-    health = health_pb2_grpc.HealthStub(server.channel)
-    deadline = time.monotonic() + TIMEOUT
-    while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
-        assert time.monotonic() < deadline, "health never turned NOT_SERVING"
-        time.sleep(0.02)
+    assert server.server.health.status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    server.runner.run(server.server.wait_stopped())
