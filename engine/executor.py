@@ -45,10 +45,11 @@ class StepExecutor:
         future: Future[T] = Future()
         with self._lock:
             # Checked under the lock so nothing is queued behind the stop marker.
-            if self._closed:
-                future.set_exception(RuntimeError("the device thread has stopped"))
-            else:
+            closed = self._closed
+            if not closed:
                 self._queue.put((job, future))
+        if closed:  # completed outside the lock, like every future here
+            future.set_exception(RuntimeError("the device thread has stopped"))
         return future
 
     def call(self, job: Callable[[], T]) -> T:

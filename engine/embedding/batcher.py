@@ -1,5 +1,9 @@
 """Merge embedding requests from many concurrent callers into shared forward passes.
 
+Futures are completed only outside the batcher's lock: a future runs its
+callbacks as it completes, on the completing thread, and a callback may call
+back into the batcher.
+
 Callers (threads or asyncio tasks) submit; a request is validated and
 tokenized in the caller's thread, so a bad request fails only its caller and
 never reaches the queue. One worker thread owns the model: each time it wakes
@@ -129,6 +133,7 @@ class EmbeddingBatcher:
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests; finish the queued ones (drain) or fail them with BatcherClosed."""
+        dropped: list[_Job] = []
         with self._cond:
             self._closing = True
             if not drain:
@@ -136,8 +141,11 @@ class EmbeddingBatcher:
                     job = self._queue.popleft()
                     self._pending_tokens -= sum(len(t) for t in job.request.token_ids[job.next_seq:])
                     if job.started or job.future.set_running_or_notify_cancel():
-                        job.future.set_exception(BatcherClosed("the embedding batcher shut down"))
+                        dropped.append(job)
             self._cond.notify_all()
+        # Outside the lock: a future's callbacks run as it completes, and may call back in.
+        for job in dropped:
+            job.future.set_exception(BatcherClosed("the embedding batcher shut down"))
         self._thread.join(timeout)
 
     def __enter__(self) -> EmbeddingBatcher:
