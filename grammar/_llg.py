@@ -8,7 +8,9 @@ away. The worker process therefore only has to prove that a spec converts,
 validates and yields a first mask within the time limit; it returns the grammar
 text, and the parent builds one template `LLMatcher` from it, which every
 request then copies (`deep_copy` costs well under a microsecond, a fresh
-matcher about half a millisecond).
+matcher about half a millisecond). The parent's `LLTokenizer` is built here,
+once per `TokenizerData` (`ll_tokenizer`); a worker rebuilds its own from the
+tokenizer JSON (`build_tokenizer`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .errors import GrammarError, clean_message
 from .matcher import Matcher
 from .productive import ACCEPTS_NOTHING
 from .spec import KIND_LABELS
+from .tokenizer import PerTokenizer
 
 if TYPE_CHECKING:
     from .spec import GrammarSpec
@@ -36,6 +39,16 @@ def build_tokenizer(
     tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...] | list[int]
 ) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+_TOKENIZERS: PerTokenizer[llguidance.LLTokenizer] = PerTokenizer(
+    lambda data: build_tokenizer(data.tokenizer_json, data.vocab_size, data.eos_token_ids)
+)
+
+
+def ll_tokenizer(data: TokenizerData) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for `data`, built on first use and then shared."""
+    return _TOKENIZERS.get(data)
 
 
 # The Earley parser refuses a row with more items than this. Its default (2000)

@@ -12,6 +12,9 @@ file descriptors. Protocol (pickled messages over
 The child exits when the parent closes its pipe, and is killed by the kernel
 (PR_SET_PDEATHSIG) if the parent dies while the child is stuck in native code.
 `CompileContext` is also used in-process by the compiler's "thread" isolation.
+The parent builds the init dict with `process_init` (or `thread_init`), from
+the pieces each owner provides: `TokenizerData` its library-neutral facts,
+`_xgr` the serialized TokenizerInfo.
 """
 
 from __future__ import annotations
@@ -19,14 +22,41 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import GrammarError
 from .productive import RECURSIVE_KINDS, check_completable
 from .spec import KIND_LABELS, GrammarSpec
 
+if TYPE_CHECKING:
+    from .tokenizer import TokenizerData
+
 # How much lower than the server a compile worker runs (see `nice(1)`).
 COMPILE_NICENESS = 10
+
+
+def process_init(data: TokenizerData, memory_limit_bytes: int | None) -> dict[str, Any]:
+    """The init message of a worker process: what it needs to rebuild both
+    backends' tokenizers, in picklable form."""
+    from . import _xgr
+
+    return {
+        # llguidance's LLTokenizer is rebuilt from these three.
+        "tokenizer_json": data.tokenizer_json,
+        "vocab_size": data.vocab_size,
+        "eos_token_ids": list(data.eos_token_ids),
+        # xgrammar's TokenizerInfo cannot be rebuilt from the tokenizer JSON
+        # alone (it needs the transformers tokenizer), so it travels as JSON.
+        "xgr_info_json": _xgr.tokenizer_info_json(data),
+        "memory_limit_bytes": memory_limit_bytes,
+    }
+
+
+def thread_init(data: TokenizerData) -> dict[str, Any]:
+    """The init dict of an in-process `CompileContext`: the parent's own tokenizer objects."""
+    from . import _llg, _xgr
+
+    return {"xgr_info": _xgr.tokenizer_info(data), "llg_tokenizer": _llg.ll_tokenizer(data)}
 
 
 class CompileContext:
@@ -51,9 +81,7 @@ class CompileContext:
         if self._xgr_compiler is None:
             info = self._init.get("xgr_info")
             if info is None:
-                import xgrammar as xgr
-
-                info = xgr.TokenizerInfo.deserialize_json(self._init["xgr_info_json"])
+                info = _xgr.tokenizer_info_from_json(self._init["xgr_info_json"])
             self._xgr_compiler = _xgr.new_compiler(info)
         compiled = _xgr.compile_native(self._xgr_compiler, spec)
         size = int(compiled.memory_size_bytes)

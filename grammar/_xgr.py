@@ -5,15 +5,19 @@ is what makes its masks fast and its compiles slow on large schemas; the
 compile runs in a worker process (see `_pool`), and the result crosses back as
 `CompiledGrammar.serialize_json()`, rebuilt here against the parent's
 `TokenizerInfo` (xgrammar 0.2.8 checks the tokenizer metadata matches).
+That TokenizerInfo is built here, once per `TokenizerData` (`tokenizer_info`),
+and sent to the workers as JSON (`tokenizer_info_json`).
 
 Three xgrammar 0.2.8 behaviours are corrected here: special tokens are read as
-literal text (fixed in `TokenizerData`), compact JSON keeps ", " inside
+literal text (the TokenizerInfo is built from `TokenizerData.encoded_vocab`,
+where they have none), compact JSON keeps ", " inside
 free-form values (`_compact_fixup`), and references it cannot resolve are
 silently treated as "any value" (refused by `_unsupported_reference`).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,7 @@ from .errors import GrammarError, clean_message
 from .matcher import Matcher
 from .productive import ACCEPTS_NOTHING, RECURSIVE_KINDS, check_completable
 from .spec import KIND_LABELS
+from .tokenizer import PerTokenizer
 
 if TYPE_CHECKING:
     from .spec import GrammarSpec
@@ -36,7 +41,7 @@ BACKEND = "xgrammar"
 _MAX_CHARS_PER_TOKEN = 64
 
 
-def build_tokenizer_info(data: TokenizerData) -> xgr.TokenizerInfo:
+def _build_tokenizer_info(data: TokenizerData) -> xgr.TokenizerInfo:
     """TokenizerInfo whose special tokens (other than stop tokens) have no text."""
     # Let xgrammar detect the vocabulary encoding (byte-level, byte-fallback,
     # prefix space) from the tokenizer, then rebuild the table without specials.
@@ -50,6 +55,87 @@ def build_tokenizer_info(data: TokenizerData) -> xgr.TokenizerInfo:
         stop_token_ids=list(data.eos_token_ids),
         add_prefix_space=detected.add_prefix_space,
     )
+
+
+_INFOS: PerTokenizer[xgr.TokenizerInfo] = PerTokenizer(_build_tokenizer_info)
+
+
+def tokenizer_info(data: TokenizerData) -> xgr.TokenizerInfo:
+    """xgrammar's TokenizerInfo for `data`, built on first use and then shared."""
+    return _INFOS.get(data)
+
+
+def tokenizer_info_json(data: TokenizerData) -> str:
+    """`tokenizer_info(data)` in the form a compile worker process receives it."""
+    return tokenizer_info(data).serialize_json()
+
+
+def tokenizer_info_from_json(text: str) -> xgr.TokenizerInfo:
+    """The worker's side of `tokenizer_info_json`."""
+    return xgr.TokenizerInfo.deserialize_json(text)
+
+
+class VocabIndex:
+    """The vocabulary as raw bytes, sorted, to find the tokens that extend a token.
+
+    `XGrammarMatcher.forced_tokens` uses it to decide whether a forced
+    string's last token could merge with what the model writes next (then it
+    is held back). xgrammar already knows how to turn byte-level / byte-fallback
+    vocabularies back into raw bytes, so its decoded vocabulary is the source.
+    """
+
+    def __init__(self, data: TokenizerData) -> None:
+        table = list(tokenizer_info(data).decoded_vocab)
+        for i in data.eos_token_ids:
+            table[i] = b""  # stop tokens have no text
+        order = sorted(range(len(table)), key=table.__getitem__)
+        self._keys = [table[i] for i in order]
+        self._ids = np.asarray(order, dtype=np.int64)
+        self._table = table
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of `token_id` (b"" for stop and special tokens)."""
+        return self._table[token_id]
+
+    def extensions(self, token_id: int) -> np.ndarray:
+        """Ids of tokens whose bytes strictly extend those of `token_id`."""
+        prefix = self._table[token_id]
+        if not prefix:
+            return self._ids[:0]
+        lo = bisect.bisect_right(self._keys, prefix)
+        end = _prefix_end(prefix)
+        hi = bisect.bisect_left(self._keys, end, lo) if end else len(self._keys)
+        return self._ids[lo:hi]
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """Smallest byte string greater than every string starting with `prefix` (b"" if none)."""
+    p = bytearray(prefix)
+    while p and p[-1] == 0xFF:
+        p.pop()
+    if not p:
+        return b""
+    p[-1] += 1
+    return bytes(p)
+
+
+# Built only when a forced string first needs the hold-back check.
+_VOCABS: PerTokenizer[VocabIndex] = PerTokenizer(VocabIndex)
+
+
+def vocab_index(data: TokenizerData) -> VocabIndex:
+    """The `VocabIndex` of `data`, built on first use and then shared."""
+    return _VOCABS.get(data)
+
+
+def token_bytes(data: TokenizerData, token_id: int) -> bytes:
+    """The raw bytes of `token_id` as xgrammar decodes them (b"" for stop/special tokens)."""
+    return vocab_index(data).token_bytes(token_id)
+
+
+def extensions(data: TokenizerData, token_id: int) -> np.ndarray:
+    """Ids of tokens whose bytes strictly extend those of `token_id`."""
+    return vocab_index(data).extensions(token_id)
 
 
 def _whitespace_kwargs(spec: GrammarSpec) -> dict[str, Any]:
@@ -210,7 +296,7 @@ def new_compiler(info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:
 
 def load(payload: dict[str, Any], data: TokenizerData) -> tuple[xgr.CompiledGrammar, int]:
     """Rebuild a CompiledGrammar sent by a worker; returns it and its size in bytes."""
-    compiled = xgr.CompiledGrammar.deserialize_json(payload["json"], data.xgrammar_info())
+    compiled = xgr.CompiledGrammar.deserialize_json(payload["json"], tokenizer_info(data))
     return compiled, int(compiled.memory_size_bytes)
 
 
@@ -223,6 +309,7 @@ class XGrammarMatcher(Matcher):
         super().__init__(spec, tokenizer)
         self._m = xgr.GrammarMatcher(compiled, override_stop_tokens=list(tokenizer.eos_token_ids))
         self._scratch: torch.Tensor | None = None
+        self._vocab: VocabIndex | None = None  # looked up once, on first hold-back check
 
     @property
     def native(self) -> Any:
@@ -279,7 +366,9 @@ class XGrammarMatcher(Matcher):
         return tokens[: keep if max_tokens is None else min(keep, max_tokens)]
 
     def _extendable(self, token_id: int) -> bool:
-        longer = self._tok.extensions(token_id)
+        if self._vocab is None:
+            self._vocab = vocab_index(self._tok)
+        longer = self._vocab.extensions(token_id)
         if longer.size == 0:
             return False
         if self._scratch is None:

@@ -42,8 +42,8 @@ import torch
 
 from . import _llg, _xgr
 from ._pool import WorkerPool
-from ._worker import CompileContext
-from .bitmask import BitmaskFiller, allocate_bitmask, apply_token_bitmask_inplace
+from ._worker import CompileContext, process_init, thread_init
+from .bitmask import BitmaskFiller, allocate_bitmask
 from .cache import CacheInfo, GrammarCache
 from .config import CompilerConfig
 from .errors import GrammarError
@@ -79,7 +79,6 @@ class _Artifact:
     spec: GrammarSpec
     native: Any  # xgrammar CompiledGrammar, or llguidance template LLMatcher
     size_bytes: int
-    compile_seconds: float
 
 
 class GrammarCompiler:
@@ -124,17 +123,10 @@ class GrammarCompiler:
         self._pool: WorkerPool | None = None
         self._native_runner: ThreadPoolExecutor | None = None
         if cfg.isolation == "process":
-            init = self.tokenizer_data.worker_payload()
-            init["memory_limit_bytes"] = cfg.worker_memory_bytes
+            init = process_init(self.tokenizer_data, cfg.worker_memory_bytes)
             self._pool = WorkerPool(init, cfg.compile_workers, cfg.worker_startup_timeout_s)
         else:
-            self._ctx = CompileContext(
-                {
-                    "xgr_info": self.tokenizer_data.xgrammar_info(),
-                    "llg_tokenizer": self.tokenizer_data.llguidance_tokenizer(),
-                },
-                serialize=False,
-            )
+            self._ctx = CompileContext(thread_init(self.tokenizer_data), serialize=False)
             self._native_runner = ThreadPoolExecutor(
                 cfg.compile_workers, thread_name_prefix="grammar-native"
             )
@@ -314,7 +306,6 @@ class GrammarCompiler:
         if timeout <= 0:
             raise GrammarError("grammar compile timed out", reason="timeout", backend=backend)
         limit = self.config.max_compiled_bytes
-        start = time.perf_counter()
         if self._pool is not None:
             status, _, payload, detail = self._pool.run(backend, spec, limit, timeout)
             if status == "error":
@@ -329,7 +320,7 @@ class GrammarCompiler:
                     "grammar compile timed out", reason="timeout", backend=backend
                 ) from None
         try:
-            return self._load(backend, spec, payload, time.perf_counter() - start)
+            return self._load(backend, spec, payload)
         except GrammarError:
             raise
         except Exception as e:  # a library failure rebuilding the result, not the user's
@@ -337,7 +328,7 @@ class GrammarCompiler:
                 f"grammar compile failed ({type(e).__name__})", reason="crashed", backend=backend
             ) from None
 
-    def _load(self, backend: str, spec: GrammarSpec, payload: dict, seconds: float) -> _Artifact:
+    def _load(self, backend: str, spec: GrammarSpec, payload: dict) -> _Artifact:
         tok = self.tokenizer_data
         if backend == "xgrammar":
             if "compiled" in payload:
@@ -345,10 +336,10 @@ class GrammarCompiler:
             else:
                 native, size = _xgr.load(payload, tok)
         else:
-            native = _llg.new_template(tok.llguidance_tokenizer(), spec, payload["grammar"])
+            native = _llg.new_template(_llg.ll_tokenizer(tok), spec, payload["grammar"])
             # The template's lexer cache grows as masks are computed; a rough bound.
             size = 16 * payload["size"] + (256 << 10)
-        return _Artifact(backend, spec, native, size, seconds)
+        return _Artifact(backend, spec, native, size)
 
     def _new_matcher(self, artifact: _Artifact) -> Matcher:
         if artifact.backend == "xgrammar":
@@ -373,7 +364,6 @@ class GrammarCompiler:
         """
         self._filler.fill(matchers, bitmask, rows)
 
-    apply_bitmask = staticmethod(apply_token_bitmask_inplace)
 
     # ---- housekeeping ------------------------------------------------------
 

@@ -1,7 +1,10 @@
 """What the grammar backends need to know about a tokenizer, extracted once.
 
-`TokenizerData` is immutable after construction and shared by the compiler,
-every matcher and (through `worker_payload`) the compile worker processes.
+`TokenizerData` holds library-neutral facts only and is immutable after
+construction; it is shared by the compiler and every matcher. Each backend
+builds its own tokenizer object from it (`_xgr.tokenizer_info`,
+`_llg.ll_tokenizer`) and keeps it in a `PerTokenizer` cache, so this module
+imports neither library.
 
 Two corrections over the libraries' own tokenizer import:
 - xgrammar reads the text of added special tokens literally, so `<|im_start|>`
@@ -13,12 +16,13 @@ Two corrections over the libraries' own tokenizer import:
 
 from __future__ import annotations
 
-import bisect
 import copy
 import hashlib
 import json
 import threading
-from typing import Any
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -59,7 +63,6 @@ class TokenizerData:
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         special = {int(i) for i, t in added.items() if getattr(t, "special", False)}
         special |= set(getattr(tokenizer, "all_special_ids", []) or [])
-        self.special_token_ids = frozenset(special - set(self.eos_token_ids))
 
         # The Rust tokenizer, copied so padding/truncation settings of the
         # caller's object never leak into grammar tokenization.
@@ -81,11 +84,6 @@ class TokenizerData:
         packed = np.packbits(eos_row.reshape(-1, 8), axis=-1, bitorder="little").reshape(-1)
         self.eos_only_row = torch.from_numpy(packed.view(np.int32).copy())
 
-        self._lock = threading.Lock()
-        self._xgr_info: Any = None
-        self._llg_tokenizer: Any = None
-        self._sorted: tuple[list[bytes], np.ndarray, list[bytes]] | None = None
-
     @property
     def bitmask_words(self) -> int:
         """int32 words per bitmask row: ceil(vocab_size / 32)."""
@@ -95,75 +93,47 @@ class TokenizerData:
         """Canonical tokenization of `text`, without special tokens added."""
         return list(self._encoder.encode(text, add_special_tokens=False).ids)
 
-    # Backend tokenizer objects are built lazily: each costs from tens of ms
-    # (8k vocab) to about a second (128k+), and a deployment may use one backend.
-    def xgrammar_info(self) -> Any:
+
+T = TypeVar("T")
+_UNSET: Any = object()
+
+
+class _Slot(Generic[T]):
+    """One TokenizerData's value; its lock makes concurrent first callers wait for one build."""
+
+    __slots__ = ("lock", "value")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.value: T = _UNSET
+
+
+class PerTokenizer(Generic[T]):
+    """A value derived from a TokenizerData, built on first use and dropped with it.
+
+    A backend's tokenizer object costs from tens of ms (8k vocabulary) to about
+    a second (128k+) to build, and a deployment may use one backend only, so
+    each is built lazily, once per TokenizerData. Thread-safe: concurrent first
+    callers for one TokenizerData wait for a single build, while callers for
+    another are not held up by it. Entries are keyed weakly (TokenizerData
+    hashes by identity), so the cache never outgrows the live TokenizerData
+    objects; `build` must not return anything that refers back to its argument.
+    """
+
+    def __init__(self, build: Callable[[TokenizerData], T]) -> None:
+        self._build = build
+        self._lock = threading.Lock()  # guards _slots only, never held while building
+        self._slots: weakref.WeakKeyDictionary[TokenizerData, _Slot[T]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def get(self, data: TokenizerData) -> T:
+        """The value for `data`, building it first if this is the first call for `data`."""
         with self._lock:
-            if self._xgr_info is None:
-                from ._xgr import build_tokenizer_info
-
-                self._xgr_info = build_tokenizer_info(self)
-            return self._xgr_info
-
-    def llguidance_tokenizer(self) -> Any:
-        with self._lock:
-            if self._llg_tokenizer is None:
-                from ._llg import build_tokenizer
-
-                self._llg_tokenizer = build_tokenizer(
-                    self.tokenizer_json, self.vocab_size, self.eos_token_ids
-                )
-            return self._llg_tokenizer
-
-    def worker_payload(self) -> dict[str, Any]:
-        """What a compile worker process needs to rebuild both backends' tokenizers."""
-        return {
-            "tokenizer_json": self.tokenizer_json,
-            "xgr_info_json": self.xgrammar_info().serialize_json(),
-            "vocab_size": self.vocab_size,
-            "eos_token_ids": list(self.eos_token_ids),
-        }
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._sorted_vocab()[2][token_id]
-
-    def extensions(self, token_id: int) -> np.ndarray:
-        """Ids of tokens whose bytes strictly extend those of `token_id`.
-
-        Used to decide whether a forced string's last token could merge with
-        what the model writes next (then it is held back).
-        """
-        keys, ids, table = self._sorted_vocab()
-        prefix = table[token_id]
-        if not prefix:
-            return ids[:0]
-        lo = bisect.bisect_right(keys, prefix)
-        end = _prefix_end(prefix)
-        hi = bisect.bisect_left(keys, end, lo) if end else len(keys)
-        return ids[lo:hi]
-
-    def _sorted_vocab(self) -> tuple[list[bytes], np.ndarray, list[bytes]]:
-        if self._sorted is None:
-            # xgrammar already knows how to turn byte-level / byte-fallback
-            # vocabularies back into raw bytes; stop tokens have no text.
-            table = list(self.xgrammar_info().decoded_vocab)
-            for i in self.eos_token_ids:
-                table[i] = b""
-            order = sorted(range(len(table)), key=table.__getitem__)
-            keys = [table[i] for i in order]
-            built = (keys, np.asarray(order, dtype=np.int64), table)
-            with self._lock:
-                if self._sorted is None:
-                    self._sorted = built
-        return self._sorted
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """Smallest byte string greater than every string starting with `prefix` (b"" if none)."""
-    p = bytearray(prefix)
-    while p and p[-1] == 0xFF:
-        p.pop()
-    if not p:
-        return b""
-    p[-1] += 1
-    return bytes(p)
+            slot = self._slots.get(data)
+            if slot is None:
+                slot = self._slots[data] = _Slot()
+        with slot.lock:
+            if slot.value is _UNSET:
+                slot.value = self._build(data)
+            return slot.value

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from grammar import GrammarOptions, GrammarSpec
+from grammar import GrammarOptions, GrammarSpec, _xgr
 
 from .conftest import BACKENDS, MODEL_VOCAB, SPECIAL_NON_STOP, STOP_IDS, allowed, feed
 
@@ -254,10 +254,11 @@ def _inside_string(prefix: str) -> bool:
 
 
 def _whitespace_only(tok) -> list[int]:
+    vocab = _xgr.vocab_index(tok)
     return [
         i
         for i in range(tok.tokenizer_size)
-        if tok.token_bytes(i) and not tok.token_bytes(i).strip(b" \t\r\n")
+        if vocab.token_bytes(i) and not vocab.token_bytes(i).strip(b" \t\r\n")
     ]
 
 
@@ -318,5 +319,5 @@ def test_xgrammar_bounded_strings_exclude_control_characters(compiler) -> None:
         assert matcher.accept_token(tok)
     bitmask = compiler.allocate_bitmask(1)
     matcher.fill_bitmask(bitmask, 0)
-    control = {t for t in range(len(data.encoded_vocab)) if any(b < 0x20 for b in data.token_bytes(t))}
+    control = {t for t in range(len(data.encoded_vocab)) if any(b < 0x20 for b in _xgr.token_bytes(data, t))}
     assert control and not allowed(bitmask) & control
