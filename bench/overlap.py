@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-# Run as a script, bench/ comes first on sys.path, and bench/grammar.py would
-# shadow the grammar package: put the repository root first.
+# The repository first on sys.path, so the script runs from a checkout without
+# an installed package.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 

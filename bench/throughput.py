@@ -1,6 +1,6 @@
 """Offline generation throughput: stencild vs transformers on the `bench` preset.
 
-The bench preset is the model of ../shared/REFERENCES.md (Llama architecture,
+The bench preset is the reference model of this project's benchmarks (Llama architecture,
 hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocab 8192, tied
 embeddings, fp32, random weights), written by `engine.presets`. Each system and
 batch size runs in its own subprocess so peak RSS is measured per system.

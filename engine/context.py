@@ -16,21 +16,27 @@ host has not read yet (overlap scheduling); it is realized in order later.
 from __future__ import annotations
 
 import enum
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from grammar import Matcher
+
 FUTURE_TOKEN = -1
 
 
 class GenerationStatus(enum.Enum):
-    """Where a request stands; everything but ACTIVE is final."""
+    """Where a request stands; everything but ACTIVE is final.
+
+    The values are the finish reasons the offline API reports; the service
+    derives its proto enums from the members, so this is the only table.
+    """
 
     ACTIVE = "active"
     END_OF_SEQUENCE = "eos"
@@ -44,6 +50,27 @@ class GenerationStatus(enum.Enum):
     @property
     def is_done(self) -> bool:
         return self is not GenerationStatus.ACTIVE
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The offline API's reason: the value, except that both length limits
+        read "length" (the service tells them apart); None while active."""
+        if not self.is_done:
+            return None
+        return "length" if self is GenerationStatus.CONTEXT_LENGTH else self.value
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request failed: the message for the client, and whose fault it was
+    (`cause` "constraint": its grammar hit a library limit; None: the server's)."""
+
+    message: str
+    cause: str | None = None
+
+
+# How a rule ends a request: a final status, or a failure.
+Verdict = GenerationStatus | Failure
 
 
 @dataclass
@@ -65,10 +92,9 @@ class TextContext:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     eos_token_ids: frozenset[int] = frozenset()
     status: GenerationStatus = GenerationStatus.ACTIVE
-    matcher: Any = None  # a grammar matcher, when the output is constrained
+    matcher: Matcher | None = None  # the grammar matcher, when the output is constrained
     seed: int = 0
     error: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         prompt = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -90,12 +116,14 @@ class TextContext:
         self.grammar_idx = self.prompt_len
         # The token an in-flight step must sample (the grammar forces it).
         self.forced_next: int | None = None
-        # Row of this request in the device token buffer (set by the pipeline).
-        self.slot: int | None = None
+        # This request's row in the device token buffer (see TokenBuffer).
+        self.buffer_row: int | None = None
         # Positions of tokens the grammar forced (output without a model choice).
         self.forced_positions: set[int] = set()
         self.num_cached_prompt_tokens = 0
-        self.num_preemptions = 0
+        # Bumped by every reset: a launched step whose rows carry an older epoch
+        # was computed for work that has been thrown away.
+        self.epoch = 0
         # Set when a step this request was in failed: it then runs alone until
         # one of its steps succeeds, so a request that breaks steps is found
         # and ended without taking its batch with it (see EngineCore.step).
@@ -105,7 +133,6 @@ class TextContext:
         self.error_cause: str | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs | None] = []
-        self.first_token_time: float | None = None
 
     # -- views -------------------------------------------------------------
     @property
@@ -115,10 +142,6 @@ class TextContext:
     @property
     def active_length(self) -> int:
         return self.active_idx - self.start_idx
-
-    @property
-    def current_length(self) -> int:
-        return self.end_idx
 
     @property
     def num_generated(self) -> int:
@@ -201,8 +224,6 @@ class TextContext:
         self.start_idx = self.active_idx
         self._append(int(token))
         self.active_idx = self.end_idx
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
 
     def jump_ahead(self, token: int) -> None:
         """Append a grammar-forced token: it is output, and computed in the next step."""
@@ -223,8 +244,6 @@ class TextContext:
             raise ValueError("no future token to realize")
         index = self._futures.popleft()
         self.tokens[index] = int(token)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
         return index
 
     def drop_futures(self) -> None:
@@ -263,7 +282,15 @@ class TextContext:
         self.start_idx = 0
         self.active_idx = self.end_idx
         self.committed_idx = 0
-        self.num_preemptions += 1
+        self.epoch += 1
+
+    def can_multi_step(self) -> bool:
+        """Whether this request can take several decode steps with no host work
+        in between: one decode token, no grammar, no token-range rule, and no
+        stop token it must be kept from (min_new_tokens reached)."""
+        return (self.active_length == 1 and self.active_idx == self.end_idx and self.matcher is None
+                and self.allowed_token_range() is None
+                and self.num_generated >= self.sampling_params.min_new_tokens)
 
     def compute_num_available_steps(self, max_seq_len: int) -> int:
         """Tokens that may still be generated before max_seq_len or max_length."""
@@ -273,13 +300,20 @@ class TextContext:
         if not self.status.is_done:
             self.status = status
 
-    def fail(self, message: str, cause: str | None = None) -> None:
-        """End with ERROR: `message` is shown to the client, `cause` says whose fault.
+    def fail(self, failure: Failure) -> None:
+        """End with ERROR.
 
         Unlike `finish`, this overrides a status already final: output that
         cannot be delivered (a failed decode of the last audio or text) makes
         a finished request a failed one.
         """
-        self.error = message
-        self.error_cause = cause
+        self.error = failure.message
+        self.error_cause = failure.cause
         self.status = GenerationStatus.ERROR
+
+    def end(self, verdict: Verdict) -> None:
+        """Apply a rule's verdict: `finish` for a status, `fail` for a failure."""
+        if isinstance(verdict, Failure):
+            self.fail(verdict)
+        else:
+            self.finish(verdict)

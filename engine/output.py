@@ -2,7 +2,9 @@
 
 Stop strings are matched on text, across token boundaries. Text that could
 still be the beginning of a stop string is held back until it cannot, so a
-client never receives text that is later trimmed away.
+client never receives text that is later trimmed away. The step's postprocess
+calls `decode` (and ends the request on a match), then `delta` builds what the
+client gets.
 """
 
 from __future__ import annotations
@@ -13,16 +15,6 @@ import numpy as np
 
 from .context import GenerationStatus, TextContext, TokenLogprobs
 from .tokenizer import IncrementalDecoder, Tokenizer
-
-FINISH_REASONS = {
-    GenerationStatus.END_OF_SEQUENCE: "eos",
-    GenerationStatus.STOP_TOKEN: "stop_token",
-    GenerationStatus.STOP_STRING: "stop_string",
-    GenerationStatus.MAXIMUM_LENGTH: "length",
-    GenerationStatus.CONTEXT_LENGTH: "length",
-    GenerationStatus.CANCELLED: "cancelled",
-    GenerationStatus.ERROR: "error",
-}
 
 
 @dataclass
@@ -50,7 +42,15 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status) if self.finished else None
+        return self.status.finish_reason if self.finished else None
+
+
+@dataclass(frozen=True)
+class StopStringMatch:
+    """A stop string found in the output: it ends the request at `keep_tokens`."""
+
+    stop: str
+    keep_tokens: int  # generated tokens to keep (the one completing the stop string is the last)
 
 
 class OutputStream:
@@ -72,10 +72,11 @@ class OutputStream:
         self.stop_reason: str | int | None = None
         self.prompt_logprobs_sent = False
 
-    def _decode_new(self) -> None:
+    def decode(self) -> StopStringMatch | None:
+        """Detokenize the tokens known since the last call; the first stop string found, if any."""
         ctx = self.ctx
-        if self.decoder is None:
-            return
+        if self.decoder is None or self.stop_reason is not None:
+            return None
         end = ctx.num_final_tokens
         while ctx.prompt_len + self.decoded_tokens < end:
             tok = int(ctx.tokens[ctx.prompt_len + self.decoded_tokens])
@@ -85,10 +86,13 @@ class OutputStream:
                 continue
             before = len(self.text)
             self.text += piece
-            if self.stops and self._match_stop(before):
-                return
+            if self.stops:
+                match = self._match_stop(before)
+                if match is not None:
+                    return match
+        return None
 
-    def _match_stop(self, before: int) -> bool:
+    def _match_stop(self, before: int) -> StopStringMatch | None:
         window_start = max(0, before - self.hold)
         best: tuple[int, str] | None = None
         for s in self.stops:
@@ -96,20 +100,16 @@ class OutputStream:
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
-            return False
+            return None
         i, s = best
         keep = i + len(s) if self.ctx.sampling_params.include_stop_str_in_output else i
         self.text = self.text[:keep]
         self.stop_reason = s
-        # Tokens decoded after the one completing the stop are dropped.
-        self.ctx.rollback(self.ctx.num_generated - self.decoded_tokens)
-        self.ctx.finish(GenerationStatus.STOP_STRING)
-        return True
+        return StopStringMatch(s, self.decoded_tokens)
 
     def delta(self) -> RequestOutput:
-        """Everything new since the last call; call after each engine step."""
+        """Everything new since the last call (decode first)."""
         ctx = self.ctx
-        self._decode_new()
         done = ctx.is_done
         if done and self.stop_reason is None and ctx.status is GenerationStatus.STOP_TOKEN:
             self.stop_reason = int(ctx.tokens[ctx.end_idx - 1])
@@ -127,7 +127,9 @@ class OutputStream:
             completion_tokens=final_tokens,
             cached_prompt_tokens=ctx.num_cached_prompt_tokens,
             forced_tokens=ctx.num_forced_tokens,
-            grammar_backend=getattr(ctx.matcher, "backend", None),
+            error=ctx.error,
+            error_cause=ctx.error_cause,
+            grammar_backend=ctx.matcher.backend if ctx.matcher is not None else None,
         )
         if not self.prompt_logprobs_sent and ctx.sampling_params.prompt_logprobs is not None \
                 and len(ctx.prompt_logprobs) >= ctx.prompt_len:

@@ -272,3 +272,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, grammar_mask=None,
             top = raw_logprobs.topk(batch.num_logprobs, dim=-1)
             out.top_ids, out.top_logprobs = top.indices, top.values
     return out
+
+
+def count_tokens(batch: SamplingBatch, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Add `tokens` (one per row, or per `rows`) to the penalty state."""
+    if batch.output_counts is None or batch.seen is None:
+        return
+    if rows is None:
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+    batch.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=batch.output_counts.dtype),
+                                   accumulate=True)
+    batch.seen[rows, tokens] = True

@@ -16,12 +16,11 @@ without failing the others that shared its batch (see EngineCore.step).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from .context import GenerationStatus, TextContext
+from .context import Failure, TextContext
 from .kv_cache import KVCacheManager
-from .pipeline import multi_step_ok
+from .token_buffer import TokenBuffer
 
 
 @dataclass(frozen=True)
@@ -55,19 +54,20 @@ class SchedulerOutput:
 
     contexts: list[TextContext]
     num_steps: int
-    num_tokens: int
-    preempted: list[TextContext]
 
 
 class Scheduler:
-    """Decides which requests run in the next step and with how many tokens."""
+    """Decides which requests run in the next step and with how many tokens.
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 release: Callable[[TextContext], None] | None = None):
-        """`release` frees a finished or preempted request's resources (pages, slot)."""
+    It owns the queues, and frees what a request holds (its KV pages, its
+    token-buffer row) when the request leaves them: finished, aborted or
+    preempted.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, token_buffer: TokenBuffer):
         self.config = config
         self.kv = kv_manager
-        self._release = release or kv_manager.release
+        self.token_buffer = token_buffer
         self.waiting: deque[TextContext] = deque()
         self.running: list[TextContext] = []
         # Requests that ended without running a step (aborted, or can never fit);
@@ -91,6 +91,10 @@ class Scheduler:
                 return ctx
         return None
 
+    def _release(self, ctx: TextContext) -> None:
+        self.kv.release(ctx)
+        self.token_buffer.free(ctx)
+
     def remove(self, ctx: TextContext) -> None:
         """Drop `ctx` from the queues and free its pages (finished or aborted)."""
         if ctx in self.running:
@@ -107,12 +111,6 @@ class Scheduler:
     def take_dropped(self) -> list[TextContext]:
         dropped, self.dropped = self.dropped, []
         return dropped
-
-    def remove_finished(self) -> list[TextContext]:
-        done = [c for c in self.running if c.is_done]
-        for ctx in done:
-            self.remove(ctx)
-        return done
 
     def requeue(self, ctx: TextContext) -> None:
         """Send `ctx` back to the front of the queue to be recomputed from scratch
@@ -139,7 +137,7 @@ class Scheduler:
             return self._schedule_alone(suspect)
         budget = self.config.max_num_batched_tokens
         scheduled: list[TextContext] = []
-        preempted: list[TextContext] = []
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             ctx = self.running[i]
@@ -153,7 +151,7 @@ class Scheduler:
             while not self.kv.reserve(ctx, ctx.start_idx + n):
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted = True
                 if victim is ctx:
                     break
             if ctx.is_done or ctx not in self.running:
@@ -166,8 +164,7 @@ class Scheduler:
             self._admit(scheduled, budget)
         if not scheduled:
             return None
-        num_steps = self._num_steps(scheduled)
-        return SchedulerOutput(scheduled, num_steps, sum(c.active_length for c in scheduled), preempted)
+        return SchedulerOutput(scheduled, self._num_steps(scheduled))
 
     def _schedule_alone(self, ctx: TextContext) -> SchedulerOutput | None:
         """A step of `ctx` and nothing else (None while its last step is in flight).
@@ -182,7 +179,7 @@ class Scheduler:
                 scheduled: list[TextContext] = []
                 self._admit(scheduled, budget, limit=1)
                 if scheduled:
-                    return SchedulerOutput(scheduled, 1, scheduled[0].active_length, [])
+                    return SchedulerOutput(scheduled, 1)
                 if ctx not in self.waiting or not self.running:
                     return None  # dropped: it can never fit
                 self._preempt(self.running[-1])
@@ -198,7 +195,7 @@ class Scheduler:
                 return None
             self._preempt(others[-1])
         ctx.set_chunk(n)
-        return SchedulerOutput([ctx], 1, n, [])
+        return SchedulerOutput([ctx], 1)
 
     def _admit(self, scheduled: list[TextContext], budget: int, limit: int | None = None) -> None:
         reserve_pages = int(self.config.watermark * self.kv.allocator.num_pages)
@@ -213,13 +210,11 @@ class Scheduler:
                     or not self.kv.reserve(ctx, ctx.start_idx + n):
                 self._release(ctx)
                 if hit:
-                    ctx.reset()
-                    ctx.num_preemptions -= 1  # an undone prefix hit is not a preemption
+                    ctx.reset()  # an undone prefix hit: computed from the start
                 if not self.running and not scheduled:
                     # Nothing runs and it still does not fit: it never will.
                     self.waiting.popleft()
-                    ctx.error = "request does not fit in the KV cache"
-                    ctx.finish(GenerationStatus.ERROR)
+                    ctx.fail(Failure("request does not fit in the KV cache"))
                     self.dropped.append(ctx)
                     continue
                 break
@@ -231,7 +226,7 @@ class Scheduler:
 
     def _num_steps(self, scheduled: list[TextContext]) -> int:
         steps = self.config.num_steps
-        if steps == 1 or not all(multi_step_ok(c) for c in scheduled):
+        if steps == 1 or not all(c.can_multi_step() for c in scheduled):
             return 1
         steps = min([steps] + [c.compute_num_available_steps(self.config.max_seq_len) for c in scheduled])
         if steps <= 1:

@@ -1,14 +1,18 @@
 """Structured output inside the engine.
 
 Before sampling, the rows of constrained requests get their grammar's token
-bitmask applied to the logits (on the device; other rows are untouched). After
-a token is accepted, the matcher advances, and tokens the grammar forces are
-appended at once with `TextContext.jump_ahead`: they are output, and the next
-step feeds them to the model as one multi-token chunk, so a run of forced
-tokens costs one forward pass instead of one per token.
+bitmask applied to the logits (on the device; other rows are untouched). The
+bitmask of a step is a `PendingMask`: filled on the engine thread once every
+matcher has seen the tokens before its sample position, awaited on the device
+thread just before sampling. After a token is known, the request's matcher
+advances (`advance`), and tokens the grammar forces are appended at once with
+`TextContext.jump_ahead`: they are output, and the next step feeds them to the
+model as one multi-token chunk, so a run of forced tokens costs one forward
+pass instead of one per token.
 
-A token the matcher rejects ends the request with an error: the engine never
-falls back to unconstrained output.
+`advance` never ends a request itself: it returns a verdict (complete, or
+failed and why) for the step's postprocess to apply. A token the matcher
+rejects fails the request: the engine never falls back to unconstrained output.
 """
 
 from __future__ import annotations
@@ -21,11 +25,40 @@ from typing import Any
 
 import torch
 
-from .context import GenerationStatus, TextContext
+from grammar import GrammarCompiler, GrammarSpec, Matcher, apply_token_bitmask_inplace
+
+from .context import Failure, GenerationStatus, TextContext, Verdict
 
 log = logging.getLogger(__name__)
 
-StopCheck = Callable[[TextContext, int, int], None]
+
+class PendingMask:
+    """One step's grammar bitmask: filled on the engine thread, applied on the device thread.
+
+    `failed` holds the batch rows whose matcher could not compute its mask (the
+    step's postprocess fails those requests).
+    """
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._bitmask: torch.Tensor | None = None
+        self._rows: list[int] = []
+        self.failed: dict[int, Failure] = {}
+
+    def set(self, bitmask: torch.Tensor | None, rows: list[int]) -> None:
+        self._bitmask, self._rows = bitmask, rows
+        self._ready.set()
+
+    @property
+    def is_set(self) -> bool:
+        return self._ready.is_set()
+
+    def apply(self, logits: torch.Tensor,
+              apply_mask: Callable[[torch.Tensor, torch.Tensor, list[int]], None]) -> None:
+        """Wait until the mask is filled, then mask `logits` with it."""
+        self._ready.wait()
+        if self._bitmask is not None and self._rows:
+            apply_mask(logits, self._bitmask, self._rows)
 
 
 class StructuredOutput:
@@ -38,32 +71,30 @@ class StructuredOutput:
         self.eos_token_ids = list(eos_token_ids)
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
-        self._compiler: Any = None
+        self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
 
     @property
-    def compiler(self) -> Any:
+    def compiler(self) -> GrammarCompiler:
         """The GrammarCompiler, started on first use (it spawns a worker process)."""
         with self._lock:
             if self._compiler is None:
-                from grammar import GrammarCompiler
-
                 self._compiler = GrammarCompiler(self._hf_tokenizer, backend=self.backend,
                                                  vocab_size=self.vocab_size,
                                                  eos_token_ids=self.eos_token_ids,
                                                  compile_timeout_s=self.compile_timeout_s)
             return self._compiler
 
-    def compile_async(self, spec: Any, backend: str | None = None) -> Future:
-        """A future matcher for `spec` (GrammarSpec); fails with GrammarError.
+    def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:
+        """A future matcher for `spec`; fails with GrammarError.
 
         Thread-safe; a cache hit is already done. `backend` overrides the
         engine's default ("auto", "xgrammar" or "llguidance").
         """
         return self.compiler.compile_async(spec, backend)
 
-    def compile(self, spec: Any, backend: str | None = None) -> Any:
+    def compile(self, spec: GrammarSpec, backend: str | None = None) -> Matcher:
         return self.compiler.compile(spec, backend)
 
     def close(self) -> None:
@@ -73,72 +104,85 @@ class StructuredOutput:
                 self._compiler = None
 
     # -- per step -------------------------------------------------------------
-    def fill(self, contexts: Sequence[TextContext | None]) -> tuple[torch.Tensor, list[int]]:
-        """Bitmask rows for the constrained contexts (None rows are skipped).
+    def fill(self, mask: PendingMask, contexts: Sequence[TextContext | None]) -> None:
+        """Fill `mask` for the constrained contexts (None rows are skipped) and release it.
 
-        Returns (bitmask, rows filled). A context whose next token is already
-        decided (`forced_next`, see `advance`) gets a row allowing only it.
+        A context whose next token is already decided (`forced_next`, see
+        `advance`) gets a row allowing only it. A matcher that fails is
+        recorded in `mask.failed`; the others are filled all the same.
         """
-        rows = [i for i, c in enumerate(contexts) if c is not None and c.matcher is not None]
-        compiler = self.compiler
-        if self._bitmask is None or self._bitmask.shape[0] < len(contexts):
-            self._bitmask = compiler.allocate_bitmask(max(len(contexts), 64))
-        # One buffer is enough: a step's bitmask is filled only after the
-        # previous step (its last reader) has finished.
-        bitmask = self._bitmask[: len(contexts)]
-        free = [i for i in rows if contexts[i].forced_next is None]  # type: ignore[union-attr]
         try:
-            compiler.fill_bitmasks([contexts[i].matcher for i in free], bitmask, free)  # type: ignore[union-attr]
-        except Exception:  # noqa: BLE001 - one matcher's fault must not fail the batch
-            self._fill_one_by_one([contexts[i] for i in free], bitmask, free)  # type: ignore[misc]
-        for i in rows:
-            token = contexts[i].forced_next  # type: ignore[union-attr]
-            if token is not None:
-                _allow_only(bitmask[i], token)
-        return bitmask, rows
-
-    def _fill_one_by_one(self, contexts: Sequence[TextContext], bitmask: torch.Tensor,
-                         rows: Sequence[int]) -> None:
-        """After a failed batch fill: each row on its own; a request whose matcher
-        fails ends (its row is left as it is: its token will be discarded)."""
-        for ctx, row in zip(contexts, rows, strict=True):
+            rows = [i for i, c in enumerate(contexts) if c is not None and c.matcher is not None]
+            if not rows:
+                mask.set(None, [])
+                return
+            if self._bitmask is None or self._bitmask.shape[0] < len(contexts):
+                self._bitmask = self.compiler.allocate_bitmask(max(len(contexts), 64))
+            # One buffer is enough: a step's bitmask is filled only after the
+            # previous step (its last reader) has finished.
+            bitmask = self._bitmask[: len(contexts)]
+            free = [i for i in rows if contexts[i].forced_next is None]  # type: ignore[union-attr]
+            matchers = [contexts[i].matcher for i in free]  # type: ignore[union-attr]
             try:
-                self.compiler.fill_bitmasks([ctx.matcher], bitmask, [row])
+                self.compiler.fill_bitmasks(matchers, bitmask, free)
+            except Exception:  # noqa: BLE001 - one matcher's fault must not fail the batch
+                self._fill_one_by_one(matchers, bitmask, free, mask)
+            for i in rows:
+                token = contexts[i].forced_next  # type: ignore[union-attr]
+                if token is not None:
+                    _allow_only(bitmask[i], token)
+            mask.set(bitmask, rows)
+        finally:
+            if not mask.is_set:  # the device thread must never wait for ever
+                mask.set(None, [])
+
+    def _fill_one_by_one(self, matchers: Sequence[Matcher | None], bitmask: torch.Tensor,
+                         rows: Sequence[int], mask: PendingMask) -> None:
+        """After a failed batch fill: each row on its own; the failures are recorded
+        (those rows are left as they are: their tokens will be discarded)."""
+        for matcher, row in zip(matchers, rows, strict=True):
+            try:
+                self.compiler.fill_bitmasks([matcher], bitmask, [row])
             except Exception:  # noqa: BLE001
-                log.exception("request %s: computing its grammar mask failed", ctx.request_id)
-                ctx.fail("internal error while computing the grammar mask; see the server log")
+                log.exception("computing a grammar mask failed (row %d)", row)
+                mask.failed[row] = Failure("internal error while computing the grammar mask; "
+                                           "see the server log")
 
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    @staticmethod
+    def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Mask disallowed tokens of `rows` of `logits` in place (on its device)."""
-        self.compiler.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), list(rows))
+        apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), rows)
 
-    def advance(self, ctx: TextContext, check_stop: StopCheck) -> None:
+    @staticmethod
+    def advance(ctx: TextContext) -> tuple[Verdict | None, bool]:
         """Feed ctx's newly known tokens to its matcher, then append forced tokens.
 
-        The matcher only sees tokens in order, up to the first placeholder. When
-        one placeholder remains (the step in flight samples the next position),
-        the grammar's first forced token is what that step will sample (its
-        mask allows nothing else), so only the rest are appended behind it.
+        Returns (verdict, forced): how the grammar ends the request (None: it
+        goes on) and whether forced tokens were appended. The matcher only sees
+        tokens in order, up to the first placeholder. When one placeholder
+        remains (the step in flight samples the next position), the grammar's
+        first forced token is what that step will sample (its mask allows
+        nothing else), so only the rest are appended behind it.
         """
         matcher = ctx.matcher
+        assert matcher is not None
         end = ctx.num_final_tokens
         while ctx.grammar_idx < end:
             token = int(ctx.tokens[ctx.grammar_idx])
             if ctx.forced_next is not None:
                 # The in-flight step was masked to this one token.
                 if token != ctx.forced_next:
-                    ctx.fail(f"token {token} differs from the forced token {ctx.forced_next}")
-                    return
+                    return Failure(f"token {token} differs from the forced token {ctx.forced_next}"), False
                 ctx.forced_next = None
             if not matcher.accept_token(token):
-                _rejected(ctx, token)
-                return
+                return _rejected(matcher, token), False
             ctx.grammar_idx += 1
-            if self._finished_by_grammar(ctx):
-                return
+            verdict = _grammar_verdict(matcher)
+            if verdict is not None:
+                return verdict, False
         in_flight = ctx.end_idx - ctx.grammar_idx
         if in_flight > 1:
-            return  # tokens behind a placeholder are consumed when it is realized
+            return None, False  # tokens behind a placeholder are consumed when it is realized
         room = ctx.max_length - ctx.end_idx
         usable = room + in_flight  # the in-flight position, then the room behind it
         forced = matcher.forced_tokens(max_tokens=usable) if usable > 0 else []
@@ -154,41 +198,33 @@ class StructuredOutput:
             ctx.jump_ahead(token)
             if in_flight == 0:
                 if not matcher.accept_token(token):
-                    _rejected(ctx, token)
-                    return
+                    return _rejected(matcher, token), True
                 ctx.grammar_idx += 1
-        if forced:
-            check_stop(ctx, int(ctx.tokens[ctx.end_idx - 1]), ctx.end_idx - 1)
-
-    @staticmethod
-    def _finished_by_grammar(ctx: TextContext) -> bool:
-        matcher = ctx.matcher
-        message = matcher.error()
-        if message:
-            ctx.fail(f"the grammar library stopped: {message}", cause="constraint")
-            return True
-        if matcher.is_terminated():
-            # The grammar accepted a stop token: the output is complete (even
-            # with ignore_eos, nothing else may follow).
-            ctx.finish(GenerationStatus.END_OF_SEQUENCE)
-            return True
-        return False
+        return None, bool(forced)
 
 
-def _rejected(ctx: TextContext, token: int) -> None:
-    """End `ctx`: its matcher refused a token the mask (or the grammar's forced
-    run) had allowed. A library limit is the constraint's fault; anything else
-    is a disagreement between mask and matcher, a server fault."""
-    matcher = ctx.matcher
+def _grammar_verdict(matcher: Matcher) -> Verdict | None:
     message = matcher.error()
     if message:
-        ctx.fail(f"the grammar library stopped: {message}", cause="constraint")
-        return
+        return Failure(f"the grammar library stopped: {message}", cause="constraint")
+    if matcher.is_terminated():
+        # The grammar accepted a stop token: the output is complete (even with
+        # ignore_eos, nothing else may follow).
+        return GenerationStatus.END_OF_SEQUENCE
+    return None
+
+
+def _rejected(matcher: Matcher, token: int) -> Failure:
+    """The matcher refused a token the mask (or the grammar's forced run) had
+    allowed. A library limit is the constraint's fault; anything else is a
+    disagreement between mask and matcher, a server fault."""
+    message = matcher.error()
+    if message:
+        return Failure(f"the grammar library stopped: {message}", cause="constraint")
     reason = matcher.rejection_reason(token)
     if reason:
-        ctx.fail(f"the grammar library refused token {token}: {reason}", cause="constraint")
-    else:
-        ctx.fail(f"token {token} was rejected by the grammar")
+        return Failure(f"the grammar library refused token {token}: {reason}", cause="constraint")
+    return Failure(f"token {token} was rejected by the grammar")
 
 
 def _allow_only(row: torch.Tensor, token: int) -> None:

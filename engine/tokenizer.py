@@ -27,7 +27,6 @@ class Tokenizer:
         if not getattr(self.hf, "is_fast", False):
             raise CheckpointError("a fast tokenizer (tokenizer.json) is required")
         self.backend = self.hf.backend_tokenizer
-        self.special_ids = frozenset(self.hf.all_special_ids)
 
     def __len__(self) -> int:
         return len(self.hf)
@@ -55,10 +54,6 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def token_text(self, token_id: int) -> str:
-        """The text of a single token (for logprob listings)."""
-        return self.hf.decode([token_id], skip_special_tokens=False)
 
     def stream(self, prefix: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, prefix, skip_special_tokens)

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import numpy as np
-
-from engine import EngineCore, GenerationStatus, InvalidRequest, RequestOutput, SamplingParams
-from engine.context import TextContext, TokenLogprobs
+from engine import EngineCore, InvalidRequest, RequestOutput, SamplingParams
+from engine.context import TokenLogprobs
+from engine.requests import RequestSpec, check_token_ids
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from engine.tokenizer import Tokenizer
 
-from .errors import failed_precondition, invalid_argument
+from .errors import ServiceError, failed_precondition, invalid_argument
 from .gen.stencil.v1 import generate_pb2 as pb
 from .structured import ConstraintSpec, constraint_spec
 
@@ -39,14 +38,15 @@ FIELD_PATHS: dict[str, str] = {
 }
 
 Finish = pb.GenerateComplete.FinishReason
-FINISH_REASONS: dict[GenerationStatus, pb.GenerateComplete.FinishReason] = {
-    GenerationStatus.END_OF_SEQUENCE: Finish.EOS,
-    GenerationStatus.STOP_STRING: Finish.STOP_STRING,
-    GenerationStatus.STOP_TOKEN: Finish.STOP_TOKEN,
-    GenerationStatus.MAXIMUM_LENGTH: Finish.LENGTH,
-    GenerationStatus.CONTEXT_LENGTH: Finish.CONTEXT_LENGTH,
-    GenerationStatus.CANCELLED: Finish.CANCELLED,
-}
+
+
+def finish_reason(output: RequestOutput) -> pb.GenerateComplete.FinishReason:
+    """The proto's finish reason of a final output: the enum value named like the
+    engine's status value (eos -> EOS, length -> LENGTH, ...)."""
+    try:
+        return Finish.Value(output.status.value.upper())
+    except ValueError:  # "error": failed requests end with a status code instead
+        return Finish.FINISH_REASON_UNSPECIFIED
 
 
 @dataclass(frozen=True)
@@ -60,24 +60,17 @@ class OutputOptions:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated Generate request, ready for the engine once its constraint
-    (if any) is compiled and attached with `with_matcher`."""
+    """A checked Generate request: the engine builds its context from `spec`
+    once its constraint (if any) is compiled."""
 
-    context: TextContext
+    spec: RequestSpec
     options: OutputOptions
     constraint: ConstraintSpec | None = None
-    input_field: str = "text"
 
     @property
     def request_id(self) -> str:
-        return self.context.request_id
-
-    def with_matcher(self, engine: EngineCore, matcher: object) -> PreparedRequest:
-        """The same request with its compiled grammar matcher (a new context)."""
-        ctx = self.context
-        with_matcher = _make_context(engine, ctx.prompt_tokens.tolist(), ctx.sampling_params,
-                                     ctx.request_id, self.input_field, matcher)
-        return replace(self, context=with_matcher)
+        assert self.spec.request_id is not None
+        return self.spec.request_id
 
 
 # -- requests -----------------------------------------------------------------
@@ -122,13 +115,14 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
         raise invalid_argument(FIELD_PATHS.get(err.field, err.field), err.description) from None
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
-    arr = np.asarray(ids, dtype=np.int64)
-    bad = np.flatnonzero(arr >= vocab_size)
-    if bad.size:
-        i = int(bad[0])
-        raise invalid_argument(f"{field}[{i}]", f"token id {int(arr[i])} is outside the "
-                                                f"vocabulary [0, {vocab_size})")
+def invalid_request(err: InvalidRequest, input_field: str = "prompt") -> ServiceError:
+    """INVALID_ARGUMENT for an engine's InvalidRequest, its field named by its
+    path in the request (the prompt's by `input_field`, with the bad index)."""
+    if err.field == "prompt":
+        path = input_field if err.index is None else f"{input_field}[{err.index}]"
+    else:
+        path = FIELD_PATHS.get(err.field, err.field)
+    return invalid_argument(path, err.description)
 
 
 def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat") -> list[int]:
@@ -150,7 +144,7 @@ def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat") -
         raise invalid_argument(f"{field}.messages", f"the chat template rejected them: {err}") from None
 
 
-def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str]:
+def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer) -> tuple[list[int], str]:
     """The prompt's token ids and the path of the input field they came from."""
     which = req.WhichOneof("input")
     if which is None:
@@ -164,38 +158,31 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int) -
         ids = list(req.token_ids.ids)
         if not ids:
             raise invalid_argument("token_ids.ids", "the prompt is empty")
-        check_token_ids(ids, vocab_size, "token_ids.ids")
         return ids, "token_ids.ids"
     return chat_prompt(req.chat, tokenizer), "chat.messages"
 
 
-def _make_context(engine: EngineCore, ids: Sequence[int], params: SamplingParams, request_id: str,
-                  input_field: str, matcher: object = None) -> TextContext:
-    try:
-        return engine.make_context(ids, params, request_id, matcher=matcher)
-    except InvalidRequest as err:
-        path = input_field if err.field == "prompt" else FIELD_PATHS.get(err.field, err.field)
-        raise invalid_argument(path, err.description) from None
-
-
 def prepare_generate(req: pb.GenerateRequest, engine: EngineCore) -> PreparedRequest:
-    """Validate a Generate request and build its engine context (no engine state is touched).
+    """Check a Generate request against the engine's model (no engine state is touched).
 
-    Everything cheap is checked here, before any grammar is compiled, so a
-    request that would fail anyway never occupies the compiler.
+    Everything is checked here, before any grammar is compiled, so a request
+    that would fail anyway never occupies the compiler.
     """
     request_id = request_id_of(req)
     params = sampling_params(req)
     constraint = constraint_spec(req)
-    ids, input_field = prompt_ids(req, engine.tokenizer, engine.vocab_size)
-    ctx = _make_context(engine, ids, params, request_id, input_field)
+    ids, input_field = prompt_ids(req, engine.tokenizer)
+    try:
+        spec = engine.check_request(ids, params, request_id)
+    except InvalidRequest as err:
+        raise invalid_request(err, input_field) from None
     r = req.response
     options = OutputOptions(
         return_token_ids=r.return_token_ids if r.HasField("return_token_ids") else True,
         logprobs=params.logprobs is not None,
         prompt_logprobs=params.prompt_logprobs is not None,
     )
-    return PreparedRequest(ctx, options, constraint, input_field)
+    return PreparedRequest(spec, options, constraint)
 
 
 # -- responses ----------------------------------------------------------------
@@ -226,7 +213,7 @@ def chunk_response(request_id: str, outputs: Sequence[RequestOutput],
 def complete_response(request_id: str, final: RequestOutput) -> pb.GenerateResponse:
     """The closing message of a stream, from the request's final output."""
     done = pb.GenerateComplete(
-        finish_reason=FINISH_REASONS.get(final.status, Finish.FINISH_REASON_UNSPECIFIED),
+        finish_reason=finish_reason(final),
         usage=pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
                        cached_prompt_tokens=final.cached_prompt_tokens,
                        forced_tokens=final.forced_tokens),
@@ -260,7 +247,10 @@ def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer) -> pb.TokenizeRespon
 
 def detokenize(req: pb.DetokenizeRequest, tokenizer: Tokenizer, vocab_size: int) -> pb.DetokenizeResponse:
     ids = list(req.token_ids)
-    check_token_ids(ids, vocab_size, "token_ids")
+    try:
+        check_token_ids(ids, vocab_size, "token_ids")
+    except InvalidRequest as err:
+        raise invalid_argument(f"token_ids[{err.index}]", err.description) from None
     skip = req.skip_special_tokens if req.HasField("skip_special_tokens") else True
     return pb.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
 

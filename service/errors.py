@@ -1,4 +1,4 @@
-"""gRPC status errors: the codes of DESIGN.md, BadRequest details, no tracebacks.
+"""gRPC status errors: the codes of the README's table, BadRequest details, no tracebacks.
 
 Handlers raise `ServiceError`; the `rpc_guard` decorator turns it into a status
 (with a `google.rpc.BadRequest` for invalid arguments) and turns anything else

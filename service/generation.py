@@ -130,22 +130,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_guard
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         loop = self.state.require_engine()
+        # 1. Check the request and tokenize its prompt (a long one off the loop).
         prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
                                              request, loop.engine)
+        matcher = None
         if prepared.constraint is not None:
-            # Compiled before the engine sees the request (a cache hit returns
-            # at once); a failure ends only this call. Nothing is registered
-            # yet, so a call cancelled here leaves nothing behind.
+            # 2. Compile its constraint before the engine sees it (a cache hit
+            # returns at once); a failure ends only this call. Nothing is
+            # registered yet, so a call cancelled here leaves nothing behind.
             compiler = self.state.constraints
             assert compiler is not None
             matcher = await compiler.compile(prepared.constraint)
-            prepared = prepared.with_matcher(loop.engine, matcher)
             if not loop.alive:
                 raise unavailable("the engine is not running")
         if self.state.draining:  # the drain began while the prompt was tokenized or compiled
             raise unavailable("the server is shutting down")
+        # 3. Build its context, once, and hand it to the engine thread.
+        ctx = loop.engine.context(prepared.spec, matcher)
         rid = prepared.request_id
-        stream = loop.submit(prepared.context)
+        stream = loop.submit(ctx)
         self.state.call_started()
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))

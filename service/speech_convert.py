@@ -13,10 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine import EngineCore, GenerationStatus, InvalidRequest, RequestOutput, SamplingParams
-from engine.engine import MAX_SPEECH_CHARS
-from engine.speech import CODES_PER_FRAME, DEFAULT_SPEECH_SAMPLING, SpeechLayout, TTSContext
+from engine.speech import (
+    CODES_PER_FRAME,
+    DEFAULT_SPEECH_SAMPLING,
+    MAX_SPEECH_CHARS,
+    SpeechLayout,
+    TTSContext,
+)
 
-from .convert import FIELD_PATHS, check_request_id, sampling_kwargs
+from .convert import FIELD_PATHS, check_request_id, invalid_request, sampling_kwargs
 from .errors import invalid_argument
 from .gen.stencil.v1 import speech_pb2 as pb
 
@@ -55,14 +60,9 @@ class PreparedSpeech:
 
 
 # -- requests -----------------------------------------------------------------
-def speech_sampling_params(req: pb.SynthesizeRequest, vocab_size: int) -> SamplingParams:
+def speech_sampling_params(req: pb.SynthesizeRequest) -> SamplingParams:
     """SamplingParams from `sampling`; unset fields take the speech defaults."""
     kwargs = {**SPEECH_SAMPLING_DEFAULTS, **sampling_kwargs(req.sampling)}
-    # Checked here: the engine validates logit_bias ids only for text requests.
-    for tok in req.sampling.logit_bias:
-        if tok >= vocab_size:
-            raise invalid_argument("sampling.logit_bias", f"token id {tok} is outside the "
-                                                          f"vocabulary [0, {vocab_size})")
     try:
         return SamplingParams(**kwargs)  # type: ignore[arg-type]
     except InvalidRequest as err:
@@ -107,7 +107,7 @@ def prepare_synthesize(req: pb.SynthesizeRequest, engine: EngineCore) -> Prepare
     assert engine.speech_layout is not None
     request_id = check_request_id(req.request_id)
     fmt = audio_format(req)
-    params = speech_sampling_params(req, engine.vocab_size)
+    params = speech_sampling_params(req)
     codes = check_voice_prompt(req, engine.speech_layout)
     chunk_frames = req.chunk_frames if req.HasField("chunk_frames") else DEFAULT_CHUNK_FRAMES
     seconds = req.max_audio_seconds if req.HasField("max_audio_seconds") else DEFAULT_MAX_AUDIO_SECONDS
@@ -116,7 +116,7 @@ def prepare_synthesize(req: pb.SynthesizeRequest, engine: EngineCore) -> Prepare
                                          max_audio_seconds=seconds, audio_prompt_codes=codes,
                                          audio_prompt_transcription=req.audio_prompt_transcription)
     except InvalidRequest as err:
-        raise invalid_argument(FIELD_PATHS.get(err.field, err.field), err.description) from None
+        raise invalid_request(err) from None
     return PreparedSpeech(ctx, fmt, req.return_audio_tokens)
 
 

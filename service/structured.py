@@ -11,10 +11,12 @@ is never silently left unconstrained.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from grammar import GrammarError, GrammarOptions, GrammarSpec
+from engine.structured import StructuredOutput
+from grammar import GrammarError, GrammarOptions, GrammarSpec, Matcher
 
 from .errors import ServiceError, invalid_argument, resource_exhausted, unavailable
 from .gen.stencil.v1 import generate_pb2 as pb
@@ -114,8 +116,8 @@ class ConstraintCompiler:
     engine's grammar compiler already exists (started at warm-up).
     """
 
-    def __init__(self, structured: Any, max_in_flight: int = 64, warm: bool = False):
-        self._structured = structured  # engine.structured.StructuredOutput
+    def __init__(self, structured: StructuredOutput, max_in_flight: int = 64, warm: bool = False):
+        self._structured = structured
         self.max_in_flight = max_in_flight
         self._started = warm
 
@@ -124,7 +126,7 @@ class ConstraintCompiler:
         """Distinct compiles queued or running now."""
         return self._structured.compiler.pending_compiles if self._started else 0
 
-    async def compile(self, constraint: ConstraintSpec) -> Any:
+    async def compile(self, constraint: ConstraintSpec) -> Matcher:
         """A fresh matcher for the constraint; ServiceError if it cannot be compiled.
 
         Cancellation (client gone, deadline) stops the waiting and cancels the
@@ -150,7 +152,7 @@ class ConstraintCompiler:
             raise _compile_error(err, constraint.field) from None
 
     @staticmethod
-    def _result(future: Any, field: str) -> Any:
+    def _result(future: Future[Matcher], field: str) -> Matcher:
         try:
             return future.result()
         except GrammarError as err:

@@ -74,7 +74,6 @@ class EncoderConfig:
     num_heads: int
     intermediate_size: int
     max_position_embeddings: int
-    type_vocab_size: int
     layer_norm_eps: float
     hidden_act: str
 
@@ -131,7 +130,6 @@ def read_encoder_config(encoder_dir: Path) -> EncoderConfig:
         num_heads=int(cfg["num_attention_heads"]),
         intermediate_size=int(cfg["intermediate_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 512)),
-        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
         layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
         hidden_act=str(cfg.get("hidden_act", "gelu")),
     )

@@ -12,7 +12,6 @@ import numbers
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -97,10 +96,6 @@ class EmbeddingPipeline:
                                             lowercase=self.spec.do_lower_case)
         self._lock = threading.Lock()
         self._forward_passes = 0
-
-    @property
-    def model_path(self) -> Path:
-        return self.spec.root
 
     @property
     def dimension(self) -> int:

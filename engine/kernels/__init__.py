@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 from engine.cpu_features import cpu_flags
+from engine.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ def kernels_disabled() -> bool:
 
 
 def _build_dir() -> Path:
-    from engine.presets import cache_root
-
     digest = hashlib.sha256()
     for src in _HASHED:
         digest.update(src.name.encode())

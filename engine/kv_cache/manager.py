@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,21 +27,28 @@ def pages_for_budget(gib: float, num_layers: int, page_size: int, num_kv_heads: 
     return int(gib * (1 << 30)) // per_page
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVCacheInputs:
-    """What a forward step needs to find each sequence's keys and values (MAX's names).
+    """What attention reads each step to find every sequence's keys and values (MAX's names).
+
+    Built once per step by `KVCacheManager.inputs`, on the device the attention
+    backend runs on; every backend reads it in every layer.
 
     kv_blocks:      the page tensor [num_pages, 2, num_layers, page_size, kv_heads, head_dim]
     cache_lengths:  [B] int32, tokens of each sequence already in the cache
     lookup_table:   [B, max_pages] int32, page ids of each sequence (padded with 0)
-    max_lengths:    [num_steps, 2] int32, per step (longest query, longest cache)
+    max_lengths:    [num_steps, 2] int32 on the host: per decode step, the longest
+                    query and the longest context (prompt chunk + cache)
     """
 
     kv_blocks: torch.Tensor
     cache_lengths: torch.Tensor
     lookup_table: torch.Tensor
     max_lengths: torch.Tensor
-    host_lookup_table: np.ndarray
+
+    def after_decode_step(self) -> KVCacheInputs:
+        """The inputs of the next step of a multi-step decode: one more cached token each."""
+        return replace(self, cache_lengths=self.cache_lengths + 1, max_lengths=self.max_lengths[1:])
 
 
 class _SeqState:
@@ -133,9 +140,6 @@ class KVCacheManager:
             self.allocator.release(page)
 
     # -- step inputs ------------------------------------------------------
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._seqs
-
     def num_pages_held(self, request_id: str) -> int:
         state = self._seqs.get(request_id)
         return len(state.pages) if state else 0
@@ -145,6 +149,7 @@ class KVCacheManager:
         return len(self._seqs)
 
     def lookup_table(self, batch: Sequence[TextContext]) -> np.ndarray:
+        """[B, max_pages] int32 page ids of each request of `batch` (padded with 0)."""
         width = max(1, max(len(self._seqs[c.request_id].pages) for c in batch))
         table = np.zeros((len(batch), width), dtype=np.int32)
         for row, ctx in enumerate(batch):
@@ -152,21 +157,18 @@ class KVCacheManager:
             table[row, :len(pages)] = pages
         return table
 
-    def inputs(self, batch: Sequence[TextContext], num_steps: int = 1) -> KVCacheInputs:
-        """KVCacheInputs for a batch whose next_tokens are about to run."""
-        table = self.lookup_table(batch)
-        cache_lengths = np.array([c.start_idx for c in batch], dtype=np.int32)
-        q_lens = np.array([c.active_length for c in batch], dtype=np.int32)
-        max_lengths = np.array(
-            [[int(q_lens.max()) if s == 0 else 1, int(cache_lengths.max()) + int(q_lens.max()) + s - 1]
-             for s in range(num_steps)],
-            dtype=np.int32,
-        )
-        device = self.kv_blocks.device
+    def inputs(self, table: np.ndarray, cache_lengths: np.ndarray, q_lens: np.ndarray,
+               num_steps: int, device: torch.device) -> KVCacheInputs:
+        """KVCacheInputs for a step whose requests have `table` (from `lookup_table`),
+        `cache_lengths` cached tokens and `q_lens` new ones each, on `device`
+        (on the CPU the tensors share the arrays' memory)."""
+        longest_q = int(q_lens.max())
+        longest_ctx = int((cache_lengths + q_lens).max())
+        max_lengths = np.array([[longest_q if s == 0 else 1, longest_ctx + s] for s in range(num_steps)],
+                               dtype=np.int32)
         return KVCacheInputs(
             kv_blocks=self.kv_blocks,
-            cache_lengths=torch.from_numpy(cache_lengths).to(device),
-            lookup_table=torch.from_numpy(table).to(device),
+            cache_lengths=torch.from_numpy(cache_lengths.astype(np.int32)).to(device, non_blocking=True),
+            lookup_table=torch.from_numpy(table).to(device, non_blocking=True),
             max_lengths=torch.from_numpy(max_lengths),
-            host_lookup_table=table,
         )

@@ -55,8 +55,6 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    checkpoint_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -154,7 +152,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=family == "qwen3",
         eos_token_ids=tuple(eos),
-        bos_token_id=cfg.get("bos_token_id"),
-        checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         extra={"hidden_act": cfg.get("hidden_act", "silu")},
     )

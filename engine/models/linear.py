@@ -56,7 +56,7 @@ class Linear:
         self.ops = small_batch_ops
         if small_batch_ops is not None and weight.device.type == "cpu" and weight.dtype == torch.float32 \
                 and getattr(small_batch_ops, "has_avx512", False):
-            from engine.kv_cache.memory import empty_huge
+            from engine.memory import empty_huge
 
             blocks = -(-self.out_features // 16)
             self.blocked = empty_huge((blocks * self.in_features * 16,), torch.float32)

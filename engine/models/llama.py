@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend
 
 from .config import CheckpointError, ModelConfig
 from .linear import Linear
@@ -145,8 +145,9 @@ class LlamaFamilyModel:
 
     # -- forward ----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, `[T, hidden]`, for a flat token batch."""
+                meta: object) -> torch.Tensor:
+        """Hidden states after the final norm, `[T, hidden]`, for a flat token batch;
+        `meta` is the attention backend's plan of the step."""
         c = self.config
         t = input_ids.shape[0]
         rope = self._rope_input(positions)

@@ -9,12 +9,13 @@ tokenizer. `write_preset` writes one to a directory; `ensure_preset` caches it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine.paths import cache_root
 
 TOKENIZER_DIR = Path(__file__).parent / "tokenizer"
 # Bumped whenever a preset's weights or files change, so caches refresh.
@@ -209,12 +210,6 @@ def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path
         json.dumps({"preset": name, "version": PRESET_VERSION}) + "\n"
     )
     return out
-
-
-def cache_root() -> Path:
-    """Where cached presets live: $STENCILD_CACHE, else ~/.cache/stencild."""
-    env = os.environ.get("STENCILD_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "stencild"
 
 
 def ensure_preset(name: str) -> Path:

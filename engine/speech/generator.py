@@ -23,7 +23,6 @@ class AudioGenerationOutput:
 
     request_id: str
     audio: np.ndarray  # float32 mono samples
-    first_frame: int
     final: bool
 
 
@@ -64,7 +63,7 @@ class AudioGenerator:
             ctx.decoded_frames = window.keep_end
             ctx.audio_samples += len(samples)
             final = ctx.is_done and ctx.decoded_frames >= len(ctx.speech_codes())
-            out[ctx.request_id] = AudioGenerationOutput(ctx.request_id, samples, window.keep_start, final)
+            out[ctx.request_id] = AudioGenerationOutput(ctx.request_id, samples, final)
         return out
 
     def drain(self, contexts: Sequence[TTSContext]) -> dict[str, np.ndarray]:
@@ -77,6 +76,3 @@ class AudioGenerator:
             for rid, chunk in got.items():
                 pieces.setdefault(rid, []).append(chunk.audio)
         return {rid: np.concatenate(p) for rid, p in pieces.items()}
-
-    def release(self, ctx: TTSContext) -> None:
-        """Nothing is held per request beyond the context itself."""

@@ -193,7 +193,7 @@ class _Exploding:
 
 def test_engine_failure_is_internal_then_unavailable(make_server) -> None:
     from engine import EngineConfig, EngineCore
-    from engine.engine import MAX_FAILED_STEPS
+    from engine.postprocess import MAX_FAILED_STEPS
     from engine.presets import ensure_preset
 
     path = ensure_preset("tiny-llama")

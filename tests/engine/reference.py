@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.presets import ensure_preset
+from engine.step_inputs import build_step_inputs
 
 # Mixed prompt lengths, from 3 to 60 tokens (pages are 16 tokens).
 PROMPT_LENGTHS = [3, 60, 17, 33, 5, 48, 25, 9]
@@ -61,18 +62,19 @@ def engine_logits(llm: LLM, tokens: list[int], chunks: list[int]) -> torch.Tenso
     assert sum(chunks) == len(tokens)
     ctx = eng.make_context(tokens, SamplingParams(max_new_tokens=1))
     eng.kv_manager.claim(ctx, use_prefix_cache=False)
-    runner = eng.pipeline.runner
+    pipe = eng.pipeline
     rows = []
     try:
         for n in chunks:
             ctx.set_chunk(n)
             assert eng.kv_manager.reserve(ctx, ctx.active_idx)
-            fwd = runner.prepare([ctx])
+            inputs = build_step_inputs([ctx], 1, eng.kv_manager, pipe.buffer, eng.attention, eng.vocab_size)
             with torch.inference_mode():
-                rows.append(eng.model.logits(runner.forward(fwd)))
+                hidden = eng.model.forward(inputs.input_ids, inputs.positions, eng.attention, inputs.attention)
+                rows.append(eng.model.logits(hidden))
             ctx.mark_chunk_done()
     finally:
-        eng.kv_manager.release(ctx)
+        pipe.release(ctx)
     return torch.cat(rows)
 
 

@@ -99,11 +99,12 @@ def test_paged_attention_bf16_cache():
 def test_kernel_backend_matches_torch_backend_on_a_mixed_step(head_dim):
     """Decode tokens, a fresh prompt, a prompt chunk over cached context and a
     chunk too long for the kernel, in one step, through both CPU backends."""
-    from engine.attention import KernelAttention, SeqSpan, TorchAttention, build_metadata
+    from engine.attention import KernelAttention, SeqSpan, TorchAttention
+    from engine.kv_cache import KVCacheInputs
 
     g = torch.Generator().manual_seed(head_dim)
     heads, kv_heads, page_size, layers = 6, 2, 16, 2
-    probe = KernelAttention(torch.empty(1, 2, layers, page_size, kv_heads, head_dim), heads, head_dim, ops)
+    probe = KernelAttention(heads, head_dim, ops, torch.empty(1, 2, layers, page_size, kv_heads, head_dim))
     too_long = probe.kernel_max_context + 9 if probe.kernel_max_context else 200
     # (cache_len, q_len): decode, decode, fresh prompt, chunk over cached keys, long chunk.
     shapes = [(40, 1), (7, 1), (0, 37), (20, 30), (too_long - 150, 150)]
@@ -116,13 +117,15 @@ def test_kernel_backend_matches_torch_backend_on_a_mixed_step(head_dim):
     shape = (num_pages, 2, layers, page_size, kv_heads, head_dim)
     caches = [torch.randn(shape, generator=g) for _ in range(2)]
     caches[1].copy_(caches[0])
-    kernel = KernelAttention(caches[0], heads, head_dim, ops)
-    torch_backend = TorchAttention(caches[1], heads, head_dim)
+    kernel = KernelAttention(heads, head_dim, ops, caches[0])
+    torch_backend = TorchAttention(heads, head_dim)
     table = torch.randperm(num_pages, generator=g).view(len(shapes), -1).int().numpy()
     outs = []
-    for backend in (kernel, torch_backend):
-        meta = build_metadata(spans, table, page_size, torch.device("cpu"))
-        backend.prepare(meta, table)
+    cache_lengths = torch.tensor([c for c, _ in shapes], dtype=torch.int32)
+    max_lengths = torch.tensor([[max(q for _, q in shapes), max(c + q for c, q in shapes)]], dtype=torch.int32)
+    for backend, cache in ((kernel, caches[0]), (torch_backend, caches[1])):
+        kv = KVCacheInputs(cache, cache_lengths, torch.from_numpy(table), max_lengths)
+        meta = backend.plan(spans, table, kv)
         g2 = torch.Generator().manual_seed(1)
         per_layer = []
         for layer in range(layers):

@@ -58,7 +58,7 @@ def test_rollback_reset_and_available_steps():
     with pytest.raises(ValueError):
         c.rollback(2)
     c.reset()
-    assert (c.start_idx, c.active_idx, c.end_idx) == (0, 6, 6) and c.num_preemptions == 1
+    assert (c.start_idx, c.active_idx, c.end_idx) == (0, 6, 6) and c.epoch == 1
     assert c.compute_num_available_steps(max_seq_len=10) == 4
     assert c.compute_num_available_steps(max_seq_len=100) == 14
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import pipeline as pipeline_module
-from engine.engine import MAX_FAILED_STEPS, EngineBroken
+from engine import step_inputs as step_inputs_module
+from engine.postprocess import MAX_FAILED_STEPS, EngineBroken
 from engine.presets import ensure_preset
 from grammar import GrammarSpec
 
@@ -76,19 +76,19 @@ def test_a_request_that_breaks_the_forward_pass_fails_alone(make_llm, overlap):
     # The engine goes on as before.
     after = llm.generate(batch[:2], GREEDY)
     assert [r.token_ids for r in after] == [hf_greedy("tiny-llama", p, 12) for p in batch[:2]]
-    assert llm.engine._failed_steps == 0
+    assert llm.engine.postprocessor.failed_steps == 0
 
 
 def test_a_request_that_breaks_the_step_set_up_fails_alone(make_llm, monkeypatch):
     llm = make_llm("tiny-llama")
-    real = pipeline_module.build_sampling_batch
+    real = step_inputs_module.build_sampling_batch
 
     def build(contexts, *args):
         if any(c.seed == 666 for c in contexts):
             raise ValueError("injected fault while preparing sampling")
         return real(contexts, *args)
 
-    monkeypatch.setattr(pipeline_module, "build_sampling_batch", build)
+    monkeypatch.setattr(step_inputs_module, "build_sampling_batch", build)
     batch = prompts(4)
     params = [GREEDY, SamplingParams(temperature=0.5, seed=666, max_new_tokens=4), GREEDY, GREEDY]
     results = llm.generate(batch, params)
@@ -156,7 +156,7 @@ def test_a_failing_detokenizer_fails_only_its_request(make_llm):
     def broken(token: int) -> str:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected fault")
 
-    eng._streams["d1"].decoder.step = broken  # type: ignore[union-attr]
+    eng.postprocessor._streams["d1"].decoder.step = broken  # type: ignore[union-attr]
     final = _run(llm, [])
     assert final["d1"].status.name == "ERROR" and "decoding the output" in final["d1"].error
     for i in (0, 2):
@@ -213,6 +213,6 @@ def test_steps_that_fail_whatever_runs_in_them_break_the_engine():
         # More failures in a row than any set of bad requests explains: broken.
         with pytest.raises(EngineBroken):
             llm.generate(prompts(8) * 2, GREEDY)
-        assert llm.engine._failed_steps == MAX_FAILED_STEPS + 1
+        assert llm.engine.postprocessor.failed_steps == MAX_FAILED_STEPS + 1
     finally:
         llm.close()

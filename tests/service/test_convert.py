@@ -62,13 +62,13 @@ def test_bad_values_name_the_field(path: str, value: float) -> None:
     assert info.value.violations[0][0] == path
 
 
-def test_prepare_generate_builds_the_context(engine: EngineCore) -> None:
+def test_prepare_generate_checks_the_request(engine: EngineCore) -> None:
     req = pb.GenerateRequest(text="hello there", request_id="r1")
     req.stopping.max_new_tokens = 4
     req.response.return_token_ids = False
     prepared = convert.prepare_generate(req, engine)
     assert prepared.request_id == "r1"
-    assert prepared.context.prompt_tokens.tolist() == engine.tokenizer.encode("hello there")
+    assert prepared.spec.prompt.tolist() == engine.tokenizer.encode("hello there")
     assert prepared.options == convert.OutputOptions(return_token_ids=False)
     assert convert.prepare_generate(pb.GenerateRequest(text="x"), engine).request_id
 
@@ -78,11 +78,11 @@ def test_constrained_request_is_validated_before_compiling(engine: EngineCore) -
     req.constraint.regex = "[a-z]+"
     prepared = convert.prepare_generate(req, engine)
     assert prepared.constraint is not None and prepared.constraint.field == "constraint.regex"
-    assert prepared.context.matcher is None, "compiled later, off the event loop"
-    matcher = engine.structured.compile(prepared.constraint.spec)
-    attached = prepared.with_matcher(engine, matcher)
-    assert attached.context.matcher is matcher and attached.request_id == "c1"
-    assert attached.context.prompt_tokens.tolist() == prepared.context.prompt_tokens.tolist()
+    matcher = engine.structured.compile(prepared.constraint.spec)  # compiled later, off the event loop
+    ctx = engine.context(prepared.spec, matcher)  # the context is built once, with its matcher
+    assert ctx.matcher is matcher and ctx.request_id == "c1"
+    assert ctx.prompt_tokens.tolist() == prepared.spec.prompt.tolist()
+    assert ctx.seed == prepared.spec.seed, "the seed is drawn once, when the request is checked"
     # A bad prompt fails before any compile is started.
     bad = pb.GenerateRequest(text="hello")
     bad.constraint.json_schema = '{"type": "nonsense"}'
@@ -141,4 +141,6 @@ def test_complete_message(status: GenerationStatus, reason: int, stop: object) -
 
 def test_every_final_status_has_a_finish_reason() -> None:
     final = {s for s in GenerationStatus if s.is_done} - {GenerationStatus.ERROR}
-    assert final <= set(convert.FINISH_REASONS)
+    for status in final:
+        reason = convert.finish_reason(RequestOutput("r", finished=True, status=status))
+        assert reason != Finish.FINISH_REASON_UNSPECIFIED, status

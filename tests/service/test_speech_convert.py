@@ -21,7 +21,6 @@ from service.speech_convert import (
 )
 
 LAYOUT = SpeechLayout(**PRESETS["demo-speech"].speech_layout)  # type: ignore[arg-type]
-VOCAB = LAYOUT.audio_token_end
 Finish = pb.AudioChunk.FinishReason
 
 
@@ -106,14 +105,14 @@ def test_good_voice_prompt() -> None:
 
 
 def test_sampling_takes_the_speech_defaults_per_field() -> None:
-    params = speech_sampling_params(pb.SynthesizeRequest(), VOCAB)
+    params = speech_sampling_params(pb.SynthesizeRequest())
     assert {k: getattr(params, k) for k in SPEECH_SAMPLING_DEFAULTS} == SPEECH_SAMPLING_DEFAULTS
     req = pb.SynthesizeRequest()
     req.sampling.temperature = 0.0  # explicit zero: greedy, not the default
     req.sampling.seed = 7
-    params = speech_sampling_params(req, VOCAB)
+    params = speech_sampling_params(req)
     assert (params.temperature, params.top_p, params.seed) == (0.0, 0.95, 7)
     req.sampling.top_p = 1.5
     with pytest.raises(ServiceError) as err:
-        speech_sampling_params(req, VOCAB)
+        speech_sampling_params(req)
     assert [f for f, _ in err.value.violations] == ["sampling.top_p"]

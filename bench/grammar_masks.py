@@ -1,6 +1,6 @@
 """Grammar micro-benchmarks: mask time per token and compile time, per backend.
 
-    .venv/bin/python bench/grammar.py [--tokenizers demo,bpe32k] [--iters N] [--e2e | --e2e-only]
+    .venv/bin/python bench/grammar_masks.py [--tokenizers demo,bpe32k] [--iters N] [--e2e | --e2e-only]
 
 - mask time: one matcher walks a compact JSON instance of each schema token by
   token; every step's `fill_bitmask` is timed (p50 / p99 / mean, µs), and a

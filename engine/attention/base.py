@@ -1,0 +1,155 @@
+"""What every attention backend shares: a step's spans, page-tensor row math,
+where each new token's keys and values go, and SDPA helpers."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVCacheInputs
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's slice of the step: queries [q_start, q_end) at positions
+    [cache_len, cache_len + q_len); keys [0, ctx_len)."""
+
+    index: int
+    q_start: int
+    q_end: int
+    cache_len: int
+
+    @property
+    def q_len(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def ctx_len(self) -> int:
+        return self.cache_len + self.q_len
+
+
+class CacheRows:
+    """Row arithmetic on the page tensor seen as rows of [kv_heads, head_dim]."""
+
+    def __init__(self, kv_blocks: torch.Tensor):
+        num_pages, two, layers, page_size, kv_heads, head_dim = kv_blocks.shape
+        self.flat = kv_blocks.view(num_pages * two * layers * page_size, kv_heads, head_dim)
+        self.layers = layers
+        self.page_size = page_size
+
+    def base_rows(self, table_row: np.ndarray, start: int, end: int) -> np.ndarray:
+        """Layer-0 key rows for positions [start, end) of one sequence."""
+        pos = np.arange(start, end)
+        pages = table_row[pos // self.page_size].astype(np.int64)
+        return pages * (2 * self.layers * self.page_size) + pos % self.page_size
+
+    def key_rows(self, base: torch.Tensor, layer: int) -> torch.Tensor:
+        return base + layer * self.page_size
+
+    def value_rows(self, base: torch.Tensor, layer: int) -> torch.Tensor:
+        return base + (self.layers + layer) * self.page_size
+
+    def write(self, base: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's new keys and values at layer-0 rows `base`."""
+        self.flat.index_copy_(0, self.key_rows(base, layer), k)
+        self.flat.index_copy_(0, self.value_rows(base, layer), v)
+
+
+@dataclass(frozen=True)
+class TokenPlaces:
+    """Where each new token of a step lies (host arrays, one entry per token)."""
+
+    seq: np.ndarray  # row of its sequence in the lookup table
+    position: np.ndarray  # absolute position in its sequence
+    page: np.ndarray  # page its keys and values go to
+    offset: np.ndarray  # offset inside that page
+
+    @classmethod
+    def of(cls, spans: list[SeqSpan], table: np.ndarray, page_size: int) -> TokenPlaces:
+        q_lens = np.array([s.q_len for s in spans], dtype=np.int64)
+        starts = np.array([s.cache_len for s in spans], dtype=np.int64)
+        seq = np.repeat(np.arange(len(spans)), q_lens)
+        first = np.cumsum(q_lens) - q_lens
+        position = starts[seq] + (np.arange(int(q_lens.sum())) - first[seq])
+        return cls(seq, position, table[seq, position // page_size], position % page_size)
+
+    def write_rows(self, rows: CacheRows, device: torch.device) -> torch.Tensor:
+        """Layer-0 key rows of the new tokens (for backends that write with index_copy)."""
+        base = self.page.astype(np.int64) * (2 * rows.layers * rows.page_size) + self.offset
+        return torch.from_numpy(base).to(device)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         causal: bool, scale: float) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lk, KVH, D] -> [Lq, H, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def causal_mask(span: SeqSpan, device: torch.device) -> torch.Tensor:
+    """Query i (absolute position cache_len + i) sees keys 0..cache_len + i."""
+    q_pos = torch.arange(span.q_len, device=device)[:, None] + span.cache_len
+    return torch.arange(span.ctx_len, device=device)[None, :] <= q_pos
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A span whose keys and values are gathered from the pages for SDPA."""
+
+    span: SeqSpan
+    rows: torch.Tensor  # layer-0 key rows of its whole context
+    mask: torch.Tensor | None  # causal mask when it has several queries
+
+
+def gather(span: SeqSpan, rows: CacheRows, table: np.ndarray, device: torch.device) -> Gathered:
+    base = torch.from_numpy(rows.base_rows(table[span.index], 0, span.ctx_len)).to(device)
+    return Gathered(span, base, causal_mask(span, device) if span.q_len > 1 else None)
+
+
+def gathered_attention(q: torch.Tensor, rows: CacheRows, layer: int, item: Gathered,
+                       scale: float) -> torch.Tensor:
+    """SDPA of one span's queries over its keys and values read from the pages."""
+    keys = rows.flat.index_select(0, rows.key_rows(item.rows, layer))
+    values = rows.flat.index_select(0, rows.value_rows(item.rows, layer))
+    return sdpa(q[item.span.q_start:item.span.q_end], keys, values, item.mask, False, scale)
+
+
+M = TypeVar("M")
+
+
+class AttentionBackend(ABC, Generic[M]):
+    """Attention over the paged KV cache for a mixed batch, without padding.
+
+    `plan` runs once per step on the host and returns the backend's own
+    metadata (which carries the step's KVCacheInputs); the model then calls the
+    backend once per layer with it.
+    """
+
+    name = "base"
+
+    def __init__(self, num_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    @abstractmethod
+    def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> M:
+        """This backend's metadata for a step (`table` is kv.lookup_table on the host)."""
+
+    @abstractmethod
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: M) -> torch.Tensor:
+        """Store the new keys and values of `layer`, attend, return [T, heads, head_dim]."""

@@ -1,0 +1,53 @@
+"""`TorchAttention`: per-sequence SDPA over keys gathered from the pages.
+
+Runs on any device: the fallback when no native kernel can be built, and the
+tests' reference for the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVCacheInputs
+
+from .base import (
+    AttentionBackend,
+    CacheRows,
+    Gathered,
+    SeqSpan,
+    TokenPlaces,
+    gather,
+    gathered_attention,
+)
+
+
+@dataclass(frozen=True)
+class TorchMetadata:
+    """A step as TorchAttention runs it: every span gathered from the pages."""
+
+    kv: KVCacheInputs
+    rows: CacheRows
+    write_rows: torch.Tensor  # layer-0 rows of the new tokens' keys
+    spans: list[Gathered]
+
+
+class TorchAttention(AttentionBackend[TorchMetadata]):
+    name = "torch"
+
+    def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> TorchMetadata:
+        rows = CacheRows(kv.kv_blocks)
+        device = kv.kv_blocks.device
+        places = TokenPlaces.of(spans, table, rows.page_size)
+        return TorchMetadata(kv, rows, places.write_rows(rows, device),
+                             [gather(span, rows, table, device) for span in spans])
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                 meta: TorchMetadata) -> torch.Tensor:
+        meta.rows.write(meta.write_rows, layer, k, v)
+        out = q.new_empty(q.shape)
+        for item in meta.spans:
+            out[item.span.q_start:item.span.q_end] = gathered_attention(q, meta.rows, layer, item, self.scale)
+        return out

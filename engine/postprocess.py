@@ -1,0 +1,222 @@
+"""Phase 3 of a step, on the engine thread: a step's results become outputs.
+
+For every request of the step whose work still counts: realize its future
+tokens, record log-probabilities, apply the token-level stop rules
+(stopping.py), advance its grammar and append forced tokens (structured.py),
+publish its finished KV pages, detokenize and match stop strings (output.py),
+decode its audio (speech). Then build each request's output and free what the
+finished requests hold. This is the one place a running request is finished;
+the others are an abort and an admission that can never fit.
+
+A step that fails as a whole is handled here too (`step_failed`): the engine
+cannot tell which request broke it, so every request of that step becomes a
+*suspect*: all are recomputed from scratch (as after a preemption) and the
+scheduler runs each suspect alone until a step of its own succeeds; the one
+that breaks its step alone is failed. Steps that keep failing whatever runs in
+them mean the engine itself is broken (`EngineBroken`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from .context import Failure, GenerationStatus, TextContext, TokenLogprobs
+from .executor import StepExecutor
+from .kv_cache import KVCacheManager
+from .output import OutputStream, RequestOutput
+from .scheduler import Scheduler
+from .speech import AudioGenerator, TTSContext
+from .step_run import LaunchedStep, PromptLogprobs, StepResult
+from .stopping import token_verdict
+from .structured import StructuredOutput
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Steps that may fail in a row (each is retried with fewer requests) before the
+# engine declares itself broken: a fault no single request explains.
+MAX_FAILED_STEPS = 8
+
+
+class EngineBroken(RuntimeError):
+    """Steps keep failing whatever runs in them; the engine cannot go on."""
+
+
+class Postprocessor:
+    """Turns steps into outputs; owns each request's output stream."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, tokenizer: Tokenizer,
+                 executor: StepExecutor, max_seq_len: int, audio: AudioGenerator | None = None):
+        self.scheduler = scheduler
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.max_seq_len = max_seq_len
+        self.audio = audio
+        self._streams: dict[str, OutputStream] = {}
+        self.failed_steps = 0  # in a row
+
+    # -- requests -----------------------------------------------------------
+    def track(self, ctx: TextContext) -> None:
+        """Start the output stream of a request entering the engine."""
+        self._streams[ctx.request_id] = OutputStream(ctx, self.tokenizer)
+
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    # -- steps -----------------------------------------------------------------
+    def step_done(self, step: LaunchedStep, result: StepResult) -> list[RequestOutput]:
+        """Advance every live request of a completed step; their outputs."""
+        assert step.inputs is not None
+        self.failed_steps = 0
+        host = [o.host() for o in result.outputs]
+        sample_index = {row: k for k, row in enumerate(step.inputs.sampled)}
+        mask_failures = step.inputs.grammar.failed if step.inputs.grammar is not None else {}
+        touched = []
+        for row, ctx in enumerate(step.contexts):
+            if not step.live(row):
+                continue  # finished, aborted or reset while this step ran
+            touched.append(ctx)
+            k = sample_index.get(row)
+            try:
+                if k in mask_failures:
+                    ctx.fail(mask_failures[k])
+                    ctx.drop_futures()
+                    continue
+                target = step.inputs.prompt_logprobs.get(row)
+                self._store_prompt_logprobs(ctx, result.prompt_logprobs.get(row),
+                                            None if target is None else target.first)
+                if k is not None:
+                    self._advance(ctx, host, k)
+                    ctx.suspect = False  # it sampled in a step that worked
+                self.kv.commit(ctx)
+            except Exception:  # noqa: BLE001 - this request's fault; the others go on
+                log.exception("request %s failed while its step was processed", ctx.request_id)
+                ctx.fail(Failure("internal error while processing this request; see the server log"))
+                ctx.drop_futures()
+        return self.outputs(touched)
+
+    def step_failed(self, step: LaunchedStep, exc: BaseException) -> list[RequestOutput]:
+        """A step failed as a whole: find the request at fault without failing the rest."""
+        live = [ctx for row, ctx in enumerate(step.contexts) if step.live(row)]
+        if not live:
+            return []  # its work had been thrown away already
+        self.failed_steps += 1
+        culprit = step.contexts[0] if len(step.contexts) == 1 else None
+        log.error("a step of %d request(s) failed (%s); %s", len(step.contexts), type(exc).__name__,
+                  f"ending request {culprit.request_id}" if culprit is not None
+                  else "running each of them alone to find the one at fault", exc_info=exc)
+        if self.failed_steps > MAX_FAILED_STEPS:
+            raise EngineBroken(f"{self.failed_steps} steps in a row failed") from exc
+        for ctx in live:
+            if ctx is culprit:
+                ctx.fail(Failure("internal error while running this request; see the server log"))
+                self.scheduler.abort(ctx)
+            else:
+                self.scheduler.requeue(ctx)
+                ctx.suspect = True
+        return []
+
+    # -- one request ---------------------------------------------------------------
+    def _advance(self, ctx: TextContext, host: list, k: int) -> None:
+        """Realize ctx's sampled tokens (row k of each decode step), apply the stop
+        rules, advance its grammar."""
+        params = ctx.sampling_params
+        for tokens, lp, top_ids, top_lp in host:
+            tok = int(tokens[k])
+            index = ctx.realize_future_token(tok)
+            if params.logprobs is not None and lp is not None:
+                n = params.logprobs
+                top = list(zip(top_ids[k, :n].tolist(), top_lp[k, :n].tolist(), strict=True)) \
+                    if top_ids is not None and top_lp is not None else []
+                ctx.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
+            status = token_verdict(ctx, tok, index, self.max_seq_len)
+            if status is not None:
+                ctx.finish(status)
+                break
+        if ctx.matcher is not None and not ctx.is_done:
+            verdict, forced = StructuredOutput.advance(ctx)
+            if verdict is None and forced:
+                last = ctx.end_idx - 1
+                verdict = token_verdict(ctx, int(ctx.tokens[last]), last, self.max_seq_len)
+            if verdict is not None:
+                ctx.end(verdict)
+        if ctx.is_done:
+            ctx.drop_futures()
+
+    @staticmethod
+    def _store_prompt_logprobs(ctx: TextContext, item: PromptLogprobs | None, first: int | None) -> None:
+        if ctx.sampling_params.prompt_logprobs is not None and not ctx.prompt_logprobs:
+            ctx.prompt_logprobs.append(None)  # the first prompt token has no prediction
+        if item is None or first is None:
+            return
+        chosen, top_ids, top_lp = item
+        ids_h = top_ids.cpu().tolist() if top_ids is not None else None
+        lp_h = top_lp.cpu().tolist() if top_lp is not None else None
+        for j, value in enumerate(chosen.cpu().tolist()):
+            top = list(zip(ids_h[j], lp_h[j], strict=True)) if ids_h is not None and lp_h is not None else []
+            ctx.prompt_logprobs.append(TokenLogprobs(int(ctx.tokens[first + j]), value, top))
+
+    # -- outputs ------------------------------------------------------------------
+    def outputs(self, touched: Sequence[TextContext]) -> list[RequestOutput]:
+        """Detokenize (ending requests on a stop string), decode audio, build each
+        request's output; then free what finished requests hold."""
+        for ctx in touched:
+            stream = self._streams.get(ctx.request_id)
+            if stream is None or ctx.status is GenerationStatus.CANCELLED:
+                continue
+            try:
+                match = stream.decode()
+            except Exception:  # noqa: BLE001 - this request's fault; the others go on
+                log.exception("request %s: decoding its output failed", ctx.request_id)
+                ctx.fail(Failure("internal error while decoding the output; see the server log"))
+                continue
+            if match is not None:
+                # Tokens decoded after the one completing the stop are dropped.
+                ctx.rollback(ctx.num_generated - match.keep_tokens)
+                ctx.finish(GenerationStatus.STOP_STRING)
+        audio = self._decode_audio(touched)
+        outputs = []
+        for ctx in touched:
+            stream = self._streams.get(ctx.request_id)
+            if stream is None:
+                continue
+            delta = stream.delta()
+            if ctx.request_id in audio:
+                delta.audio = audio[ctx.request_id]
+            if delta.finished:
+                del self._streams[ctx.request_id]
+            if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs \
+                    or delta.audio is not None:
+                outputs.append(delta)
+        for ctx in touched:
+            if ctx.is_done:
+                ctx.drop_futures()
+                self.scheduler.remove(ctx)  # its pages and token-buffer row go back
+        return outputs
+
+    def _decode_audio(self, touched: Sequence[TextContext]) -> dict[str, np.ndarray]:
+        """New audio of the speech requests in `touched` (all of it for finished ones).
+
+        Requests are decoded together; if that fails, one by one, and a request
+        whose audio cannot be decoded fails.
+        """
+        speech = [c for c in touched if isinstance(c, TTSContext) and c.status is not GenerationStatus.CANCELLED
+                  and c.status is not GenerationStatus.ERROR and c.request_id in self._streams]
+        audio = self.audio
+        if not speech or audio is None:
+            return {}
+        try:
+            return self.executor.call(lambda: audio.drain(speech))
+        except Exception:  # noqa: BLE001 - find the request at fault
+            out: dict[str, np.ndarray] = {}
+            for ctx in speech:
+                try:
+                    out.update(self.executor.call(lambda c=ctx: audio.drain([c])))  # type: ignore[misc]
+                except Exception:  # noqa: BLE001
+                    log.exception("request %s: decoding its audio failed", ctx.request_id)
+                    ctx.fail(Failure("internal error while decoding audio; see the server log"))
+            return out

@@ -1,0 +1,67 @@
+"""Checking a request before it runs, once: `check_request` -> `RequestSpec`.
+
+The service (or the offline `LLM`) checks a request first, compiles its
+constraint if it has one, then builds its context from the spec: every check
+happens here, and the seed is drawn here, so nothing is validated or drawn
+twice.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidRequest
+from .sampling_params import SamplingParams
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> np.ndarray:
+    """`ids` as an int64 array; InvalidRequest (with the index) for one outside [0, vocab_size)."""
+    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64).reshape(-1)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidRequest(field, f"token id {int(arr[i])} is outside the vocabulary [0, {vocab_size})", index=i)
+    return arr
+
+
+def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request's parameters name (stop tokens, logit biases) are in the vocabulary."""
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(list(params.logit_bias), vocab_size, "logit_bias")
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A checked generation request: what its context is built from."""
+
+    prompt: np.ndarray
+    params: SamplingParams
+    request_id: str | None
+    max_length: int  # prompt + the most it may generate
+    seed: int
+
+
+def check_request(prompt: Sequence[int] | np.ndarray, params: SamplingParams | None, request_id: str | None,
+                  vocab_size: int, max_model_len: int) -> RequestSpec:
+    """Check a tokenized prompt and its parameters against the model; InvalidRequest names the field."""
+    params = params or SamplingParams()
+    ids = check_token_ids(prompt, vocab_size, "prompt")
+    if ids.size == 0:
+        raise InvalidRequest("prompt", "the prompt is empty")
+    if ids.size >= max_model_len:
+        raise InvalidRequest("prompt", f"the prompt has {ids.size} tokens; the context holds "
+                                       f"{max_model_len} including at least one new token")
+    if params.max_new_tokens is not None:
+        max_length = ids.size + params.max_new_tokens
+        if max_length > max_model_len:
+            raise InvalidRequest("max_new_tokens", f"prompt ({ids.size}) + max_new_tokens "
+                                 f"({params.max_new_tokens}) exceeds the context length {max_model_len}")
+    else:
+        max_length = max_model_len
+    check_params_token_ids(params, vocab_size)
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    return RequestSpec(ids, params, request_id, max_length, seed)

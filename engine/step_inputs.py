@@ -1,0 +1,153 @@
+"""Phase 1 of a step, on the engine thread: a scheduled batch -> `StepInputs`.
+
+A step has three phases with one owner each:
+
+1. inputs (this module, engine thread): the scheduled contexts become a
+   `StepInputs` (token ids and positions, `KVCacheInputs` and the attention
+   backend's metadata, the sampling batch, the rows that sample) and are
+   advanced on the host at once: a sampling context gets a placeholder for
+   the token the device will sample, so the next step can be scheduled before
+   this one ends;
+2. run (step_run.py, device thread): `run_step(inputs, ...)` -> `StepResult`;
+3. postprocess (postprocess.py, engine thread): the step's results become
+   outputs; the only place a running request is finished.
+
+A placeholder input (`FUTURE_TOKEN`) is read on the device from the request's
+row of the token buffer, where the previous step wrote it: never via the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionBackend, SeqSpan
+from .context import FUTURE_TOKEN, TextContext
+from .kv_cache import KVCacheInputs, KVCacheManager
+from .sampler import SamplingBatch, build_sampling_batch
+from .structured import PendingMask
+from .token_buffer import TokenBuffer
+
+
+@dataclass(frozen=True)
+class PromptLogprobTarget:
+    """Prompt tokens whose log-probabilities a step computes for one request."""
+
+    q_start: int  # the step's row of the first query predicting them
+    first: int  # position of the first predicted prompt token
+    tokens: torch.Tensor  # the predicted prompt tokens (host)
+    top_n: int
+
+
+@dataclass(frozen=True)
+class SampleInputs:
+    """What sampling needs: which rows sample, with what options, where their tokens go."""
+
+    batch: SamplingBatch
+    hidden_rows: torch.Tensor  # [S] the step's row of each sampling request's last query
+    buffer_rows: torch.Tensor  # [S] the token-buffer row its token goes to
+    # Penalties count every generated token, the last one included, which may
+    # still be on the device: (rows of the sampling batch, token-buffer rows).
+    pending_counts: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything the device needs to run one step; no context is touched there."""
+
+    input_ids: torch.Tensor  # [T] placeholders are 0 here...
+    future_rows: torch.Tensor  # [F] ...until these rows are read from the token buffer
+    future_buffer_rows: torch.Tensor  # [F] at these rows
+    positions: torch.Tensor  # [T]
+    spans: list[SeqSpan]
+    table: np.ndarray  # the lookup table on the host (multi-step decode plans from it)
+    kv: KVCacheInputs
+    attention: object  # the attention backend's metadata for `spans`
+    num_steps: int
+    sampled: tuple[int, ...]  # rows of the batch that sample a token
+    sample: SampleInputs | None
+    prompt_logprobs: dict[int, PromptLogprobTarget]
+    grammar: PendingMask | None  # filled on the engine thread, applied just before sampling
+
+
+def build_step_inputs(contexts: Sequence[TextContext], num_steps: int, kv: KVCacheManager,
+                      buffer: TokenBuffer, attention: AttentionBackend, vocab_size: int) -> StepInputs:
+    """The inputs of one step over `contexts` (their next_tokens, set by the scheduler)."""
+    device = buffer.tokens.device
+    host_ids = np.concatenate([c.next_tokens for c in contexts])
+    future_rows = np.flatnonzero(host_ids == FUTURE_TOKEN)
+    future_buffer_rows: list[int] = []
+    for ctx in contexts:
+        future_buffer_rows += [buffer.row(ctx)] * int(np.count_nonzero(ctx.next_tokens == FUTURE_TOKEN))
+    spans, q_start = [], 0
+    for i, ctx in enumerate(contexts):
+        spans.append(SeqSpan(i, q_start, q_start + ctx.active_length, ctx.start_idx))
+        q_start += ctx.active_length
+    positions = np.concatenate([np.arange(c.start_idx, c.active_idx) for c in contexts])
+    table = kv.lookup_table(contexts)
+    cache_lengths = np.array([c.start_idx for c in contexts], dtype=np.int32)
+    q_lens = np.array([c.active_length for c in contexts], dtype=np.int32)
+    kv_inputs = kv.inputs(table, cache_lengths, q_lens, num_steps, device)
+    sampled = [i for i, c in enumerate(contexts) if c.active_idx == c.end_idx]
+    sample = _sample_inputs([contexts[i] for i in sampled], [spans[i] for i in sampled], buffer, vocab_size,
+                            device) if sampled else None
+    grammar = PendingMask() if any(contexts[i].matcher is not None for i in sampled) else None
+    return StepInputs(
+        input_ids=torch.from_numpy(np.where(host_ids < 0, 0, host_ids)).to(device, non_blocking=True),
+        future_rows=torch.from_numpy(future_rows).to(device),
+        future_buffer_rows=torch.tensor(future_buffer_rows, dtype=torch.int64, device=device),
+        positions=torch.from_numpy(positions).to(device, non_blocking=True),
+        spans=spans, table=table, kv=kv_inputs, attention=attention.plan(spans, table, kv_inputs),
+        num_steps=num_steps, sampled=tuple(sampled), sample=sample,
+        prompt_logprobs=_prompt_targets(contexts, spans),
+        grammar=grammar)
+
+
+def _sample_inputs(contexts: list[TextContext], spans: list[SeqSpan], buffer: TokenBuffer, vocab_size: int,
+                   device: torch.device) -> SampleInputs:
+    batch = build_sampling_batch(contexts, vocab_size, device)
+    pending = None
+    if batch.output_counts is not None:
+        rows = [k for k, c in enumerate(contexts)
+                if c.next_tokens[0] == FUTURE_TOKEN and c.sampling_params.uses_penalties]
+        if rows:
+            pending = (torch.tensor(rows, device=device),
+                       torch.tensor([buffer.row(contexts[k]) for k in rows], device=device))
+    return SampleInputs(
+        batch=batch,
+        hidden_rows=torch.tensor([s.q_end - 1 for s in spans], device=device),
+        buffer_rows=torch.tensor([buffer.row(c) for c in contexts], dtype=torch.int64, device=device),
+        pending_counts=pending)
+
+
+def _prompt_targets(contexts: Sequence[TextContext], spans: list[SeqSpan]) -> dict[int, PromptLogprobTarget]:
+    """Prompt positions whose predictions this step computes, per row asking for them."""
+    targets = {}
+    for row, ctx in enumerate(contexts):
+        n = ctx.sampling_params.prompt_logprobs
+        if n is None or ctx.start_idx >= ctx.prompt_len:
+            continue
+        last = min(ctx.active_idx, ctx.prompt_len - 1)
+        if last > ctx.start_idx:
+            targets[row] = PromptLogprobTarget(spans[row].q_start, ctx.start_idx + 1,
+                                               torch.from_numpy(ctx.tokens[ctx.start_idx + 1:last + 1].copy()), n)
+    return targets
+
+
+def advance_with_placeholders(contexts: Sequence[TextContext], inputs: StepInputs) -> None:
+    """Advance each context past its next_tokens now, before the step runs.
+
+    A context that samples gets a placeholder per decode step for the token the
+    device will sample; the others (a prompt chunk that is not the last) move
+    on to their next chunk.
+    """
+    sampled = set(inputs.sampled)
+    for row, ctx in enumerate(contexts):
+        if row in sampled:
+            for _ in range(inputs.num_steps):
+                ctx.update_with_future_token()
+        else:
+            ctx.mark_chunk_done()

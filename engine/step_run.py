@@ -1,0 +1,112 @@
+"""Phase 2 of a step, on the device thread: `run_step(inputs, ...)` -> `StepResult`.
+
+Forward pass, prompt log-probabilities, grammar mask, sampling; for a
+multi-step decode, the next forward passes fed with the tokens just sampled,
+without the host in between. Everything it needs comes in as arguments; it
+never reads or writes a request's context (see step_inputs.py for the phases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .attention import AttentionBackend, SeqSpan
+from .context import TextContext
+from .sampler import SamplerOutput, SamplingBatch, count_tokens, sample
+from .step_inputs import PromptLogprobTarget, StepInputs
+from .structured import PendingMask
+
+
+class StepModel(Protocol):
+    """What a step needs of a model (the Llama-family decoder, or a test's wrapper)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
+                meta: object) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+# Masks the disallowed tokens of some rows of the logits in place: (logits, bitmask, rows).
+ApplyMask = Callable[[torch.Tensor, torch.Tensor, list[int]], None]
+# (chosen token's log-probability [N], top ids [N, n] | None, top log-probabilities | None)
+PromptLogprobs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass
+class StepResult:
+    """What the device hands back: sampled tokens per decode step, prompt log-probabilities."""
+
+    outputs: list[SamplerOutput]
+    prompt_logprobs: dict[int, PromptLogprobs]
+    forward_passes: int
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step on its way: its requests (and their epochs at launch), its inputs
+    (None if building them failed) and the device job's future."""
+
+    contexts: tuple[TextContext, ...]
+    epochs: tuple[int, ...]
+    inputs: StepInputs | None
+    job: Future[StepResult]
+
+    def live(self, row: int) -> bool:
+        """Whether row's work still counts (not ended, not reset since launch)."""
+        ctx = self.contexts[row]
+        return not ctx.is_done and ctx.epoch == self.epochs[row]
+
+
+def run_step(inputs: StepInputs, model: StepModel, attention: AttentionBackend, token_buffer: torch.Tensor,
+             apply_mask: ApplyMask) -> StepResult:
+    """Run one step; the sampled tokens also go to `token_buffer` for the next step's placeholders."""
+    if inputs.future_rows.numel():
+        inputs.input_ids[inputs.future_rows] = token_buffer[inputs.future_buffer_rows]
+    hidden = model.forward(inputs.input_ids, inputs.positions, attention, inputs.attention)
+    prompt_lp = {row: _prompt_logprobs(model, hidden, target) for row, target in inputs.prompt_logprobs.items()}
+    s = inputs.sample
+    if s is None:
+        return StepResult([], prompt_lp, 1)
+    if s.pending_counts is not None:
+        rows, buffer_rows = s.pending_counts
+        count_tokens(s.batch, token_buffer[buffer_rows], rows)
+    out = _sample(model, hidden.index_select(0, s.hidden_rows), s.batch, inputs.grammar, apply_mask, 0)
+    outputs = [out]
+    spans, kv = inputs.spans, inputs.kv
+    for step in range(1, inputs.num_steps):
+        # The next decode step of a decode-only batch: one token per sequence.
+        spans = [SeqSpan(sp.index, sp.index, sp.index + 1, sp.ctx_len) for sp in spans]
+        kv = kv.after_decode_step()
+        positions = torch.from_numpy(np.array([sp.cache_len for sp in spans], dtype=np.int64))
+        hidden = model.forward(out.tokens, positions.to(out.tokens.device), attention,
+                               attention.plan(spans, inputs.table, kv))
+        count_tokens(s.batch, out.tokens)
+        out = _sample(model, hidden, s.batch, None, apply_mask, step)
+        outputs.append(out)
+    token_buffer.index_copy_(0, s.buffer_rows, out.tokens)
+    for o in outputs:  # start the copies to the host; postprocess reads them
+        o.to_host_async()
+    return StepResult(outputs, prompt_lp, inputs.num_steps)
+
+
+def _sample(model: StepModel, hidden: torch.Tensor, batch: SamplingBatch, grammar: PendingMask | None,
+            apply_mask: ApplyMask, step: int) -> SamplerOutput:
+    logits = model.logits(hidden)
+    # The engine thread fills the mask once the matchers are up to date: it waits.
+    mask = None if grammar is None else partial(grammar.apply, apply_mask=apply_mask)
+    return sample(logits, batch, mask, position_offset=step)
+
+
+def _prompt_logprobs(model: StepModel, hidden: torch.Tensor, target: PromptLogprobTarget) -> PromptLogprobs:
+    logits = model.logits(hidden[target.q_start:target.q_start + len(target.tokens)])
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, target.tokens.to(logprobs.device)[:, None])[:, 0]
+    top = logprobs.topk(target.top_n, dim=-1) if target.top_n > 0 else None
+    return chosen, top.indices if top else None, top.values if top else None

@@ -1,0 +1,128 @@
+"""The code's import structure: no cycles, and dependencies point one way.
+
+`service -> engine -> grammar`: grammar imports nothing of engine or service,
+engine nothing of service; within engine/ and grammar/ no module depends on
+itself through others. Imports are read with `ast`, so the ones inside
+functions and under `TYPE_CHECKING` count too: a cycle that only closes at
+call time is still a cycle. Run as a script to print the graph and any cycles.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "grammar", "service")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the project's packages (generated stubs excluded)."""
+    return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+            if "gen" not in p.relative_to(ROOT).parts}
+
+
+def imported(tree: ast.AST, module: str, is_package: bool, modules: set[str] | frozenset[str]) -> set[str]:
+    """Every module `tree` imports (absolute names), wherever the import statement is.
+
+    `from X import name` counts as importing `X.name` when that is a module,
+    and `X` itself otherwise (`name` is then read from X's namespace).
+    """
+    package_parts = module.split(".") if is_package else module.split(".")[:-1]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package_parts[: len(package_parts) - node.level + 1]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                names.add(submodule if submodule in modules else base)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports."""
+    files = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        found = imported(tree, module, path.name == "__init__.py", set(files))
+        graph[module] = {name for name in found if name in files and name != module}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per back edge found by a depth-first search (empty: acyclic)."""
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def _package(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+def test_no_import_cycles() -> None:
+    assert find_cycles(import_graph()) == []
+
+
+def test_dependencies_point_from_service_to_engine_to_grammar() -> None:
+    allowed = {"grammar": {"grammar"}, "engine": {"engine", "grammar"},
+               "service": {"service", "engine", "grammar"}}
+    wrong = sorted(f"{m} -> {d}" for m, deps in import_graph().items() for d in deps
+                   if _package(d) not in allowed[_package(m)])
+    assert wrong == []
+
+
+def test_grammar_tokenizer_data_is_library_neutral() -> None:
+    # Each grammar backend builds its own tokenizer object from TokenizerData.
+    path = ROOT / "grammar" / "tokenizer.py"
+    found = imported(ast.parse(path.read_text()), "grammar.tokenizer", False, set(_modules()))
+    assert not found & {"grammar._xgr", "grammar._llg", "xgrammar", "llguidance"}
+
+
+def test_the_checker_sees_imports_inside_functions() -> None:
+    tree = ast.parse("def f():\n    from . import _xgr\n    from ..grammar.spec import X\n")
+    found = imported(tree, "grammar.tokenizer", False, {"grammar._xgr"})
+    assert found == {"grammar._xgr", "grammar.spec"}
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+if __name__ == "__main__":
+    graph = import_graph()
+    for name in sorted(graph):
+        print(f"{name} -> {', '.join(sorted(graph[name])) or '-'}")
+    cycles = find_cycles(graph)
+    for cycle in cycles:
+        print("CYCLE:", " -> ".join(cycle))
+    print(f"{len(graph)} modules, {len(cycles)} cycle(s)")
+    sys.exit(1 if cycles else 0)
