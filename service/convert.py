@@ -18,7 +18,7 @@ from engine.requests import RequestSpec, check_token_ids
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from engine.tokenizer import Tokenizer
 
-from .errors import ServiceError, failed_precondition, invalid_argument
+from .errors import Reason, ServiceError, failed_precondition, invalid_argument
 from .gen.stencil.v1 import generate_pb2 as pb
 from .structured import ConstraintSpec, constraint_spec
 
@@ -74,18 +74,20 @@ class PreparedRequest:
 
 
 # -- requests -----------------------------------------------------------------
-def request_id_of(req: pb.GenerateRequest) -> str:
-    return check_request_id(req.request_id)
-
-
 def check_request_id(rid: str) -> str:
-    """A client's request id, validated; a new one when it is empty."""
+    """A client's request id, validated; a new one when it is empty.
+
+    It travels in the `x-request-id` header, whose values gRPC allows only as
+    visible ASCII: anything else is refused here rather than failing the call
+    when the header is sent.
+    """
     if not rid:
         return uuid.uuid4().hex
     if len(rid) > MAX_REQUEST_ID_LENGTH:
         raise invalid_argument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters")
-    if not rid.isprintable():
-        raise invalid_argument("request_id", "must be printable characters")
+    if not all(" " <= ch <= "~" for ch in rid) or rid != rid.strip(" "):
+        raise invalid_argument("request_id", "must be visible ASCII characters (spaces only between "
+                                             "them), as it is sent in the x-request-id header")
     return rid
 
 
@@ -128,7 +130,8 @@ def invalid_request(err: InvalidRequest, input_field: str = "prompt") -> Service
 def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat") -> list[int]:
     """Render chat messages with the model's template."""
     if not tokenizer.has_chat_template:
-        raise failed_precondition("the loaded model has no chat template; send text or token_ids")
+        raise failed_precondition("the loaded model has no chat template; send text or token_ids",
+                                  Reason.NO_CHAT_TEMPLATE)
     if not chat.messages:
         raise invalid_argument(f"{field}.messages", "at least one message is required")
     for i, m in enumerate(chat.messages):
@@ -162,13 +165,13 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer) -> tuple[list[int]
     return chat_prompt(req.chat, tokenizer), "chat.messages"
 
 
-def prepare_generate(req: pb.GenerateRequest, engine: EngineCore) -> PreparedRequest:
-    """Check a Generate request against the engine's model (no engine state is touched).
+def prepare_generate(req: pb.GenerateRequest, engine: EngineCore, request_id: str) -> PreparedRequest:
+    """Check a Generate request against the engine's model (no engine state is touched);
+    `request_id` is its checked id (`check_request_id`).
 
     Everything is checked here, before any grammar is compiled, so a request
     that would fail anyway never occupies the compiler.
     """
-    request_id = request_id_of(req)
     params = sampling_params(req)
     constraint = constraint_spec(req)
     ids, input_field = prompt_ids(req, engine.tokenizer)

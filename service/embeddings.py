@@ -33,6 +33,7 @@ from engine.errors import InvalidRequest
 from engine.executor import StepExecutor
 
 from .errors import (
+    Reason,
     invalid_argument,
     resource_exhausted,
     rpc_guard,
@@ -168,7 +169,7 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
         return self.state.require_ready(
             self.slot.runtime, lambda runtime: runtime.alive, served=self.slot.enabled,
             not_served="this server serves no embedding model (start it without --no-embedding-model)",
-            loading="the embedding model is still loading", stopped="the embedding model is not running")
+            not_served_reason=Reason.NO_EMBEDDING_MODEL, loading="the embedding model is still loading", stopped="the embedding model is not running")
 
     @rpc_guard
     async def Embed(self, request: pb.EmbedRequest, context: Any) -> pb.EmbedResponse:
@@ -182,12 +183,13 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
         except InvalidRequest as err:
             raise invalid_argument(err.field, err.description) from None
         except BatcherOverloaded as err:
-            raise resource_exhausted(f"the embedding queue is full ({err}); retry later") from None
+            raise resource_exhausted(f"the embedding queue is full ({err}); retry later",
+                                     Reason.EMBEDDING_QUEUE_FULL) from None
         except BatcherClosed:
-            raise unavailable("the server is shutting down") from None
+            raise unavailable("the server is shutting down", Reason.DRAINING) from None
         except Exception:
             if not runtime.alive:  # the device thread went away with a failed engine
-                raise unavailable("the embedding model is not running") from None
+                raise unavailable("the embedding model is not running", Reason.ENGINE_STOPPED) from None
             raise
         finally:
             self.state.call_finished()

@@ -31,7 +31,7 @@ import grpc
 from engine import EngineCore, RequestOutput
 from engine.context import TextContext
 
-from .errors import ServiceError, resource_exhausted, unavailable
+from .errors import Reason, ServiceError, resource_exhausted, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class EngineLoop:
         self._pending_tokens = 0
         for stream in streams.values():
             stream.finished = True
-            stream._push(unavailable("the server is shutting down"))
+            stream._push(unavailable("the server is shutting down", Reason.DRAINING))
 
     @property
     def alive(self) -> bool:
@@ -172,20 +172,22 @@ class EngineLoop:
     def submit(self, ctx: TextContext) -> RequestStream:
         """Admit a request or refuse it (RESOURCE_EXHAUSTED, UNAVAILABLE, ALREADY_EXISTS)."""
         if not self.alive:
-            raise unavailable("the engine is not running")
+            raise unavailable("the engine is not running", Reason.ENGINE_STOPPED)
         rid = ctx.request_id
         if rid in self._streams:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running",
+                               Reason.DUPLICATE_REQUEST_ID)
         limit = self.limits.max_pending_requests
         if len(self._streams) >= limit:
             self.stats.rejected += 1
-            raise resource_exhausted(f"the server is at capacity ({limit} requests in flight); retry later")
+            raise resource_exhausted(f"the server is at capacity ({limit} requests in flight); retry later",
+                                     Reason.QUEUE_FULL)
         cost = ctx.max_length
         # An idle server takes any valid request, so a large one is never refused forever.
         if self._streams and self._pending_tokens + cost > self.max_pending_tokens:
             self.stats.rejected += 1
             raise resource_exhausted(f"the server's token budget is full ({self._pending_tokens} of "
-                                     f"{self.max_pending_tokens} tokens in flight); retry later")
+                                     f"{self.max_pending_tokens} tokens in flight); retry later", Reason.TOKEN_BUDGET_FULL)
         stream = RequestStream(rid, cost)
         self._streams[rid] = stream
         self._pending_tokens += cost

@@ -12,13 +12,21 @@ from engine import GenerationStatus, RequestOutput
 
 from . import convert
 from .engine_loop import EngineFailed, EngineLoop, RequestStream
-from .errors import failed_precondition, internal, invalid_argument, rpc_guard, unavailable
+from .errors import (
+    REQUEST_ID_METADATA,
+    Reason,
+    current_request_id,
+    failed_precondition,
+    internal,
+    invalid_argument,
+    rpc_guard,
+    unavailable,
+)
 from .gen.stencil.v1 import generate_pb2 as pb
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from .structured import ConstraintCompiler
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-REQUEST_ID_METADATA = "x-request-id"
 # Requests larger than this are tokenized on a worker thread, so one long prompt
 # does not hold up every other stream on the event loop.
 OFF_LOOP_BYTES = 32 * 1024
@@ -47,10 +55,11 @@ async def next_outputs(stream: RequestStream, constraint_field: str | None = Non
     final = outputs[-1] if outputs[-1].finished else None
     if final is not None and final.status is GenerationStatus.ERROR:
         if final.error_cause == "constraint" and constraint_field is not None:
-            raise invalid_argument(constraint_field, final.error or "the grammar library failed")
+            raise invalid_argument(constraint_field, final.error or "the grammar library failed",
+                                   Reason.GRAMMAR_LIMIT)
         raise internal(f"generation failed: {final.error or 'engine error'}")
     if final is not None and final.status is GenerationStatus.CANCELLED and stream.shutdown_reason:
-        raise unavailable(stream.shutdown_reason)
+        raise unavailable(stream.shutdown_reason, Reason.DRAINING)
     return outputs, final
 
 
@@ -78,18 +87,18 @@ class ServingState:
         self._idle.set()
 
     def require_ready(self, handle: T | None, alive: Callable[[T], bool], *, served: bool, not_served: str,
-                      loading: str, stopped: str) -> T:
-        """`handle` if a call may use it: FAILED_PRECONDITION (`not_served`)
-        when the server does not serve it, else UNAVAILABLE while draining,
-        while it loads (`loading`) or once it has stopped (`stopped`)."""
+                      not_served_reason: str, loading: str, stopped: str) -> T:
+        """`handle` if a call may use it: FAILED_PRECONDITION (`not_served`,
+        `not_served_reason`) when the server does not serve it, else UNAVAILABLE
+        while draining, while it loads (`loading`) or once it has stopped (`stopped`)."""
         if not served:
-            raise failed_precondition(not_served)
+            raise failed_precondition(not_served, not_served_reason)
         if self.draining:
-            raise unavailable("the server is shutting down")
+            raise unavailable("the server is shutting down", Reason.DRAINING)
         if handle is None:
-            raise unavailable(loading)
+            raise unavailable(loading, Reason.MODEL_LOADING)
         if not alive(handle):
-            raise unavailable(stopped)
+            raise unavailable(stopped, Reason.ENGINE_STOPPED)
         return handle
 
     def require_engine(self) -> EngineLoop:
@@ -97,7 +106,7 @@ class ServingState:
         return self.require_ready(
             self.engine_loop, lambda loop: loop.alive, served=self.serves_generation,
             not_served="this server serves no generation model (embeddings only)",
-            loading="the model is still loading", stopped="the engine is not running")
+            not_served_reason=Reason.NO_GENERATION_MODEL, loading="the model is still loading", stopped="the engine is not running")
 
     @property
     def engine_loops(self) -> list[EngineLoop]:
@@ -129,10 +138,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     @rpc_guard
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        rid = convert.check_request_id(request.request_id)
+        current_request_id.set(rid)  # failures from here on carry it
         loop = self.state.require_engine()
         # 1. Check the request and tokenize its prompt (a long one off the loop).
         prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
-                                             request, loop.engine)
+                                             request, loop.engine, rid)
         matcher = None
         if prepared.constraint is not None:
             # 2. Compile its constraint before the engine sees it (a cache hit
@@ -142,12 +153,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             assert compiler is not None
             matcher = await compiler.compile(prepared.constraint)
             if not loop.alive:
-                raise unavailable("the engine is not running")
+                raise unavailable("the engine is not running", Reason.ENGINE_STOPPED)
         if self.state.draining:  # the drain began while the prompt was tokenized or compiled
-            raise unavailable("the server is shutting down")
+            raise unavailable("the server is shutting down", Reason.DRAINING)
         # 3. Build its context, once, and hand it to the engine thread.
         ctx = loop.engine.context(prepared.spec, matcher)
-        rid = prepared.request_id
         stream = loop.submit(ctx)
         self.state.call_started()
         try:
@@ -193,7 +203,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.state.require_engine()  # FAILED_PRECONDITION
         loops = self.state.engine_loops
         if not loops:
-            raise unavailable("the model is still loading")
+            raise unavailable("the model is still loading", Reason.MODEL_LOADING)
         # Synthesize streams too, on an engine of their own or not: every loop is
         # asked (the same id may run on both).
         aborted = []

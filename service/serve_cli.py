@@ -65,6 +65,17 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="an engine with work that completes no step for this long reports "
                         "NOT_SERVING and logs what it is doing (0: off)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    k = p.add_argument_group("connections")
+    k.add_argument("--min-ping-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="accept client keepalive pings this often, even on idle connections")
+    k.add_argument("--keepalive-time", type=float, default=60.0, metavar="SECONDS",
+                   help="ping idle connections this often")
+    k.add_argument("--keepalive-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="close a connection whose ping is not answered within this")
+    k.add_argument("--max-connection-age", type=float, default=1800.0, metavar="SECONDS",
+                   help="ask older connections to reconnect, so load spreads again (0: never)")
+    k.add_argument("--max-connection-age-grace", type=float, default=300.0, metavar="SECONDS",
+                   help="how long calls on such a connection may still run")
     g = p.add_argument_group("structured output")
     g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
                    help="default grammar library for constrained requests (a request may pick one)")
@@ -152,7 +163,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
 
     from .embeddings import EmbeddingOptions
     from .engine_loop import AdmissionLimits
-    from .server import ServerConfig
+    from .server import KeepalivePolicy, ServerConfig
     from .speech import SpeechOptions
 
     if args.embedding_only and (args.no_embedding_model or args.model or args.preset
@@ -201,6 +212,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         host=args.host, port=args.port, grace_period_s=args.grace_period,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), warmup=not args.no_warmup,
         admission=AdmissionLimits(args.max_pending_requests, args.max_pending_tokens),
+        keepalive=KeepalivePolicy(args.min_ping_interval, args.keepalive_time, args.keepalive_timeout,
+                                  args.max_connection_age, args.max_connection_age_grace),
         watchdog_timeout_s=args.watchdog_timeout,
     )
     return ServePlan(factory, model_name, config, embedding, speech)

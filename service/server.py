@@ -42,6 +42,7 @@ from .gen.stencil.v1 import embed_pb2_grpc, speech_pb2_grpc
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from .generation import SERVICE_NAME, GenerationServicer, ServingState
 from .health import OVERALL_HEALTH, HealthState
+from .interceptors import UnparsableRequests
 from .loading import LoadedModels, load_models
 from .speech import SERVICE_NAME as SPEECH_SERVICE
 from .speech import SpeechOptions, SpeechServicer, SpeechSlot
@@ -58,6 +59,53 @@ EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE
 
 
 @dataclass(frozen=True)
+class KeepalivePolicy:
+    """How the server treats pings and long-lived connections (seconds).
+
+    grpc's defaults refuse a client ping more often than every 5 minutes
+    without data: a client (or mesh sidecar) pinging every 10 s on an idle
+    stream got a too-many-pings GOAWAY after about 40 s, which grpc-js reports
+    as RESOURCE_EXHAUSTED. Here client pings are welcome down to
+    `min_ping_interval_s`; the server pings idle connections every
+    `ping_interval_s` (dropping one that does not answer in `ping_timeout_s`);
+    and a connection older than `max_connection_age_s` is asked to go away
+    (GOAWAY), its calls given `max_connection_age_grace_s` to finish, so that
+    clients reconnect and a load balancer can spread them again (0: never).
+    """
+
+    min_ping_interval_s: float = 5.0
+    ping_interval_s: float = 60.0
+    ping_timeout_s: float = 20.0
+    max_connection_age_s: float = 1800.0
+    max_connection_age_grace_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("min_ping_interval_s", "ping_interval_s", "ping_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
+            raise ValueError("max_connection_age_s and its grace must be >= 0")
+
+    def options(self) -> list[tuple[str, int]]:
+        """grpc server channel arguments."""
+        def ms(seconds: float) -> int:
+            return int(seconds * 1000)
+
+        options = [
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.keepalive_time_ms", ms(self.ping_interval_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.ping_timeout_s)),
+            # The server's own keepalive pings carry no data: allow them all.
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        if self.max_connection_age_s:
+            options += [("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
+                        ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s))]
+        return options
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Network and lifecycle settings (the engine's are in EngineConfig)."""
 
@@ -66,6 +114,7 @@ class ServerConfig:
     grace_period_s: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    keepalive: KeepalivePolicy = field(default_factory=KeepalivePolicy)
     warmup: bool = True
     # Start the grammar compiler's worker during warm-up (else on first use).
     warmup_grammar: bool = True
@@ -125,11 +174,12 @@ class StencilServer:
     async def start(self) -> int:
         """Bind and serve (NOT_SERVING); load the model in the background. Returns the port."""
         max_bytes = self.config.max_message_bytes
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[UnparsableRequests()], options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
             # Never share a port with another server by accident.
             ("grpc.so_reuseport", 0),
+            *self.config.keepalive.options(),
         ])
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.state), server)
         embed_pb2_grpc.add_EmbeddingsServicer_to_server(EmbeddingsServicer(self.state, self.embedding),

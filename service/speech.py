@@ -24,11 +24,12 @@ import grpc
 from engine import EngineCore
 from engine.executor import StepExecutor
 
+from .convert import check_request_id
 from .engine_loop import EngineLoop
-from .errors import rpc_guard, unavailable
+from .errors import REQUEST_ID_METADATA, Reason, current_request_id, rpc_guard, unavailable
 from .gen.stencil.v1 import speech_pb2 as pb
 from .gen.stencil.v1 import speech_pb2_grpc as pb_grpc
-from .generation import REQUEST_ID_METADATA, ServingState, next_outputs, run_maybe_off_loop
+from .generation import ServingState, next_outputs, run_maybe_off_loop
 from .speech_convert import ChunkWriter, prepare_synthesize
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Speech"].full_name
@@ -79,16 +80,18 @@ class SpeechServicer(pb_grpc.SpeechServicer):
         return self.state.require_ready(
             self.slot.loop, lambda _loop: self.slot.alive(), served=self.slot.enabled,
             not_served="this server serves no speech model (start it with --speech-model DIR --codec DIR)",
-            loading="the speech model is still loading", stopped="the speech engine is not running")
+            not_served_reason=Reason.NO_SPEECH_MODEL, loading="the speech model is still loading",
+            stopped="the speech engine is not running")
 
     @rpc_guard
     async def Synthesize(self, request: pb.SynthesizeRequest, context: grpc.aio.ServicerContext) -> None:
+        rid = check_request_id(request.request_id)
+        current_request_id.set(rid)  # failures from here on carry it
         loop = self._require()
         engine = loop.engine
-        prepared = await run_maybe_off_loop(request.ByteSize(), prepare_synthesize, request, engine)
+        prepared = await run_maybe_off_loop(request.ByteSize(), prepare_synthesize, request, engine, rid)
         if self.state.draining:  # the drain began while the text was tokenized
-            raise unavailable("the server is shutting down")
-        rid = prepared.request_id
+            raise unavailable("the server is shutting down", Reason.DRAINING)
         stream = loop.submit(prepared.context)
         self.state.call_started()
         try:

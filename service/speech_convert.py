@@ -21,7 +21,7 @@ from engine.speech import (
     TTSContext,
 )
 
-from .convert import FIELD_PATHS, check_request_id, invalid_request, sampling_kwargs
+from .convert import FIELD_PATHS, invalid_request, sampling_kwargs
 from .errors import invalid_argument
 from .gen.stencil.v1 import speech_pb2 as pb
 
@@ -99,13 +99,12 @@ def audio_format(req: pb.SynthesizeRequest) -> pb.AudioFormat:
     return fmt
 
 
-def prepare_synthesize(req: pb.SynthesizeRequest, engine: EngineCore) -> PreparedSpeech:
+def prepare_synthesize(req: pb.SynthesizeRequest, engine: EngineCore, request_id: str) -> PreparedSpeech:
     """Validate a Synthesize request and build its TTSContext (no engine state is touched).
 
     `engine` must serve speech (`engine.serves_speech`).
     """
     assert engine.speech_layout is not None
-    request_id = check_request_id(req.request_id)
     fmt = audio_format(req)
     params = speech_sampling_params(req)
     codes = check_voice_prompt(req, engine.speech_layout)

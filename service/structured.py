@@ -18,7 +18,7 @@ from typing import Any
 from engine.structured import StructuredOutput
 from grammar import GrammarError, GrammarOptions, GrammarSpec, Matcher
 
-from .errors import ServiceError, invalid_argument, resource_exhausted, unavailable
+from .errors import Reason, ServiceError, invalid_argument, resource_exhausted, unavailable
 from .gen.stencil.v1 import generate_pb2 as pb
 
 C = pb.Constraint
@@ -103,7 +103,7 @@ def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
         else:
             spec = GrammarSpec(kind, getattr(c, kind))
     except GrammarError as err:
-        raise invalid_argument(field, str(err)) from None
+        raise invalid_argument(field, str(err), Reason.GRAMMAR_INVALID) from None
     return ConstraintSpec(spec, backend, field)
 
 
@@ -141,7 +141,8 @@ class ConstraintCompiler:
             await asyncio.to_thread(lambda: self._structured.compiler)
             self._started = True
         if self.in_flight >= self.max_in_flight:
-            raise resource_exhausted(f"{self.in_flight} constraints are compiling; retry later")
+            raise resource_exhausted(f"{self.in_flight} constraints are compiling; retry later",
+                                     Reason.COMPILE_QUEUE_FULL)
         future = compile_async(constraint.spec, constraint.backend)
         if future.done():  # a cache hit (or a cached failure)
             return self._result(future, constraint.field)
@@ -163,5 +164,7 @@ def _compile_error(err: GrammarError, field: str) -> ServiceError:
     # A compile that crashed its worker is the spec's doing (and is cached as
     # such); a compiler that is closed or cannot start a worker is the server's.
     if err.reason == "crashed" and err.backend is None:
-        return unavailable(f"the grammar compiler is unavailable: {err}")
-    return invalid_argument(field, str(err))
+        return unavailable(f"the grammar compiler is unavailable: {err}", Reason.GRAMMAR_COMPILER_UNAVAILABLE)
+    reason = {"timeout": Reason.GRAMMAR_COMPILE_TIMEOUT, "too_large": Reason.GRAMMAR_TOO_LARGE}.get(
+        err.reason, Reason.GRAMMAR_INVALID)
+    return invalid_argument(field, str(err), reason)

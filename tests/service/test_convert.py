@@ -62,21 +62,25 @@ def test_bad_values_name_the_field(path: str, value: float) -> None:
     assert info.value.violations[0][0] == path
 
 
+def prepare(req: pb.GenerateRequest, engine: EngineCore) -> convert.PreparedRequest:
+    return convert.prepare_generate(req, engine, convert.check_request_id(req.request_id))
+
+
 def test_prepare_generate_checks_the_request(engine: EngineCore) -> None:
     req = pb.GenerateRequest(text="hello there", request_id="r1")
     req.stopping.max_new_tokens = 4
     req.response.return_token_ids = False
-    prepared = convert.prepare_generate(req, engine)
+    prepared = prepare(req, engine)
     assert prepared.request_id == "r1"
     assert prepared.spec.prompt.tolist() == engine.tokenizer.encode("hello there")
     assert prepared.options == convert.OutputOptions(return_token_ids=False)
-    assert convert.prepare_generate(pb.GenerateRequest(text="x"), engine).request_id
+    assert prepare(pb.GenerateRequest(text="x"), engine).request_id  # one is made up when unset
 
 
 def test_constrained_request_is_validated_before_compiling(engine: EngineCore) -> None:
     req = pb.GenerateRequest(text="hello", request_id="c1")
     req.constraint.regex = "[a-z]+"
-    prepared = convert.prepare_generate(req, engine)
+    prepared = prepare(req, engine)
     assert prepared.constraint is not None and prepared.constraint.field == "constraint.regex"
     matcher = engine.structured.compile(prepared.constraint.spec)  # compiled later, off the event loop
     ctx = engine.context(prepared.spec, matcher)  # the context is built once, with its matcher
@@ -88,7 +92,7 @@ def test_constrained_request_is_validated_before_compiling(engine: EngineCore) -
     bad.constraint.json_schema = '{"type": "nonsense"}'
     bad.stopping.max_new_tokens = 100_000
     with pytest.raises(ServiceError) as info:
-        convert.prepare_generate(bad, engine)
+        prepare(bad, engine)
     assert info.value.violations[0][0] == "stopping.max_new_tokens"
 
 
@@ -97,7 +101,7 @@ def test_chat_without_template_is_failed_precondition(engine: EngineCore, monkey
     req = pb.GenerateRequest()
     req.chat.messages.add(role="user", content="hi")
     with pytest.raises(ServiceError) as info:
-        convert.prepare_generate(req, engine)
+        prepare(req, engine)
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 

@@ -1,4 +1,4 @@
-"""Status mapping: ServiceError with BadRequest details, bugs as INTERNAL."""
+"""Status mapping: ServiceError with ErrorInfo/BadRequest/RetryInfo details, bugs as INTERNAL."""
 
 from __future__ import annotations
 
@@ -8,8 +8,21 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 
-from service.errors import ServiceError, bad_request_violations, invalid_argument, rpc_guard
+from service.errors import (
+    ERROR_DOMAIN,
+    REQUEST_ID_METADATA,
+    Reason,
+    ServiceError,
+    bad_request_violations,
+    current_request_id,
+    error_reason,
+    invalid_argument,
+    rpc_guard,
+    status_details,
+    unavailable,
+)
 
 
 class FakeContext:
@@ -36,9 +49,25 @@ class Servicer:
     async def Fine(self, request: Any, context: Any) -> str:
         return "ok"
 
+    @rpc_guard
+    async def Named(self, request: Any, context: Any) -> None:
+        current_request_id.set("req-7")
+        raise unavailable("the server is shutting down", Reason.DRAINING)
 
-def call(name: str) -> FakeContext:
-    ctx = FakeContext()
+    @rpc_guard
+    async def BugOnBrokenCall(self, request: Any, context: Any) -> None:
+        raise KeyError("secret")
+
+
+class BrokenContext(FakeContext):
+    """A call that already failed: grpc refuses to abort it again."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        raise RuntimeError("GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
+
+
+def call(name: str, ctx: FakeContext | None = None) -> FakeContext:
+    ctx = ctx or FakeContext()
     with contextlib.suppress(grpc.aio.AbortError):
         asyncio.run(getattr(Servicer(), name)(None, ctx))
     return ctx
@@ -49,21 +78,44 @@ def test_invalid_argument_carries_bad_request() -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details == "sampling.top_p: must be in (0, 1], got 2"
     assert bad_request_violations(metadata) == [("sampling.top_p", "must be in (0, 1], got 2")]
+    assert error_reason(metadata) == Reason.INVALID_FIELD
+    bad = error_details_pb2.BadRequest()
+    assert any(d.Unpack(bad) for d in status_details(metadata).details)  # type: ignore[union-attr]
+    assert bad.field_violations[0].reason == Reason.INVALID_FIELD
 
 
 def test_bugs_become_internal_without_details(caplog: pytest.LogCaptureFixture) -> None:
     code, details, metadata = call("Bug").aborted  # type: ignore[misc]
     assert code == grpc.StatusCode.INTERNAL
     assert "secret" not in details and "Traceback" not in details
-    assert metadata == ()
+    assert error_reason(metadata) == Reason.INTERNAL
+    assert "secret" not in str(status_details(metadata))
     assert "secret internal detail" in caplog.text, "the server log keeps the traceback"
+
+
+def test_an_internal_error_on_a_broken_call_does_not_raise_again() -> None:
+    asyncio.run(Servicer().BugOnBrokenCall(None, BrokenContext()))  # returns quietly
 
 
 def test_success_passes_through() -> None:
     assert asyncio.run(Servicer().Fine(None, FakeContext())) == "ok"
 
 
-def test_plain_service_error_has_no_details() -> None:
-    err = ServiceError(grpc.StatusCode.UNAVAILABLE, "draining")
-    assert err.trailing_metadata() == ()
+def test_every_error_has_a_reason_and_retryable_ones_a_retry_delay() -> None:
+    err = ServiceError(grpc.StatusCode.UNAVAILABLE, "draining", Reason.DRAINING)
+    status = status_details(err.trailing_metadata())
+    assert status is not None and status.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    info, retry = error_details_pb2.ErrorInfo(), error_details_pb2.RetryInfo()
+    assert any(d.Unpack(info) for d in status.details) and info.domain == ERROR_DOMAIN
+    assert any(d.Unpack(retry) for d in status.details) and retry.retry_delay.ToNanoseconds() > 0
+    plain = status_details(ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no", Reason.NO_CHAT_TEMPLATE)
+                           .trailing_metadata())
+    assert plain is not None and not any(d.Unpack(retry) for d in plain.details)
     assert bad_request_violations(None) == []
+
+
+def test_failures_carry_the_request_id() -> None:
+    code, _, metadata = call("Named").aborted  # type: ignore[misc]
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert (REQUEST_ID_METADATA, "req-7") in metadata
+    assert error_reason(metadata) == Reason.DRAINING
