@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PORT = 50051
+from .client_connect import add_connection_args, call_metadata, open_channel
+
 _BACKENDS = ("auto", "xgrammar", "llguidance")
 _WHITESPACE = ("compact", "flexible", "pretty")
 
@@ -21,8 +22,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running server",
                        description="Send a prompt to a running stencild and stream the text.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    add_connection_args(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--system", default=None, help="a system message (with --chat)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -31,7 +31,6 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--usage", action="store_true", help="print the finish reason and token counts to stderr")
     shape = p.add_argument_group("structured output (at most one)")
     kind = shape.add_mutually_exclusive_group()
@@ -52,14 +51,12 @@ def add_embed(sub: argparse._SubParsersAction) -> None:
                        description="Embed texts with a running stencild. Prints one vector per "
                                    "input (JSON), or with --similarity the cosine similarities.")
     p.add_argument("texts", nargs="+", help="the texts to embed")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    add_connection_args(p)
     p.add_argument("--dimensions", type=int, default=None, help="keep the first N components")
     p.add_argument("--no-normalize", action="store_true", help="return vectors as pooled")
     p.add_argument("--truncate", action="store_true", help="cut inputs over the model's limit")
     p.add_argument("--similarity", action="store_true",
                    help="print the matrix of cosine similarities instead of the vectors")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--usage", action="store_true", help="print the model and token count to stderr")
 
 
@@ -122,8 +119,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
-    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
-        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=args.timeout)
+    with open_channel(args) as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=args.timeout, metadata=call_metadata(args))
         try:
             for msg in call:
                 if msg.HasField("chunk"):
@@ -164,9 +161,9 @@ def cmd_embed(args: argparse.Namespace) -> int:
         req.normalize = False
     if args.dimensions is not None:
         req.dimensions = args.dimensions
-    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+    with open_channel(args) as channel:
         try:
-            resp = pb_grpc.EmbeddingsStub(channel).Embed(req, timeout=args.timeout)
+            resp = pb_grpc.EmbeddingsStub(channel).Embed(req, timeout=args.timeout, metadata=call_metadata(args))
         except grpc.RpcError as err:
             return _error(err)
     vectors = [list(e.values) for e in resp.embeddings]

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .client_cli import DEFAULT_PORT
+from .client_connect import add_connection_args, call_metadata, open_channel
 
 PCM16_BYTES = 2
 
@@ -28,8 +28,7 @@ def add_say(sub: argparse._SubParsersAction) -> None:
                                    "and write the streamed audio as a 16-bit mono WAV file.")
     p.add_argument("text", help="the text to speak")
     p.add_argument("-o", "--output", type=Path, required=True, help="the WAV file to write ('-': stdout)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    add_connection_args(p)
     p.add_argument("--max-seconds", type=float, default=None, help="longest audio (server default: 30)")
     p.add_argument("--chunk-frames", type=int, default=None, help="frames per streamed chunk (1-64)")
     p.add_argument("--temperature", type=float, default=None)
@@ -40,7 +39,6 @@ def add_say(sub: argparse._SubParsersAction) -> None:
                    help="voice prompt: SNAC codes of reference audio (a JSON list, 7 per frame, "
                         "Orpheus order)")
     p.add_argument("--voice-text", default="", help="what the voice prompt says")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--usage", action="store_true",
                    help="print the finish reason, speech tokens and audio length to stderr")
 
@@ -97,8 +95,8 @@ def cmd_say(args: argparse.Namespace) -> int:
     # cannot seek back to patch the header, so its file is built in memory.
     part = None if str(args.output) == "-" else Path(f"{args.output}.part")
     try:
-        with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
-            call = pb_grpc.SpeechStub(channel).Synthesize(req, timeout=args.timeout)
+        with open_channel(args) as channel:
+            call = pb_grpc.SpeechStub(channel).Synthesize(req, timeout=args.timeout, metadata=call_metadata(args))
             if part is None:
                 buffer = io.BytesIO()
                 final = _write_wav(call, buffer)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .client_cli import DEFAULT_PORT
+from .client_connect import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from engine import EngineCore
@@ -65,6 +65,17 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="an engine with work that completes no step for this long reports "
                         "NOT_SERVING and logs what it is doing (0: off)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    t = p.add_argument_group("security")
+    t.add_argument("--tls-cert", type=Path, default=None, metavar="FILE",
+                   help="serve TLS with this certificate chain (PEM); reloaded on SIGHUP")
+    t.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the certificate's key (PEM)")
+    t.add_argument("--tls-client-ca", type=Path, default=None, metavar="FILE",
+                   help="require client certificates signed by this CA (mTLS)")
+    t.add_argument("--health-port", type=int, default=0,
+                   help="also serve grpc.health.v1 in plaintext on this port (for probes that "
+                        "cannot speak TLS; 0: off)")
+    t.add_argument("--health-host", default="127.0.0.1",
+                   help="address of --health-port (0.0.0.0 for kubelet probes on the pod IP)")
     k = p.add_argument_group("connections")
     k.add_argument("--min-ping-interval", type=float, default=5.0, metavar="SECONDS",
                    help="accept client keepalive pings this often, even on idle connections")
@@ -165,6 +176,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     from .engine_loop import AdmissionLimits
     from .server import KeepalivePolicy, ServerConfig
     from .speech import SpeechOptions
+    from .tls import TLSConfig
 
     if args.embedding_only and (args.no_embedding_model or args.model or args.preset
                                 or args.speech_model):
@@ -208,6 +220,11 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         embedding = EmbeddingOptions(EmbeddingConfig(model=model, device=args.device),
                                      max_pending_tokens=args.embedding_max_pending_tokens)
         model_name = model_name or embedding.model_name
+    if (args.tls_cert is None) != (args.tls_key is None):
+        return "--tls-cert and --tls-key go together"
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        return "--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS with client certificates)"
+    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert is not None else None
     config = ServerConfig(
         host=args.host, port=args.port, grace_period_s=args.grace_period,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), warmup=not args.no_warmup,
@@ -215,6 +232,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         keepalive=KeepalivePolicy(args.min_ping_interval, args.keepalive_time, args.keepalive_timeout,
                                   args.max_connection_age, args.max_connection_age_grace),
         watchdog_timeout_s=args.watchdog_timeout,
+        tls=tls, health_port=args.health_port, health_host=args.health_host,
     )
     return ServePlan(factory, model_name, config, embedding, speech)
 

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine import EngineCore
 
@@ -44,14 +43,17 @@ from .generation import SERVICE_NAME, GenerationServicer, ServingState
 from .health import OVERALL_HEALTH, HealthState
 from .interceptors import UnparsableRequests
 from .loading import LoadedModels, load_models
+from .reflection import enable_reflection
 from .speech import SERVICE_NAME as SPEECH_SERVICE
 from .speech import SpeechOptions, SpeechServicer, SpeechSlot
 from .structured import ConstraintCompiler
+from .tls import ServerTLS, TLSConfig
 from .watchdog import Watchdog, Watched
 
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "0.1.0"
+HEALTH_SERVICE = "grpc.health.v1.Health"
 SHUTDOWN_MESSAGE = "the server is shutting down"
 # Process exit codes of `serve`: a model that could not load, an engine that died.
 EXIT_LOAD_FAILED = 1
@@ -121,6 +123,12 @@ class ServerConfig:
     # Seconds an engine with work may go without completing a step before its
     # services report NOT_SERVING (0: no watchdog).
     watchdog_timeout_s: float = 60.0
+    # TLS on the main port (None: plaintext).
+    tls: TLSConfig | None = None
+    # A second, plaintext port serving only grpc.health.v1, for probes that
+    # cannot speak TLS (kubelet's gRPC probes); 0: none.
+    health_port: int = 0
+    health_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -131,6 +139,8 @@ class ServerConfig:
             raise ValueError("max_message_bytes must be >= 1024")
         if self.watchdog_timeout_s < 0:
             raise ValueError("watchdog_timeout_s must be >= 0 (0 turns the watchdog off)")
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port must be in [0, 65535], got {self.health_port}")
 
 
 class StencilServer:
@@ -161,6 +171,9 @@ class StencilServer:
         # Why an engine died (the server then shuts down; see the module docstring).
         self.engine_failure: BaseException | None = None
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        self._tls = ServerTLS(self.config.tls) if self.config.tls is not None else None
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
         self._force = asyncio.Event()
@@ -187,20 +200,23 @@ class StencilServer:
         speech_pb2_grpc.add_SpeechServicer_to_server(SpeechServicer(self.state, self.speech), server)
         self.health.add_to_server(server)
         await self.health.not_serving()
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE, "grpc.health.v1.Health",
-             reflection.SERVICE_NAME], server)
-        address = f"{self.config.host}:{self.config.port}"
-        try:
-            port = server.add_insecure_port(address)
-        except RuntimeError:  # grpc's way of saying the port is taken or the host is wrong
-            port = 0
-        if port == 0:
-            raise OSError(f"cannot bind {address} (port in use, or no such address)")
+        enable_reflection([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE, HEALTH_SERVICE], server)
+        port = _bind(server, self.config.host, self.config.port,
+                     self._tls.credentials if self._tls is not None else None)
         await server.start()
+        if self.config.health_port:
+            health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.health.add_to_server(health_server)
+            self.health_port = _bind(health_server, self.config.health_host, self.config.health_port, None)
+            await health_server.start()
+            self._health_server = health_server
         self._server, self.port = server, port
         self._spawn(self._load())
         return port
+
+    def reload_tls(self) -> bool:
+        """Re-read the TLS files (SIGHUP): new connections use them, open ones carry on."""
+        return self._tls.reload() if self._tls is not None else False
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)
@@ -335,6 +351,8 @@ class StencilServer:
         if self._server is not None:
             # Only unary calls and health watches can remain: give them a moment.
             await self._server.stop(grace=1.0)
+        if self._health_server is not None:
+            await self._health_server.stop(grace=1.0)
         runtime = self.embedding.runtime
         if runtime is not None:
             # Before the engine stops: it may share the engine's device thread.
@@ -351,6 +369,19 @@ class StencilServer:
     async def stop(self) -> None:
         """Drain with no grace period and wait until stopped."""
         await self.drain(0.0)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Listen on host:port (TLS with `credentials`); the port bound."""
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials is not None \
+            else server.add_insecure_port(address)
+    except RuntimeError:  # grpc's way of saying the port is taken or the host is wrong
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot bind {address} (port in use, or no such address)")
+    return bound
 
 
 async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str,
@@ -375,6 +406,8 @@ async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    if config.tls is not None:
+        loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(server.wait_stopped())
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)

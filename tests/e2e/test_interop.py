@@ -107,3 +107,24 @@ def test_a_client_pinging_every_10s_on_an_idle_stream_stays_connected(server: Se
             assert not watch.done(), f"the idle stream was cut: {watch.code()} {watch.details()}"
             time.sleep(1.0)
         watch.cancel()
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_answers_in_both_versions(server: ServerHandle, version: str) -> None:
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb  # v1 is the same on the wire
+
+    call = server.channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                        request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                                        response_deserializer=rpb.ServerReflectionResponse.FromString)
+    requests = [rpb.ServerReflectionRequest(list_services=""),
+                rpb.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection"),
+                rpb.ServerReflectionRequest(file_containing_symbol="stencil.v1.Generation")]
+    listed, v1_file, ours = list(call(iter(requests), timeout=TIMEOUT))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"stencil.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in v1_file.file_descriptor_response.file_descriptor_proto]
+    assert any(f.package == "grpc.reflection.v1" and f.service[0].name == "ServerReflection" for f in files)
+    assert ours.file_descriptor_response.file_descriptor_proto
