@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -84,7 +85,8 @@ class EmbeddingOptions:
 
     @property
     def model_name(self) -> str:
-        return self.config.model or DEFAULT_MODEL_NAME
+        """The name clients see: the directory's name, never its path on the server."""
+        return Path(self.config.model).resolve().name if self.config.model else DEFAULT_MODEL_NAME
 
 
 class EmbeddingRuntime:

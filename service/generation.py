@@ -11,6 +11,7 @@ import grpc
 from engine import GenerationStatus, RequestOutput
 
 from . import convert
+from .auth import scoped_request_id
 from .engine_loop import EngineFailed, EngineLoop, RequestStream
 from .errors import (
     REQUEST_ID_METADATA,
@@ -143,7 +144,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         loop = self.state.require_engine()
         # 1. Check the request and tokenize its prompt (a long one off the loop).
         prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
-                                             request, loop.engine, rid)
+                                             request, loop.engine, scoped_request_id(rid))
         matcher = None
         if prepared.constraint is not None:
             # 2. Compile its constraint before the engine sees it (a cache hit
@@ -175,7 +176,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # Cancelled, deadline passed, client gone, or a failure above: the
             # engine must stop working on it and free its pages now.
             if not stream.finished:
-                loop.abort(rid)
+                loop.abort(ctx.request_id)
             self.state.call_finished()
 
     @rpc_guard
@@ -208,6 +209,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # asked (the same id may run on both).
         aborted = []
         for rid in request.request_ids:
-            if any([loop.abort(rid) for loop in loops]):
+            if any([loop.abort(scoped_request_id(rid)) for loop in loops]):  # only the caller's own
                 aborted.append(rid)
         return pb.AbortResponse(aborted_request_ids=aborted)

@@ -1,4 +1,4 @@
-"""Server interceptors that wrap every RPC's handler.
+"""Server interceptors, and the one way they wrap an RPC's handler (`rewrap`).
 
 `UnparsableRequests`: grpc parses a request before any handler runs, and a
 payload that is not the expected message (random bytes, a truncated frame)
@@ -7,10 +7,13 @@ at ERROR for every such call: a log flood any client can trigger. Requests are
 parsed here instead; one that cannot be is answered INVALID_ARGUMENT ("request
 could not be parsed", reason UNPARSABLE_REQUEST), and logged in one line at
 most every few seconds, with a count of the others.
+
+The API-key check is in auth.py; it wraps handlers with `rewrap` too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -26,14 +29,59 @@ log = logging.getLogger(__name__)
 
 UNPARSABLE_MESSAGE = "request could not be parsed"
 
+# Awaited with each request message (streaming requests: each one) before the handler sees it.
+Before = Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]
+# An async context manager around each whole call.
+Scope = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
 
-class _Unparsable:
-    """What a request that could not be parsed becomes (the handler never sees it)."""
+_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+_FACTORIES: dict[str, Callable[..., Any]] = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
 
-    __slots__ = ("method",)
 
-    def __init__(self, method: str):
-        self.method = method
+def _no_scope(context: grpc.aio.ServicerContext) -> contextlib.AbstractAsyncContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def rewrap(handler: Any, *, before: Before | None = None, scope: Scope | None = None,
+           request_deserializer: Callable[[bytes], Any] | None = None) -> Any:
+    """`handler` with its behavior wrapped: `before` sees each request first and
+    `scope` surrounds each call; `request_deserializer` replaces the handler's."""
+    kind = next(k for k in _KINDS if getattr(handler, k) is not None)
+    behavior = getattr(handler, kind)
+    enter = scope or _no_scope
+    streaming_request = kind.startswith("stream")
+
+    async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for request in requests:
+            if before is not None:
+                await before(request, context)
+            yield request
+
+    async def first(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if streaming_request:
+            return checked(request, context)
+        if before is not None:
+            await before(request, context)
+        return request
+
+    if inspect.isasyncgenfunction(behavior):
+        async def wrapped_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with enter(context):
+                async for item in behavior(await first(request, context), context):
+                    yield item
+        wrapped: Callable[..., Any] = wrapped_gen
+    else:
+        async def wrapped_call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with enter(context):
+                return await behavior(await first(request, context), context)
+        wrapped = wrapped_call
+    return _FACTORIES[kind](wrapped, request_deserializer=request_deserializer or handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
 
 
 class RateLimitedLog:
@@ -57,6 +105,18 @@ class RateLimitedLog:
         self._log.warning(message + suffix, *args)
 
 
+class _Unparsable:
+    """What a request that could not be parsed becomes (the handler never sees it)."""
+
+    __slots__ = ()
+
+
+async def _refuse_unparsable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Unparsable):
+        err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, UNPARSABLE_MESSAGE, Reason.UNPARSABLE_REQUEST)
+        await err.abort(context)
+
+
 class UnparsableRequests(grpc.aio.ServerInterceptor):
     """Answer requests whose bytes are not the method's message with INVALID_ARGUMENT."""
 
@@ -76,66 +136,6 @@ class UnparsableRequests(grpc.aio.ServerInterceptor):
                 return parse(data)
             except Exception:  # noqa: BLE001 - any parser failure is the payload's
                 self._log.warning("%s: a request could not be parsed (%d bytes)", method, len(data))
-                return _Unparsable(method)
+                return _Unparsable()
 
-        kind, behavior = _behavior(handler)
-        wrap = _WRAPPERS[kind]
-        return _HANDLER_FACTORIES[kind](wrap(behavior), request_deserializer=deserialize,
-                                        response_serializer=handler.response_serializer)
-
-
-async def _refuse(context: grpc.aio.ServicerContext) -> None:
-    err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, UNPARSABLE_MESSAGE, Reason.UNPARSABLE_REQUEST)
-    await err.abort(context)
-
-
-def _behavior(handler: Any) -> tuple[str, Callable[..., Any]]:
-    for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-        behavior = getattr(handler, kind)
-        if behavior is not None:
-            return kind, behavior
-    raise ValueError("a method handler without a behavior")
-
-
-def _wrap_unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    if inspect.isasyncgenfunction(behavior):
-        async def gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if isinstance(request, _Unparsable):
-                await _refuse(context)
-            async for item in behavior(request, context):
-                yield item
-        return gen
-
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Unparsable):
-            await _refuse(context)
-        return await behavior(request, context)
-    return call
-
-
-def _wrap_stream_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for request in requests:
-            if isinstance(request, _Unparsable):
-                await _refuse(context)
-            yield request
-
-    if inspect.isasyncgenfunction(behavior):
-        async def gen(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for item in behavior(checked(requests, context), context):
-                yield item
-        return gen
-
-    async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        return await behavior(checked(requests, context), context)
-    return call
-
-
-_WRAPPERS = {"unary_unary": _wrap_unary_request, "unary_stream": _wrap_unary_request,
-             "stream_unary": _wrap_stream_request, "stream_stream": _wrap_stream_request}
-_HANDLER_FACTORIES: dict[str, Callable[..., Any]] = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
+        return rewrap(handler, before=_refuse_unparsable, request_deserializer=deserialize)

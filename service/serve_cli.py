@@ -71,6 +71,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the certificate's key (PEM)")
     t.add_argument("--tls-client-ca", type=Path, default=None, metavar="FILE",
                    help="require client certificates signed by this CA (mTLS)")
+    t.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                   help="require 'authorization: Bearer KEY' on every RPC but health; one key per line: "
+                        "'KEY [NAME[:MAX_INFLIGHT]]' (default: $STENCILD_API_KEYS, comma-separated)")
+    t.add_argument("--public-reflection", action="store_true",
+                   help="serve reflection without an API key (it needs one otherwise)")
+    t.add_argument("--served-model-name", default=None,
+                   help="the model name clients see (default: the checkpoint directory's name)")
     t.add_argument("--health-port", type=int, default=0,
                    help="also serve grpc.health.v1 in plaintext on this port (for probes that "
                         "cannot speak TLS; 0: off)")
@@ -137,7 +144,8 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str] | str:
     if args.model is not None:
         if not (args.model / "config.json").is_file():
             return f"{args.model} is not a checkpoint directory (no config.json)"
-        return args.model, str(args.model)
+        # Clients see the directory's name, never the server's file system.
+        return args.model, args.model.resolve().name
     preset = args.preset or "demo"
     if preset not in PRESETS:
         return f"unknown preset {preset!r}; choose from {', '.join(sorted(PRESETS))}"
@@ -164,7 +172,7 @@ def _speech_dirs(args: argparse.Namespace) -> tuple[Path, Path, str] | str | Non
         return "--speech-model needs --codec DIR (a SNAC decoder: config.json and weights)"
     if not (args.codec / "config.json").is_file():
         return f"{args.codec} is not a codec directory (no config.json)"
-    return args.speech_model, args.codec, str(args.speech_model)
+    return args.speech_model, args.codec, args.speech_model.resolve().name
 
 
 def plan_serve(args: argparse.Namespace) -> ServePlan | str:
@@ -172,6 +180,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     from engine import EngineConfig, EngineCore
     from engine.embedding import EmbeddingConfig
 
+    from .auth import API_KEYS_ENV, load_keys
     from .embeddings import EmbeddingOptions
     from .engine_loop import AdmissionLimits
     from .server import KeepalivePolicy, ServerConfig
@@ -225,6 +234,12 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     if args.tls_client_ca is not None and args.tls_cert is None:
         return "--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS with client certificates)"
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert is not None else None
+    try:
+        api_keys = load_keys(args.api_key_file, os.environ.get(API_KEYS_ENV))
+    except (OSError, ValueError) as err:
+        return f"API keys: {err}"
+    if args.served_model_name:
+        model_name = args.served_model_name
     config = ServerConfig(
         host=args.host, port=args.port, grace_period_s=args.grace_period,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), warmup=not args.no_warmup,
@@ -233,6 +248,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
                                   args.max_connection_age, args.max_connection_age_grace),
         watchdog_timeout_s=args.watchdog_timeout,
         tls=tls, health_port=args.health_port, health_host=args.health_host,
+        api_keys=tuple(api_keys), public_reflection=args.public_reflection,
     )
     return ServePlan(factory, model_name, config, embedding, speech)
 

@@ -34,6 +34,7 @@ import grpc
 
 from engine import EngineCore
 
+from .auth import ApiKey, ApiKeyAuth
 from .embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
 from .embeddings import EmbeddingOptions, EmbeddingSlot, EmbeddingsServicer
 from .engine_loop import AdmissionLimits, EngineLoop
@@ -129,6 +130,9 @@ class ServerConfig:
     # cannot speak TLS (kubelet's gRPC probes); 0: none.
     health_port: int = 0
     health_host: str = "127.0.0.1"
+    # With keys, every RPC but health (and reflection, if public) needs one (see auth.py).
+    api_keys: tuple[ApiKey, ...] = ()
+    public_reflection: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -187,7 +191,12 @@ class StencilServer:
     async def start(self) -> int:
         """Bind and serve (NOT_SERVING); load the model in the background. Returns the port."""
         max_bytes = self.config.max_message_bytes
-        server = grpc.aio.server(interceptors=[UnparsableRequests()], options=[
+        # The key is checked first, then the request parsed (an interceptor
+        # earlier in the list wraps the handlers of the later ones).
+        interceptors: list[grpc.aio.ServerInterceptor] = [UnparsableRequests()]
+        if self.config.api_keys:
+            interceptors.insert(0, ApiKeyAuth(list(self.config.api_keys), self.config.public_reflection))
+        server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
             # Never share a port with another server by accident.

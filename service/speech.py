@@ -24,6 +24,7 @@ import grpc
 from engine import EngineCore
 from engine.executor import StepExecutor
 
+from .auth import scoped_request_id
 from .convert import check_request_id
 from .engine_loop import EngineLoop
 from .errors import REQUEST_ID_METADATA, Reason, current_request_id, rpc_guard, unavailable
@@ -89,7 +90,8 @@ class SpeechServicer(pb_grpc.SpeechServicer):
         current_request_id.set(rid)  # failures from here on carry it
         loop = self._require()
         engine = loop.engine
-        prepared = await run_maybe_off_loop(request.ByteSize(), prepare_synthesize, request, engine, rid)
+        prepared = await run_maybe_off_loop(request.ByteSize(), prepare_synthesize, request, engine,
+                                            scoped_request_id(rid))
         if self.state.draining:  # the drain began while the text was tokenized
             raise unavailable("the server is shutting down", Reason.DRAINING)
         stream = loop.submit(prepared.context)
@@ -109,5 +111,5 @@ class SpeechServicer(pb_grpc.SpeechServicer):
             # Cancelled, deadline passed, client gone, or a failure above: the
             # engine must stop working on it and free its pages now.
             if not stream.finished:
-                loop.abort(rid)
+                loop.abort(prepared.context.request_id)
             self.state.call_finished()

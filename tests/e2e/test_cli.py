@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.presets import ensure_preset
 from service.cli import main
 
 from .helpers import ServerHandle
@@ -78,7 +79,7 @@ def test_serve_speech_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     for args, message in [
         (["--speech-model", str(tmp_path)], "no config.json"),
         (["--codec", str(tmp_path)], "--codec goes with --speech-model"),
-        (["--speech-model", str(shared_plan().speech.model_name)], "needs --codec"),  # type: ignore[union-attr]
+        (["--speech-model", str(ensure_preset("demo-speech"))], "needs --codec"),
     ]:
         assert main(["serve", "--preset", "tiny-llama", *args]) == 2
         assert message in capsys.readouterr().err

@@ -1,0 +1,153 @@
+"""API keys: who may call, how much each key may run at once, whose requests are whose.
+
+With keys configured (`--api-key-file FILE` or `$STENCILD_API_KEYS`), every RPC
+except grpc.health.v1 (and reflection, with --public-reflection) needs
+`authorization: Bearer <key>` metadata. A missing or wrong key gets
+UNAUTHENTICATED with the same message either way. Keys are compared in
+constant time (digests of equal length, every key compared) and never logged;
+the log names a key by its name.
+
+A key may cap its calls in flight (`name:max_inflight`); beyond that a call is
+RESOURCE_EXHAUSTED (KEY_LIMIT_REACHED). Request ids belong to their key: the
+engine sees them as `<key name>/<id>`, so one client cannot abort another's
+request or learn whether an id of another key is running.
+
+Key file format, one key per line (blank lines and `#` comments ignored):
+
+    SECRET                 a key named key-1, key-2, ... by its line
+    SECRET NAME            a named key
+    SECRET NAME:LIMIT      a named key with at most LIMIT calls in flight
+
+`$STENCILD_API_KEYS` holds the same entries separated by commas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from .errors import Reason, ServiceError, resource_exhausted
+from .interceptors import rewrap
+
+log = logging.getLogger(__name__)
+
+API_KEYS_ENV = "STENCILD_API_KEYS"
+UNAUTHENTICATED_MESSAGE = "missing or invalid API key"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIXES = ("/grpc.reflection.v1.ServerReflection/", "/grpc.reflection.v1alpha.ServerReflection/")
+
+# The name of the key the current call came with ("" without API keys).
+current_key: contextvars.ContextVar[str] = contextvars.ContextVar("api_key_name", default="")
+
+
+def scoped_request_id(request_id: str) -> str:
+    """The engine's id for a client's request id: its key's name first, when it has one."""
+    key = current_key.get()
+    return f"{key}/{request_id}" if key else request_id
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One key: its name (logged), its secret (never), an optional cap on its calls in flight."""
+
+    name: str
+    secret: str
+    max_inflight: int | None = None
+
+    def __repr__(self) -> str:  # the secret stays out of logs and tracebacks
+        return f"ApiKey(name={self.name!r}, max_inflight={self.max_inflight})"
+
+
+def parse_keys(entries: list[str], source: str) -> list[ApiKey]:
+    """Keys from entries of the form `SECRET [NAME[:LIMIT]]`; ValueError names the bad one."""
+    keys: list[ApiKey] = []
+    for number, raw in enumerate(entries, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields = line.split()
+        if len(fields) > 2:
+            raise ValueError(f"{source}, entry {number}: expected 'SECRET [NAME[:LIMIT]]'")
+        secret = fields[0]
+        name, _, limit = (fields[1] if len(fields) == 2 else f"key-{len(keys) + 1}").partition(":")
+        if not name or "/" in name:
+            raise ValueError(f"{source}, entry {number}: a key name must be non-empty, without '/'")
+        if limit and not (limit.isdigit() and int(limit) > 0):
+            raise ValueError(f"{source}, entry {number}: the limit must be a positive integer")
+        keys.append(ApiKey(name, secret, int(limit) if limit else None))
+    names = [k.name for k in keys]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{source}: key names must be unique")
+    if len({k.secret for k in keys}) != len(keys):
+        raise ValueError(f"{source}: two entries have the same key")
+    return keys
+
+
+def load_keys(path: Path | None, env_value: str | None) -> list[ApiKey]:
+    """The configured keys: the file's, else the environment's; none means no authentication."""
+    if path is not None:
+        return parse_keys(path.read_text().splitlines(), str(path))
+    if env_value:
+        return parse_keys(env_value.split(","), f"${API_KEYS_ENV}")
+    return []
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+class ApiKeyAuth(grpc.aio.ServerInterceptor):
+    """Checks `authorization: Bearer <key>` on every call that needs it, and counts calls per key."""
+
+    def __init__(self, keys: list[ApiKey], public_reflection: bool = False):
+        if not keys:
+            raise ValueError("ApiKeyAuth needs at least one key")
+        self._keys = [(_digest(k.secret), k) for k in keys]
+        self._public = (HEALTH_PREFIX, *(REFLECTION_PREFIXES if public_reflection else ()))
+        self._inflight: dict[str, int] = {k.name: 0 for k in keys}
+
+    def match(self, metadata: Any) -> ApiKey | None:
+        """The key the metadata carries, if it is one of ours (constant time over keys)."""
+        value = next((v for k, v in metadata or () if k == "authorization"), None)
+        if not isinstance(value, str) or not value.startswith("Bearer "):
+            return None
+        given = _digest(value[len("Bearer "):].strip())
+        found = None
+        for digest, key in self._keys:
+            if hmac.compare_digest(digest, given):  # no early exit: every key is compared
+                found = key
+        return found
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self._public):
+            return handler
+        key = self.match(handler_call_details.invocation_metadata)
+        return rewrap(handler, scope=lambda context: self._call(key, context))
+
+    @contextlib.asynccontextmanager
+    async def _call(self, key: ApiKey | None, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        if key is None:
+            err = ServiceError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, Reason.UNAUTHENTICATED)
+            await err.abort(context)
+        assert key is not None
+        if key.max_inflight is not None and self._inflight[key.name] >= key.max_inflight:
+            await resource_exhausted(f"this API key has {key.max_inflight} calls in flight already; retry later",
+                                     Reason.KEY_LIMIT_REACHED).abort(context)
+        self._inflight[key.name] += 1
+        token = current_key.set(key.name)
+        try:
+            yield
+        finally:
+            current_key.reset(token)
+            self._inflight[key.name] -= 1

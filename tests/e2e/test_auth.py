@@ -1,0 +1,113 @@
+"""API keys: who may call, per-key limits, request ids that belong to their key,
+keys that never reach the log, and what a client learns of the server."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.presets import ensure_preset
+from service.auth import ApiKey
+from service.cli import build_parser, main
+from service.errors import Reason, error_reason
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.serve_cli import ServePlan, plan_serve
+
+from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy
+
+ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-9876543210", "sk-carol-limited"
+KEYS = (ApiKey("alice", ALICE), ApiKey("bob", BOB), ApiKey("carol", CAROL, max_inflight=1))
+
+
+def bearer(secret: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {secret}"),)
+
+
+def code_and_reason(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str | None, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    err = info.value
+    return err.code(), error_reason(err.trailing_metadata()), err.details()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def keyed(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    return make_server(engine_factory(slow_s=0.02), api_keys=KEYS)
+
+
+def tokenize(handle: ServerHandle, metadata: tuple[tuple[str, str], ...] = ()) -> list[int]:
+    return list(handle.stub.Tokenize(pb.TokenizeRequest(text="hi"), metadata=metadata, timeout=TIMEOUT).token_ids)
+
+
+def test_every_rpc_but_health_needs_a_key(keyed: ServerHandle, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    assert tokenize(keyed, bearer(ALICE))
+    answers = {code_and_reason(lambda m=m: tokenize(keyed, m)) for m in
+               [(), bearer("sk-wrong"), bearer(ALICE + "x"), (("authorization", ALICE),), bearer("")]}
+    assert answers == {(grpc.StatusCode.UNAUTHENTICATED, Reason.UNAUTHENTICATED, "missing or invalid API key")}
+    health = health_pb2_grpc.HealthStub(keyed.channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no key
+    code, _, _ = code_and_reason(lambda: list(keyed.channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", request_serializer=None,
+        response_deserializer=None)(iter([b"\x3a\x00"]), timeout=TIMEOUT)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED  # reflection too, unless --public-reflection
+    assert all(secret not in caplog.text for secret in (ALICE, BOB, CAROL, "sk-wrong"))
+
+
+def test_a_key_may_cap_its_calls_in_flight(keyed: ServerHandle) -> None:
+    running = keyed.stub.Generate(greedy("long", 100), metadata=bearer(CAROL), timeout=TIMEOUT)
+    next(iter(running))
+    code, reason, _ = code_and_reason(lambda: tokenize(keyed, bearer(CAROL)))
+    assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.KEY_LIMIT_REACHED)
+    assert tokenize(keyed, bearer(ALICE)), "other keys are not limited by it"
+    running.cancel()
+    keyed.wait_pending(0)
+    assert tokenize(keyed, bearer(CAROL))
+
+
+def test_request_ids_belong_to_their_key(keyed: ServerHandle) -> None:
+    alice = keyed.stub.Generate(greedy("alice's", 100, request_id="same"), metadata=bearer(ALICE),
+                                timeout=TIMEOUT)
+    next(iter(alice))
+    # Bob can neither abort Alice's request nor learn that her id is taken.
+    done = keyed.stub.Abort(pb.AbortRequest(request_ids=["same"]), metadata=bearer(BOB), timeout=TIMEOUT)
+    assert list(done.aborted_request_ids) == []
+    bob = list(keyed.stub.Generate(greedy("bob's", 3, request_id="same"), metadata=bearer(BOB), timeout=TIMEOUT))
+    assert bob[0].request_id == "same" and bob[-1].complete.finish_reason == pb.GenerateComplete.LENGTH
+    # Alice aborts her own.
+    done = keyed.stub.Abort(pb.AbortRequest(request_ids=["same"]), metadata=bearer(ALICE), timeout=TIMEOUT)
+    assert list(done.aborted_request_ids) == ["same"]
+    last = list(alice)[-1]
+    assert last.request_id == "same" and last.complete.finish_reason == pb.GenerateComplete.CANCELLED
+
+
+def test_cli_clients_send_the_key(keyed: ServerHandle, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["generate", "Hi", "--port", str(keyed.port), "--max-new-tokens", "2", "--temperature", "0"]
+    assert main([*args, "--api-key", BOB]) == 0
+    monkeypatch.setenv("STENCILD_API_KEY", ALICE)
+    assert main(args) == 0
+    monkeypatch.delenv("STENCILD_API_KEY")
+    assert main(args) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_clients_see_a_model_name_not_a_server_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = ensure_preset("tiny-llama")
+
+    def plan(*args: str) -> ServePlan:
+        made = plan_serve(build_parser().parse_args(["serve", "--model", str(model), "--no-speech-model",
+                                                     "--no-embedding-model", *args]))
+        assert isinstance(made, ServePlan), made
+        return made
+
+    assert plan().model_name == model.name and "/" not in plan().model_name
+    assert plan("--served-model-name", "team/llama-small").model_name == "team/llama-small"
+    keys = tmp_path / "keys"
+    keys.write_text(f"# team keys\n{ALICE} alice:4\n{BOB}\n")
+    assert [(k.name, k.max_inflight) for k in plan("--api-key-file", str(keys)).config.api_keys] == \
+        [("alice", 4), ("key-2", None)]
