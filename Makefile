@@ -14,6 +14,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[dev]'
+	@# buf lints and compiles the protos for other languages (tests/service/test_protos.py);
+	@# from npm, optional: without it that test is skipped.
+	-npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0 >/dev/null 2>&1 \
+		|| echo "npm could not install buf: the proto lint test will be skipped"
 	touch $@
 
 serve: setup
@@ -38,4 +42,4 @@ lint: setup
 	$(VENV)/bin/mypy engine grammar service
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tools build *.egg-info .pytest_cache .mypy_cache .ruff_cache

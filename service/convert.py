@@ -12,6 +12,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine import EngineCore, InvalidRequest, RequestOutput, SamplingParams
 from engine.context import TokenLogprobs
 from engine.requests import RequestSpec, check_token_ids
@@ -240,12 +242,24 @@ def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer) -> pb.TokenizeRespon
         return pb.TokenizeResponse(token_ids=chat_prompt(req.chat, tokenizer))
     add = req.add_special_tokens if req.HasField("add_special_tokens") else True
     if not req.return_offsets:
+        if req.offsets_in_utf8_bytes:
+            raise invalid_argument("offsets_in_utf8_bytes", "applies with return_offsets only")
         return pb.TokenizeResponse(token_ids=tokenizer.encode(req.text, add_special_tokens=add))
     enc = tokenizer.hf(req.text, add_special_tokens=add, return_offsets_mapping=True)
+    spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    if req.offsets_in_utf8_bytes:
+        spans = utf8_offsets(req.text)[spans]
     return pb.TokenizeResponse(
         token_ids=enc["input_ids"],
-        offsets=[pb.TokenOffset(start=s, end=e) for s, e in enc["offset_mapping"]],
+        offsets=[pb.TokenOffset(start=s, end=e) for s, e in spans.tolist()],
     )
+
+
+def utf8_offsets(text: str) -> np.ndarray:
+    """UTF-8 byte offset of every code point index of `text` (one more than its length)."""
+    points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    sizes = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+    return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
 
 
 def detokenize(req: pb.DetokenizeRequest, tokenizer: Tokenizer, vocab_size: int) -> pb.DetokenizeResponse:

@@ -76,7 +76,11 @@ def speech_context(req: SpeechRequest, speech: SpeechModel, tokenizer: Tokenizer
     text_tokens = tokenizer.encode(text)
     prompt = layout.prompt(text_tokens, codes,
                            tokenizer.encode(req.audio_prompt_transcription, add_special_tokens=False))
-    frames = math.ceil(req.max_audio_seconds * audio.decoder_sample_rate / audio.samples_per_frame)
+    # Audio comes in whole frames; never more than asked: round down.
+    frames = math.floor(req.max_audio_seconds * audio.decoder_sample_rate / audio.samples_per_frame)
+    if frames < 1:
+        frame_s = audio.samples_per_frame / audio.decoder_sample_rate
+        raise InvalidRequest("max_audio_seconds", f"shorter than one frame of audio ({frame_s:.3f} s)")
     base = req.params or DEFAULT_SPEECH_SAMPLING
     check_params_token_ids(base, vocab_size)
     wanted = frames * CODES_PER_FRAME if base.max_new_tokens is None else \

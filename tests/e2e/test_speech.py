@@ -84,9 +84,9 @@ def test_streamed_audio_equals_one_shot_decoding(speech_server: ServerHandle) ->
     assert usage.audio_samples == len(audio)
     assert usage.audio_seconds == pytest.approx(len(audio) / 24000)
     assert chunks[-1].finish_reason in (Finish.LENGTH, Finish.END_OF_SPEECH)
-    # 1.5 s asks for 18 frames; the random model may end speech earlier.
+    # 1.5 s holds 17 whole frames; the random model may end speech earlier.
     assert len(got_codes) <= 18 * 7
-    assert (chunks[-1].finish_reason == Finish.LENGTH) == (len(got_codes) == 18 * 7)
+    assert (chunks[-1].finish_reason == Finish.LENGTH) == (len(got_codes) == 17 * 7)
 
     # The same request as PCM16: the same codes (seeded), and the one-shot
     # decoding quantized, within one step.
@@ -223,6 +223,7 @@ def test_health_and_reflection_list_speech(speech_server: ServerHandle) -> None:
     ({"chunk_frames": 0}, "chunk_frames"),
     ({"chunk_frames": 65}, "chunk_frames"),
     ({"max_audio_seconds": 0.0}, "max_audio_seconds"),
+    ({"max_audio_seconds": 0.05}, "max_audio_seconds"),  # less than one 85 ms frame
     ({"max_audio_seconds": 301.0}, "max_audio_seconds"),
     ({"audio_prompt_tokens": [1, 2, 3]}, "audio_prompt_tokens"),
     ({"audio_prompt_tokens": [0, 1, 2, 3, 4, 5, 4096]}, "audio_prompt_tokens[6]"),
@@ -291,3 +292,13 @@ def test_say_writes_a_wav_file(speech_server: ServerHandle, tmp_path: Path,
     rc = main(["say", "x" * 2001, "-o", str(tmp_path / "bad.wav"), "--port", str(speech_server.port)])
     assert rc == 1 and "INVALID_ARGUMENT" in capsys.readouterr().err
     assert not (tmp_path / "bad.wav").exists() and not list(tmp_path.glob("*.part"))
+
+
+@pytest.mark.parametrize("seconds, frames", [(0.1, 1), (1.0, 11), (1.024, 12)])
+def test_never_more_audio_than_asked(speech_server: ServerHandle, seconds: float, frames: int) -> None:
+    # 0.05 s used to give 0.085 s of audio and 1 s 1.024 s: a frame too many.
+    chunks, _ = synthesize(speech_server.speech_stub, speech_request(seconds=seconds, seed=11))
+    samples = sum(len(c.audio) for c in chunks) // 2  # PCM16
+    assert samples <= seconds * 24000
+    if chunks[-1].finish_reason == pb.AudioChunk.LENGTH:
+        assert samples == frames * SAMPLES_PER_FRAME

@@ -148,3 +148,19 @@ def test_every_final_status_has_a_finish_reason() -> None:
     for status in final:
         reason = convert.finish_reason(RequestOutput("r", finished=True, status=status))
         assert reason != Finish.FINISH_REASON_UNSPECIFIED, status
+
+
+def test_tokenize_offsets_in_code_points_or_utf8_bytes(engine: EngineCore) -> None:
+    text = "naïve 本 🙂 x"
+    req = pb.TokenizeRequest(text=text, return_offsets=True, add_special_tokens=False)
+    points = convert.tokenize(req, engine.tokenizer).offsets
+    req.offsets_in_utf8_bytes = True
+    utf8 = convert.tokenize(req, engine.tokenizer).offsets
+    assert len(points) == len(utf8) > 0
+    raw = text.encode()
+    for p, b in zip(points, utf8, strict=True):
+        assert text[p.start:p.end].encode() == raw[b.start:b.end]
+    assert utf8[-1].end == len(raw) and points[-1].end == len(text)
+    with pytest.raises(ServiceError) as info:
+        convert.tokenize(pb.TokenizeRequest(text=text, offsets_in_utf8_bytes=True), engine.tokenizer)
+    assert info.value.violations[0][0] == "offsets_in_utf8_bytes"

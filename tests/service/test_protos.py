@@ -111,3 +111,30 @@ def test_speech_proto_from_the_issue() -> None:
     chunk.usage.audio_seconds = 0.17
     fields = set(speech_pb2.AudioChunk.DESCRIPTOR.fields_by_name)
     assert {"audio", "sample_rate", "channels", "format", "index", "final", "usage"} <= fields
+
+
+REPO = Path(__file__).resolve().parents[2]
+BUF = REPO / ".tools" / "node_modules" / ".bin" / "buf"
+
+
+def test_every_proto_names_its_packages_for_other_languages() -> None:
+    for module in (pb, embed_pb2, speech_pb2):
+        options = module.DESCRIPTOR.GetOptions()
+        assert options.go_package.startswith("github.com/") and ";" in options.go_package
+        assert options.java_package == "dev.stencil.v1" and options.java_multiple_files
+        assert options.java_outer_classname.endswith("Proto")
+        assert (options.csharp_namespace, options.php_namespace, options.ruby_package) == \
+            ("Stencil.V1", "Stencil\\V1", "Stencil::V1")
+        assert options.objc_class_prefix == "STN"
+
+
+def test_buf_lints_and_compiles_the_protos(tmp_path: Path) -> None:
+    import subprocess
+
+    import pytest
+
+    if not BUF.exists():
+        pytest.skip("buf is not installed (`make setup` installs it from npm)")
+    for args in (["lint"], ["build", "-o", str(tmp_path / "image.binpb")]):
+        run = subprocess.run([str(BUF), *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, f"buf {args[0]}: {run.stdout}{run.stderr}"

@@ -24,13 +24,14 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stencil/v1/embed.proto\x12\nstencil.v1\"~\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08truncate\x18\x04 \x01(\x08\x42\x0c\n\n_normalizeB\r\n\x0b_dimensions\"\x84\x01\n\rEmbedResponse\x12)\n\nembeddings\x18\x01 \x03(\x0b\x32\x15.stencil.v1.Embedding\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12%\n\x05usage\x18\x03 \x01(\x0b\x32\x16.stencil.v1.EmbedUsage\x12\r\n\x05model\x18\x04 \x01(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"#\n\nEmbedUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r2J\n\nEmbeddings\x12<\n\x05\x45mbed\x12\x18.stencil.v1.EmbedRequest\x1a\x19.stencil.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stencil/v1/embed.proto\x12\nstencil.v1\"~\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08truncate\x18\x04 \x01(\x08\x42\x0c\n\n_normalizeB\r\n\x0b_dimensions\"\x84\x01\n\rEmbedResponse\x12)\n\nembeddings\x18\x01 \x03(\x0b\x32\x15.stencil.v1.Embedding\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12%\n\x05usage\x18\x03 \x01(\x0b\x32\x16.stencil.v1.EmbedUsage\x12\r\n\x05model\x18\x04 \x01(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"#\n\nEmbedUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r2J\n\nEmbeddings\x12<\n\x05\x45mbed\x12\x18.stencil.v1.EmbedRequest\x1a\x19.stencil.v1.EmbedResponseB\x86\x01\n\x0e\x64\x65v.stencil.v1B\nEmbedProtoP\x01Z8github.com/stencild/stencild/gen/go/stencil/v1;stencilv1\xa2\x02\x03STN\xaa\x02\nStencil.V1\xca\x02\nStencil\\V1\xea\x02\x0bStencil::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stencil.v1.embed_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\016dev.stencil.v1B\nEmbedProtoP\001Z8github.com/stencild/stencild/gen/go/stencil/v1;stencilv1\242\002\003STN\252\002\nStencil.V1\312\002\nStencil\\V1\352\002\013Stencil::V1'
   _globals['_EMBEDREQUEST']._serialized_start=38
   _globals['_EMBEDREQUEST']._serialized_end=164
   _globals['_EMBEDRESPONSE']._serialized_start=167

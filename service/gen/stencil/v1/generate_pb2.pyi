@@ -241,16 +241,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "chat", "add_special_tokens", "return_offsets")
+    __slots__ = ("text", "chat", "add_special_tokens", "return_offsets", "offsets_in_utf8_bytes")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_IN_UTF8_BYTES_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatInput
     add_special_tokens: bool
     return_offsets: bool
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., return_offsets: _Optional[bool] = ...) -> None: ...
+    offsets_in_utf8_bytes: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., return_offsets: _Optional[bool] = ..., offsets_in_utf8_bytes: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "offsets")
