@@ -27,6 +27,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -158,16 +159,26 @@ class WorkerPool:
             self._all.discard(worker)
         self._spawn()
 
-    def run(self, backend: str, spec: Any, max_bytes: int, timeout: float) -> tuple[Any, ...]:
-        """Compile in a worker; the reply tuple, or GrammarError on timeout/crash."""
-        worker = self._acquire()
+    def run(self, backend: str, spec: Any, max_bytes: int, deadline: float) -> tuple[Any, ...]:
+        """Compile in a worker by `deadline` (time.monotonic()): the reply tuple,
+        or GrammarError on timeout or crash.
+
+        Waiting for a free worker counts against the deadline (GrammarError
+        timeout without a backend: the server was busy, the spec is not to
+        blame). Waiting for a worker process to start (the first one, or the
+        replacement of one killed at a timeout) does not: that is the server's
+        own latency, bounded by the start-up timeout.
+        """
+        worker = self._acquire(deadline)
+        booting = time.monotonic()
         try:
             worker.wait_ready(self._startup_timeout)
         except (_Timeout, _Crashed):
             self._discard(worker)
             raise GrammarError("grammar compile worker could not start", reason="crashed") from None
+        deadline += time.monotonic() - booting
         try:
-            reply = worker.call(backend, spec, max_bytes, timeout)
+            reply = worker.call(backend, spec, max_bytes, deadline - time.monotonic())
         except _Timeout:
             self._discard(worker)  # the only way to stop a native compile
             raise GrammarError(
@@ -181,15 +192,18 @@ class WorkerPool:
         self._idle.put(_done(worker))
         return reply
 
-    def _acquire(self) -> WorkerProcess:
+    def _acquire(self, deadline: float) -> WorkerProcess:
         # A worker that died while idle (OOM killer, operator) is replaced
         # transparently: the request has no part in that failure.
         for _ in range(3):
             while True:
                 if self._closed:
                     raise GrammarError("grammar compiler is closed", reason="crashed")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise GrammarError("grammar compile timed out waiting for a worker", reason="timeout")
                 try:
-                    pending = self._idle.get(timeout=0.5)
+                    pending = self._idle.get(timeout=min(0.5, remaining))
                     break
                 except Empty:
                     continue

@@ -281,13 +281,17 @@ class GrammarCompiler:
                 ))
                 break
             try:
-                artifact = self._compile_one(b, spec, budget)
+                artifact = self._compile_one(b, spec, deadline)
             except GrammarError as e:
                 if e.reason == "timeout":
+                    # Without a backend it never got a worker in time: the
+                    # server was busy, which says nothing about the spec.
+                    busy = e.backend is None
                     e = GrammarError(
-                        f"grammar compile timed out after {timeout:g} s",
+                        f"grammar compile timed out after {timeout:g} s"
+                        + (" (the compiler was busy)" if busy else ""),
                         reason="timeout",
-                        backend=b,
+                        backend=None if busy else b,
                     )
                 # Worker start-up or shutdown trouble is not the spec's doing,
                 # nor is a timeout on a budget cut by queueing: not cached.
@@ -302,19 +306,18 @@ class GrammarCompiler:
             return artifact
         raise _combine(errors)
 
-    def _compile_one(self, backend: str, spec: GrammarSpec, timeout: float) -> _Artifact:
-        if timeout <= 0:
-            raise GrammarError("grammar compile timed out", reason="timeout", backend=backend)
+    def _compile_one(self, backend: str, spec: GrammarSpec, deadline: float) -> _Artifact:
         limit = self.config.max_compiled_bytes
         if self._pool is not None:
-            status, _, payload, detail = self._pool.run(backend, spec, limit, timeout)
+            status, _, payload, detail = self._pool.run(backend, spec, limit, deadline)
             if status == "error":
                 raise GrammarError(payload, reason=detail, backend=backend)
         else:
             assert self._native_runner is not None
             fut = self._native_runner.submit(self._ctx.compile, backend, spec, limit)
             try:
-                payload = fut.result(timeout)  # on timeout the thread runs on: see isolation
+                # On timeout the thread runs on: see CompilerConfig.isolation.
+                payload = fut.result(max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 raise GrammarError(
                     "grammar compile timed out", reason="timeout", backend=backend

@@ -201,7 +201,7 @@ def _checked_source(kind: str, source: Any) -> Source:
     if len(source) > MAX_SPEC_SOURCE_CHARS:
         raise GrammarError(f"{kind} source is too large ({len(source)} characters)")
     if kind == "regex":
-        problem = _stacked_repetition(source)
+        problem = _stacked_repetition(source) or _huge_repetition(source)
         if problem:
             raise GrammarError(f"cannot compile regex: {problem}")
     if kind == "json_schema":
@@ -215,6 +215,22 @@ def _checked_source(kind: str, source: Any) -> Source:
 
 
 _COUNTED = re.compile(r"\{\d*(,\d*)?\}")
+# The largest count a counted repetition may have. Regex engines refuse the
+# like by size (Rust's regex crate, which llguidance follows, by the size of the
+# compiled automaton): `a{1000000}` compiled in xgrammar but made llguidance's
+# lexer give up on its first token, and no context holds such an output anyway.
+MAX_REPETITION = 100_000
+_COUNTS = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def _huge_repetition(pattern: str) -> str | None:
+    """A counted repetition above MAX_REPETITION, if any (escaped braces are text)."""
+    unescaped = re.sub(r"\\.", "", pattern)
+    for match in _COUNTS.finditer(unescaped):
+        for count in match.groups():
+            if count and int(count) > MAX_REPETITION:
+                return f"repetition count {int(count)} is above the limit of {MAX_REPETITION}"
+    return None
 
 
 def _stacked_repetition(pattern: str) -> str | None:

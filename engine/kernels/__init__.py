@@ -35,6 +35,9 @@ def kernels_disabled() -> bool:
 
 def _build_dir() -> Path:
     digest = hashlib.sha256()
+    # The build files name the sources by absolute path: two checkouts sharing
+    # a cache would rebuild one directory back and forth.
+    digest.update(str(_CPU_DIR).encode())
     for src in _HASHED:
         digest.update(src.name.encode())
         digest.update(src.read_bytes())

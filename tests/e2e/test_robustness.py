@@ -158,15 +158,17 @@ def test_grammars_that_accept_nothing_are_invalid_arguments(grammar_server: Serv
 
 
 def test_a_cached_constraint_ends_as_an_uncached_one(grammar_server: ServerHandle) -> None:
-    # a{1000000}: llguidance's lexer gives up on its first token, so auto uses
-    # xgrammar; the output is cut by max_new_tokens (LENGTH), never "complete".
-    results = [generate(grammar_server.stub, constrained(regex="a{1000000}", max_new_tokens=12))
+    # A long forced run: the output is cut by max_new_tokens (LENGTH), never
+    # "complete", the first time and from the cache alike.
+    results = [generate(grammar_server.stub, constrained(regex="a{100000}", max_new_tokens=12))
                for _ in range(2)]
     for text, _, done, _ in results:
         assert done.finish_reason == Finish.LENGTH
         assert text and set(text) == {"a"}
     assert results[0][0] == results[1][0]
-    for regex in ("a**", "a{2}{3}"):
+    # Past the repetition limit (llguidance's lexer gave up on a{1000000} at
+    # its first token), and ambiguous stacked repetitions: refused, every time.
+    for regex in ("a{1000000}", "a{1000000}", "a**", "a{2}{3}"):
         err = error_of(lambda r=regex: generate(grammar_server.stub, constrained(regex=r)))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert bad_request_violations(err.trailing_metadata())[0][0] == "constraint.regex"

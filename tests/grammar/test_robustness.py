@@ -222,3 +222,13 @@ def test_lazy_repetitions_and_nested_groups_compile(compiler, backend):
         matcher = compiler.compile(GrammarSpec.regex(pattern), backend=backend)
         assert matcher.accept_tokens(tok.encode(text)) == len(tok.encode(text))
         assert matcher.can_terminate()
+
+
+def test_counted_repetitions_above_the_limit_are_refused():
+    from grammar.spec import MAX_REPETITION
+
+    GrammarSpec.regex(f"a{{{MAX_REPETITION}}}")
+    for pattern in (f"a{{{MAX_REPETITION + 1}}}", f"[0-9]{{2,{10 * MAX_REPETITION}}}"):
+        with pytest.raises(GrammarError, match="above the limit"):
+            GrammarSpec.regex(pattern)
+    GrammarSpec.regex(r"a\{1000000\}")  # escaped braces are text
