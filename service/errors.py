@@ -18,6 +18,8 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from .request_log import call_metadata
+
 log = logging.getLogger(__name__)
 
 # Trailing-metadata key of the rich status (google.rpc.Status), as grpcio-status reads it.
@@ -50,7 +52,9 @@ class ServiceError(Exception):
         return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
 
     async def abort(self, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(self.code, self.message, trailing_metadata=self.trailing_metadata())
+        # The request id goes with every failure (x-request-id), even one before any stream.
+        await context.abort(self.code, self.message,
+                            trailing_metadata=self.trailing_metadata() + call_metadata())
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 

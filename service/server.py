@@ -46,6 +46,7 @@ from .loading import LoadedModels, load_models
 from .speech import SERVICE_NAME as SPEECH_SERVICE
 from .speech import SpeechOptions, SpeechServicer, SpeechSlot
 from .structured import ConstraintCompiler
+from .telemetry import Telemetry, TelemetryConfig
 from .watchdog import Watchdog, Watched
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class ServerConfig:
     # Seconds an engine with work may go without completing a step before its
     # services report NOT_SERVING (0: no watchdog).
     watchdog_timeout_s: float = 60.0
+    # Metrics endpoint and trace export (service/telemetry.py); none by default.
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -106,6 +109,8 @@ class StencilServer:
         self.embedding = EmbeddingSlot(embedding)
         self.speech = SpeechSlot(speech)
         self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE])
+        self.telemetry = Telemetry(self.config.telemetry)
+        self.telemetry.embedding_model = embedding.model_name if embedding is not None else ""
         self.models: LoadedModels | None = None
         self.port: int | None = None
         self.load_error: BaseException | None = None
@@ -125,7 +130,7 @@ class StencilServer:
     async def start(self) -> int:
         """Bind and serve (NOT_SERVING); load the model in the background. Returns the port."""
         max_bytes = self.config.max_message_bytes
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[self.telemetry.interceptor], options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
             # Never share a port with another server by accident.
@@ -149,6 +154,12 @@ class StencilServer:
             raise OSError(f"cannot bind {address} (port in use, or no such address)")
         await server.start()
         self._server, self.port = server, port
+        try:
+            self.telemetry.start()
+        except OSError as exc:
+            await server.stop(None)
+            raise OSError(f"cannot serve metrics on {self.config.telemetry.metrics_host}:"
+                          f"{self.config.telemetry.metrics_port}: {exc}") from None
         self._spawn(self._load())
         return port
 
@@ -196,7 +207,8 @@ class StencilServer:
         self.models = models
         engine = models.engine
         if engine is not None:
-            loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure)
+            loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure,
+                              observer=self.telemetry.observer(engine, self.state.model_name))
             loop.start()
             cfg = self.config
             self.state.constraints = ConstraintCompiler(engine.structured,
@@ -236,7 +248,8 @@ class StencilServer:
         if models.speech is None:
             self.speech.loop = self.state.engine_loop
             return
-        loop = EngineLoop(models.speech, self.config.admission, on_failure=self._on_engine_failure)
+        loop = EngineLoop(models.speech, self.config.admission, on_failure=self._on_engine_failure,
+                          observer=self.telemetry.observer(models.speech, self.speech.options.model_name, 1))
         loop.start()
         self.state.speech_loop = self.speech.loop = loop
         # It runs on the generation engine's device thread, which dies with that engine.
@@ -292,6 +305,8 @@ class StencilServer:
         # The speech engine first: it may run on the generation engine's device thread.
         for loop in reversed(loops):
             await loop.stop()
+        # Last: a scrape during the drain still sees the server.
+        await asyncio.to_thread(self.telemetry.close)
         log.info("stopped")
         self._stopped.set()
 
