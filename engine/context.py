@@ -74,6 +74,19 @@ Verdict = GenerationStatus | Failure
 
 
 @dataclass
+class RequestTimes:
+    """When a request reached each stage, on the `time.monotonic()` clock (None
+    until then). Written by the engine thread, each field once; the service
+    reads them for its metrics, logs and trace spans after the output that
+    follows the write has been delivered."""
+
+    arrival: float | None = None  # entered the engine (add_request)
+    scheduled: float | None = None  # first admitted to a step: its queue time ends
+    first_token: float | None = None  # first output token on the host: its prefill ends
+    finished: float | None = None  # its final output was built
+
+
+@dataclass
 class TokenLogprobs:
     """Log-probability of one chosen token plus the top alternatives."""
 
@@ -133,6 +146,10 @@ class TextContext:
         self.error_cause: str | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs | None] = []
+        self.times = RequestTimes()
+        # Forced tokens appended without a forward pass sampling them
+        # (jump_ahead): each one is a decode step saved.
+        self.num_jumped = 0
 
     # -- views -------------------------------------------------------------
     @property
@@ -230,6 +247,7 @@ class TextContext:
         self.forced_positions.add(self.end_idx)
         self._append(int(token))
         self.active_idx = self.end_idx
+        self.num_jumped += 1
 
     def update_with_future_token(self) -> None:
         """Like update(), with a placeholder for a token not yet on the host."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +48,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one `EngineCore.step()` did, for the service's metrics: its wall
+    time, the requests and tokens it scheduled, and how long filling its
+    grammar bitmask took (None: no constrained row)."""
+
+    seconds: float = 0.0
+    batch_size: int = 0
+    num_tokens: int = 0
+    mask_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's queues and KV cache at one moment (read from any thread;
+    each number is exact, together they may be a step apart)."""
+
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV pages referenced by requests (cached free pages count as free)."""
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
+
+
 class EngineCore:
     """Loads a model and runs scheduled steps over a paged KV cache.
 
@@ -73,6 +103,7 @@ class EngineCore:
             raise
         # The step launched last (overlap): postprocessed by the next step().
         self._launched: LaunchedStep | None = None
+        self.last_step = StepStats()
 
     def _build(self, wrap_model: Callable[[Any], Any] | None) -> None:
         config, mc = self.config, self.model_config
@@ -186,6 +217,7 @@ class EngineCore:
         if self.postprocessor.tracks(ctx.request_id):
             raise InvalidRequest("request_id", f"request {ctx.request_id} is already running")
         self.postprocessor.track(ctx)
+        ctx.times.arrival = time.monotonic()
         self.scheduler.add(ctx)
 
     def abort(self, request_id: str) -> bool:
@@ -206,6 +238,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.dropped) or self._launched is not None
 
+    def load(self) -> EngineLoad:
+        """Running and waiting requests and KV pages in use, without taking the
+        engine thread (metrics read this at scrape time)."""
+        sched = self.scheduler
+        return EngineLoad(len(sched.running), len(sched.waiting), self.allocator.num_used,
+                          self.allocator.num_pages)
+
     # -- stepping -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return what each request produced.
@@ -214,7 +253,11 @@ class EngineCore:
         N+1 computes (so outputs trail the launches by one step); the launched
         step is kept until the next call finishes it.
         """
+        start = time.perf_counter()
+        self.structured.last_mask_seconds = None
         sched = self.scheduler.schedule()
+        contexts = sched.contexts if sched is not None else []
+        num_tokens = sum(c.active_length for c in contexts)  # before the launch moves the indices
         pipeline = self.pipeline
         if not pipeline.overlap:
             outputs = list(pipeline.next_token(sched.contexts, sched.num_steps).values()) if sched else []
@@ -228,4 +271,7 @@ class EngineCore:
                     # Matchers have now seen step N's tokens: release N+1's sampling.
                     pipeline.fill_grammar(launched)
         # Requests that ended outside a step (aborted, failed alone, or could never fit).
-        return outputs + self.postprocessor.outputs(self.scheduler.take_dropped())
+        outputs += self.postprocessor.outputs(self.scheduler.take_dropped())
+        self.last_step = StepStats(time.perf_counter() - start, len(contexts), num_tokens,
+                                   self.structured.last_mask_seconds)
+        return outputs

@@ -19,6 +19,7 @@ them mean the engine itself is broken (`EngineBroken`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -180,6 +181,7 @@ class Postprocessor:
                 ctx.finish(GenerationStatus.STOP_STRING)
         audio = self._decode_audio(touched)
         outputs = []
+        now = time.monotonic()
         for ctx in touched:
             stream = self._streams.get(ctx.request_id)
             if stream is None:
@@ -187,6 +189,11 @@ class Postprocessor:
             delta = stream.delta()
             if ctx.request_id in audio:
                 delta.audio = audio[ctx.request_id]
+            times = ctx.times
+            if delta.token_ids and times.first_token is None:
+                times.first_token = now
+            if delta.finished:
+                times.finished = now
             if delta.finished:
                 del self._streams[ctx.request_id]
             if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs \

@@ -15,6 +15,7 @@ without failing the others that shared its batch (see EngineCore.step).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -74,6 +75,10 @@ class Scheduler:
         # the engine drains this to send their final outputs.
         self.dropped: list[TextContext] = []
         self.num_preemptions = 0
+        # Prefix-cache lookups of admitted requests, in tokens (vLLM's
+        # prefix_cache_queries / prefix_cache_hits): tokens looked up, tokens found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- queue management ---------------------------------------------------
     def add(self, ctx: TextContext) -> None:
@@ -203,7 +208,9 @@ class Scheduler:
                 and (limit is None or len(scheduled) < limit):
             ctx = self.waiting[0]
             # Requests asking for prompt log-probabilities need every prompt position computed.
-            hit = self.kv.claim(ctx, use_prefix_cache=ctx.sampling_params.prompt_logprobs is None)
+            lookup = ctx.sampling_params.prompt_logprobs is None
+            queried = ctx.end_idx
+            hit = self.kv.claim(ctx, use_prefix_cache=lookup)
             n = min(ctx.end_idx - ctx.start_idx, budget)
             pages_needed = -(-(ctx.start_idx + n) // self.kv.page_size) - self.kv.num_pages_held(ctx.request_id)
             if pages_needed > self.kv.allocator.num_free - (reserve_pages if self.running else 0) \
@@ -220,6 +227,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(ctx)
+            if lookup and self.kv.allocator.enable_prefix_caching:
+                self.prefix_cache_queries += queried
+                self.prefix_cache_hits += hit
+            if ctx.times.scheduled is None:
+                ctx.times.scheduled = time.monotonic()
             ctx.set_chunk(n)
             scheduled.append(ctx)
             budget -= n

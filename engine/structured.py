@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -74,6 +75,9 @@ class StructuredOutput:
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
+        # Seconds the last `fill` with constrained rows took (the engine resets
+        # it to None at the start of each step and reports it in StepStats).
+        self.last_mask_seconds: float | None = None
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -111,6 +115,7 @@ class StructuredOutput:
         `advance`) gets a row allowing only it. A matcher that fails is
         recorded in `mask.failed`; the others are filled all the same.
         """
+        start = time.perf_counter()
         try:
             rows = [i for i, c in enumerate(contexts) if c is not None and c.matcher is not None]
             if not rows:
@@ -132,6 +137,7 @@ class StructuredOutput:
                 if token is not None:
                     _allow_only(bitmask[i], token)
             mask.set(bitmask, rows)
+            self.last_mask_seconds = time.perf_counter() - start
         finally:
             if not mask.is_set:  # the device thread must never wait for ever
                 mask.set(None, [])

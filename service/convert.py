@@ -22,9 +22,8 @@ from engine.tokenizer import Tokenizer
 
 from .errors import Reason, ServiceError, failed_precondition, invalid_argument
 from .gen.stencil.v1 import generate_pb2 as pb
+from .request_log import MAX_REQUEST_ID_LENGTH, valid_request_id
 from .structured import ConstraintSpec, constraint_spec
-
-MAX_REQUEST_ID_LENGTH = 256
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
              "repetition_penalty", "seed")
@@ -79,15 +78,14 @@ class PreparedRequest:
 def check_request_id(rid: str) -> str:
     """A client's request id, validated; a new one when it is empty.
 
-    It travels in the `x-request-id` header, whose values gRPC allows only as
-    visible ASCII: anything else is refused here rather than failing the call
-    when the header is sent.
+    Anything `valid_request_id` refuses is refused here rather than failing
+    the call when the header is sent.
     """
     if not rid:
         return uuid.uuid4().hex
     if len(rid) > MAX_REQUEST_ID_LENGTH:
         raise invalid_argument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters")
-    if not all(" " <= ch <= "~" for ch in rid) or rid != rid.strip(" "):
+    if not valid_request_id(rid):
         raise invalid_argument("request_id", "must be visible ASCII characters (spaces only between "
                                              "them), as it is sent in the x-request-id header")
     return rid

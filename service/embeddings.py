@@ -43,6 +43,7 @@ from .errors import (
 from .gen.stencil.v1 import embed_pb2 as pb
 from .gen.stencil.v1 import embed_pb2_grpc as pb_grpc
 from .generation import ServingState
+from .request_log import note_refusal
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
         except InvalidRequest as err:
             raise invalid_argument(err.field, err.description) from None
         except BatcherOverloaded as err:
+            note_refusal("embedding_max_pending_tokens")
             raise resource_exhausted(f"the embedding queue is full ({err}); retry later",
                                      Reason.EMBEDDING_QUEUE_FULL) from None
         except BatcherClosed:

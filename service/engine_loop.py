@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -32,6 +32,7 @@ from engine import EngineCore, RequestOutput
 from engine.context import TextContext
 
 from .errors import Reason, ServiceError, resource_exhausted, unavailable
+from .request_log import note_refusal
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class RequestStream:
         self.request_id = request_id
         self.cost = cost
         self.finished = False
+        # What the loop's observer keeps about this request (telemetry).
+        self.observed: Any = None
         # Set when the server, not the client, ended the request (shutdown).
         self.shutdown_reason: str | None = None
         self.abort_sent = False
@@ -102,12 +105,25 @@ class RequestStream:
         return out
 
 
+class LoopObserver(Protocol):
+    """Told about a loop's requests (on the event loop) and steps (on the engine
+    thread), for metrics and logs (service/telemetry.py); must not block."""
+
+    def submitted(self, ctx: TextContext, stream: RequestStream) -> None: ...
+
+    def delivered(self, stream: RequestStream, output: RequestOutput) -> None: ...
+
+    def stepped(self, engine: EngineCore) -> None: ...
+
+
 class EngineLoop:
     """Drives an EngineCore on its own thread; the asyncio side registers requests."""
 
     def __init__(self, engine: EngineCore, limits: AdmissionLimits | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None):
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 observer: LoopObserver | None = None):
         self.engine = engine
+        self.observer = observer
         self.limits = limits or AdmissionLimits()
         capacity = engine.allocator.num_pages * engine.config.page_size
         self.max_pending_tokens = self.limits.max_pending_tokens or 4 * capacity
@@ -180,18 +196,22 @@ class EngineLoop:
         limit = self.limits.max_pending_requests
         if len(self._streams) >= limit:
             self.stats.rejected += 1
+            note_refusal("max_pending_requests")
             raise resource_exhausted(f"the server is at capacity ({limit} requests in flight); retry later",
                                      Reason.QUEUE_FULL)
         cost = ctx.max_length
         # An idle server takes any valid request, so a large one is never refused forever.
         if self._streams and self._pending_tokens + cost > self.max_pending_tokens:
             self.stats.rejected += 1
+            note_refusal("max_pending_tokens")
             raise resource_exhausted(f"the server's token budget is full ({self._pending_tokens} of "
                                      f"{self.max_pending_tokens} tokens in flight); retry later", Reason.TOKEN_BUDGET_FULL)
         stream = RequestStream(rid, cost)
         self._streams[rid] = stream
         self._pending_tokens += cost
         self.stats.added += 1
+        if self.observer is not None:
+            self.observer.submitted(ctx, stream)
         self._commands.put(("add", ctx))
         return stream
 
@@ -232,6 +252,8 @@ class EngineLoop:
                 del self._streams[out.request_id]
                 self._pending_tokens -= stream.cost
                 self.stats.finished[out.finish_reason or "unknown"] += 1
+            if self.observer is not None:
+                self.observer.delivered(stream, out)
             stream._push(out)
 
     def _reject(self, request_id: str, exc: BaseException) -> None:
@@ -307,6 +329,8 @@ class EngineLoop:
                 if engine.has_work():
                     outputs = engine.step()
                     self._progress_at = time.monotonic()
+                    if self.observer is not None:
+                        self.observer.stepped(engine)
                     if outputs:
                         self._to_loop(self._deliver, outputs)
         except BaseException as exc:

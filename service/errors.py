@@ -29,11 +29,12 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from .request_log import REQUEST_ID_METADATA, current_call
+
 log = logging.getLogger(__name__)
 
 # Trailing-metadata key of the rich status (google.rpc.Status), as grpcio-status reads it.
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
-REQUEST_ID_METADATA = "x-request-id"
 ERROR_DOMAIN = "stencil.dev"
 # How long a client should wait before retrying a RESOURCE_EXHAUSTED or UNAVAILABLE call.
 RETRY_AFTER_S = 1.0
@@ -68,6 +69,11 @@ class Reason:
 
 # The request id of the call being handled (set by the servicers once known).
 current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+
+
+def _request_id() -> str | None:
+    call = current_call()
+    return current_request_id.get() or (call.request_id if call is not None else None)
 
 
 class ServiceError(Exception):
@@ -112,8 +118,10 @@ class ServiceError(Exception):
         return metadata
 
     async def abort(self, context: grpc.aio.ServicerContext) -> NoReturn:
+        # The request id goes with every failure (x-request-id), even one before
+        # the servicer checked it: then it is the one the call's log line names.
         await context.abort(self.code, self.message,
-                            trailing_metadata=self.trailing_metadata(current_request_id.get()))
+                            trailing_metadata=self.trailing_metadata(_request_id()))
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 

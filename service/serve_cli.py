@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stencild")
 
+DEFAULT_METRICS_PORT = 9090
+
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over gRPC",
@@ -94,6 +96,17 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="ask older connections to reconnect, so load spreads again (0: never)")
     k.add_argument("--max-connection-age-grace", type=float, default=300.0, metavar="SECONDS",
                    help="how long calls on such a connection may still run")
+    o = p.add_argument_group("observability")
+    o.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines as key=value text or one JSON object per line; every finished "
+                        "request logs one line at INFO")
+    o.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: no metrics)")
+    o.add_argument("--metrics-host", default=None,
+                   help="address the metrics endpoint binds (default: --host)")
+    o.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="export one trace span per request (and its stages) to this OTLP collector, "
+                        "e.g. http://localhost:4317 (needs the otel extra)")
     g = p.add_argument_group("structured output")
     g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
                    help="default grammar library for constrained requests (a request may pick one)")
@@ -185,8 +198,14 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     from .engine_loop import AdmissionLimits
     from .server import KeepalivePolicy, ServerConfig
     from .speech import SpeechOptions
+    from .telemetry import TelemetryConfig
     from .tls import TLSConfig
+    from .tracing import check_otlp
 
+    if args.otlp_endpoint:
+        check_otlp()
+    if not 0 <= args.metrics_port <= 65535:
+        return f"--metrics-port must be in [0, 65535], got {args.metrics_port}"
     if args.embedding_only and (args.no_embedding_model or args.model or args.preset
                                 or args.speech_model):
         return ("--embedding-only serves no generation model: drop --model, --preset, "
@@ -249,6 +268,10 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         watchdog_timeout_s=args.watchdog_timeout,
         tls=tls, health_port=args.health_port, health_host=args.health_host,
         api_keys=tuple(api_keys), public_reflection=args.public_reflection,
+        telemetry=TelemetryConfig(metrics_host=args.metrics_host or args.host,
+                                  metrics_port=args.metrics_port or None,
+                                  otlp_endpoint=args.otlp_endpoint,
+                                  service_name=os.environ.get("OTEL_SERVICE_NAME", "stencild")),
     )
     return ServePlan(factory, model_name, config, embedding, speech)
 
@@ -256,10 +279,10 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from .request_log import configure_logging
     from .server import serve
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         plan = plan_serve(args)

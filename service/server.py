@@ -48,6 +48,7 @@ from .reflection import enable_reflection
 from .speech import SERVICE_NAME as SPEECH_SERVICE
 from .speech import SpeechOptions, SpeechServicer, SpeechSlot
 from .structured import ConstraintCompiler
+from .telemetry import Telemetry, TelemetryConfig
 from .tls import ServerTLS, TLSConfig
 from .watchdog import Watchdog, Watched
 
@@ -133,6 +134,8 @@ class ServerConfig:
     # With keys, every RPC but health (and reflection, if public) needs one (see auth.py).
     api_keys: tuple[ApiKey, ...] = ()
     public_reflection: bool = False
+    # Metrics endpoint and trace export (service/telemetry.py); none by default.
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -169,6 +172,8 @@ class StencilServer:
         self.embedding = EmbeddingSlot(embedding)
         self.speech = SpeechSlot(speech)
         self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE])
+        self.telemetry = Telemetry(self.config.telemetry)
+        self.telemetry.embedding_model = embedding.model_name if embedding is not None else ""
         self.models: LoadedModels | None = None
         self.port: int | None = None
         self.load_error: BaseException | None = None
@@ -191,11 +196,12 @@ class StencilServer:
     async def start(self) -> int:
         """Bind and serve (NOT_SERVING); load the model in the background. Returns the port."""
         max_bytes = self.config.max_message_bytes
-        # The key is checked first, then the request parsed (an interceptor
-        # earlier in the list wraps the handlers of the later ones).
-        interceptors: list[grpc.aio.ServerInterceptor] = [UnparsableRequests()]
+        # An interceptor earlier in the list wraps the handlers of the later
+        # ones: every call is counted and logged (refused ones too), then the
+        # key is checked, then the request parsed.
+        interceptors: list[grpc.aio.ServerInterceptor] = [self.telemetry.interceptor, UnparsableRequests()]
         if self.config.api_keys:
-            interceptors.insert(0, ApiKeyAuth(list(self.config.api_keys), self.config.public_reflection))
+            interceptors.insert(1, ApiKeyAuth(list(self.config.api_keys), self.config.public_reflection))
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
@@ -220,6 +226,12 @@ class StencilServer:
             await health_server.start()
             self._health_server = health_server
         self._server, self.port = server, port
+        try:
+            self.telemetry.start()
+        except OSError as exc:
+            await server.stop(None)
+            raise OSError(f"cannot serve metrics on {self.config.telemetry.metrics_host}:"
+                          f"{self.config.telemetry.metrics_port}: {exc}") from None
         self._spawn(self._load())
         return port
 
@@ -271,7 +283,8 @@ class StencilServer:
         self.models = models
         engine = models.engine
         if engine is not None:
-            loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure)
+            loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure,
+                              observer=self.telemetry.observer(engine, self.state.model_name))
             loop.start()
             cfg = self.config
             self.state.constraints = ConstraintCompiler(engine.structured,
@@ -311,7 +324,8 @@ class StencilServer:
         if models.speech is None:
             self.speech.loop = self.state.engine_loop
             return
-        loop = EngineLoop(models.speech, self.config.admission, on_failure=self._on_engine_failure)
+        loop = EngineLoop(models.speech, self.config.admission, on_failure=self._on_engine_failure,
+                          observer=self.telemetry.observer(models.speech, self.speech.options.model_name, 1))
         loop.start()
         self.state.speech_loop = self.speech.loop = loop
         # It runs on the generation engine's device thread, which dies with that engine.
@@ -369,6 +383,8 @@ class StencilServer:
         # The speech engine first: it may run on the generation engine's device thread.
         for loop in reversed(loops):
             await loop.stop()
+        # Last: a scrape during the drain still sees the server.
+        await asyncio.to_thread(self.telemetry.close)
         log.info("stopped")
         self._stopped.set()
 

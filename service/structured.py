@@ -11,7 +11,7 @@ is never silently left unconstrained.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from grammar import GrammarError, GrammarOptions, GrammarSpec, Matcher
 
 from .errors import Reason, ServiceError, invalid_argument, resource_exhausted, unavailable
 from .gen.stencil.v1 import generate_pb2 as pb
+from .request_log import note_compile, note_refusal
 
 C = pb.Constraint
 BACKENDS: dict[int, str | None] = {
@@ -141,23 +142,21 @@ class ConstraintCompiler:
             await asyncio.to_thread(lambda: self._structured.compiler)
             self._started = True
         if self.in_flight >= self.max_in_flight:
+            note_refusal("grammar_compiles")
             raise resource_exhausted(f"{self.in_flight} constraints are compiling; retry later",
                                      Reason.COMPILE_QUEUE_FULL)
+        start = time.monotonic()
+        kind = constraint.spec.kind
         future = compile_async(constraint.spec, constraint.backend)
-        if future.done():  # a cache hit (or a cached failure)
-            return self._result(future, constraint.field)
+        cached = future.done()  # a cache hit (or a cached failure)
         try:
             # A cancelled await cancels `future` too (asyncio.wrap_future chains it).
-            return await asyncio.wrap_future(future)
+            matcher = future.result() if cached else await asyncio.wrap_future(future)
         except GrammarError as err:
+            note_compile(kind, err.backend, start, err.reason, cached)
             raise _compile_error(err, constraint.field) from None
-
-    @staticmethod
-    def _result(future: Future[Matcher], field: str) -> Matcher:
-        try:
-            return future.result()
-        except GrammarError as err:
-            raise _compile_error(err, field) from None
+        note_compile(kind, getattr(matcher, "backend", None), start, "compiled", cached)
+        return matcher
 
 
 def _compile_error(err: GrammarError, field: str) -> ServiceError:

@@ -1,0 +1,240 @@
+"""Prometheus metrics: vLLM's names for what vLLM also measures, `stencil_` for the rest.
+
+Each server has a `CollectorRegistry` of its own (prometheus_client's default
+registry is global: two servers in one process, as in the tests, would share
+it), served over HTTP by `MetricsServer` (`GET /metrics`, prometheus_client's
+exposition). Counters and histograms are updated as requests, RPCs and steps
+end (service/telemetry.py); the engine gauges and the engine's own counters
+are read when Prometheus scrapes (`EngineCollector`), from the plain numbers
+the engine keeps (`EngineCore.load()`, the scheduler's counters), so the
+engine thread never does any metrics work for them.
+
+Names, types, label sets and buckets of the `vllm:` series follow vLLM's V1
+Prometheus logger (vllm/v1/metrics/loggers.py), so the llm-d / Gateway API
+Inference Extension endpoint picker and dashboards built for vLLM read them
+unchanged; the README lists where they differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine import EngineCore
+
+log = logging.getLogger(__name__)
+
+# vLLM labels every engine series with the served model and the engine index.
+ENGINE_LABELS = ("model_name", "engine")
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Ours: grammar compiles run from a cache hit (microseconds) to the timeout (10 s).
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0)
+MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                0.25, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+EMBED_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# Our finish reasons (engine GenerationStatus values) as vLLM's FinishReason strings.
+VLLM_FINISH_REASONS = {
+    "eos": "stop", "stop_token": "stop", "stop_string": "stop",
+    "length": "length", "context_length": "length",
+    "cancelled": "abort", "error": "error",
+}
+
+
+@dataclass(frozen=True)
+class EngineSource:
+    """An engine whose gauges are read at scrape time, and its label values."""
+
+    engine: EngineCore
+    model_name: str
+    index: str
+
+    @property
+    def labels(self) -> list[str]:
+        return [self.model_name, self.index]
+
+
+class EngineCollector(Collector):
+    """The engine gauges and engine-owned counters, read at scrape time.
+
+    Reads only plain numbers the engine thread writes (list lengths, ints);
+    each is exact, and together they may be one step apart.
+    """
+
+    def __init__(self) -> None:
+        self._sources: list[EngineSource] = []
+        self._lock = threading.Lock()
+
+    def add(self, source: EngineSource) -> None:
+        with self._lock:
+            self._sources.append(source)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            sources = list(self._sources)
+        running = GaugeMetricFamily("vllm:num_requests_running",
+                                    "Number of requests in model execution batches.",
+                                    labels=ENGINE_LABELS)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting",
+                                    "Number of requests waiting to be processed.", labels=ENGINE_LABELS)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                                  "KV-cache usage. 1 means 100 percent usage.", labels=ENGINE_LABELS)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=(*ENGINE_LABELS, "block_size", "num_gpu_blocks",
+                                         "enable_prefix_caching"))
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.",
+                                      labels=ENGINE_LABELS)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.",
+                                   labels=ENGINE_LABELS)
+        preemptions = CounterMetricFamily("vllm:num_preemptions",
+                                          "Cumulative number of preemption from the engine.",
+                                          labels=ENGINE_LABELS)
+        for src in sources:
+            engine = src.engine
+            load = engine.load()
+            running.add_metric(src.labels, load.running)
+            waiting.add_metric(src.labels, load.waiting)
+            usage.add_metric(src.labels, load.kv_usage)
+            cfg = engine.config
+            info.add_metric([*src.labels, str(cfg.page_size), str(load.kv_pages_total),
+                             str(cfg.enable_prefix_caching)], 1.0)
+            sched = engine.scheduler
+            queries.add_metric(src.labels, sched.prefix_cache_queries)
+            hits.add_metric(src.labels, sched.prefix_cache_hits)
+            preemptions.add_metric(src.labels, sched.num_preemptions)
+        yield from (running, waiting, usage, info, queries, hits, preemptions)
+
+
+class ServerMetrics:
+    """Every metric of one server, in its own registry (see the module docstring).
+
+    Counter names are given without `_total`: prometheus_client appends it, so
+    `vllm:prompt_tokens` is exposed as `vllm:prompt_tokens_total`, as vLLM's is.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        e = ENGINE_LABELS
+        # -- vLLM's --------------------------------------------------------------
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", e,
+                                     registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         e, registry=r)
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       (*e, "finished_reason"), registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", e, registry=r,
+                              buckets=TTFT_BUCKETS)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", e, registry=r,
+                             buckets=ITL_BUCKETS)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", e, registry=r,
+                             buckets=REQUEST_LATENCY_BUCKETS)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", e,
+                                    registry=r, buckets=REQUEST_LATENCY_BUCKETS)
+        # -- structured output ---------------------------------------------------
+        self.compile_seconds = Histogram(
+            "stencil_grammar_compile_seconds",
+            "Seconds a request waited for its constraint to compile (cache misses that compiled).",
+            ("backend", "kind"), registry=r, buckets=COMPILE_BUCKETS)
+        self.compile_failures = Counter(
+            "stencil_grammar_compile_failures",
+            "Constraints that could not be compiled, by reason (invalid, timeout, too_large, crashed).",
+            ("kind", "reason"), registry=r)
+        self.compile_timeouts = Counter(
+            "stencil_grammar_compile_timeouts",
+            "Constraints whose compile ran past --grammar-timeout (also counted as failures).",
+            ("kind",), registry=r)
+        self.compile_cache_hits = Counter(
+            "stencil_grammar_compile_cache_hits",
+            "Constraints answered by the compile cache (a compiled grammar or a cached failure).",
+            ("kind",), registry=r)
+        self.constrained_requests = Counter(
+            "stencil_constrained_requests", "Constrained requests that reached the engine.",
+            ("kind", "backend"), registry=r)
+        self.forced_tokens = Counter(
+            "stencil_grammar_forced_tokens", "Output tokens the grammar forced (no model choice).",
+            ("kind", "backend"), registry=r)
+        self.passes_saved = Counter(
+            "stencil_grammar_forward_passes_saved",
+            "Forced tokens appended without a forward pass of their own (jump-ahead).",
+            ("kind", "backend"), registry=r)
+        self.mask_seconds = Histogram(
+            "stencil_grammar_mask_seconds",
+            "Seconds spent filling a step's grammar bitmask (steps with constrained requests).", e,
+            registry=r, buckets=MASK_BUCKETS)
+        # -- embeddings and speech -------------------------------------------------
+        self.embed_requests = Counter("stencil_embed_requests", "Embed calls answered.", ("model_name",),
+                                      registry=r)
+        self.embed_inputs = Counter("stencil_embed_inputs", "Texts embedded.", ("model_name",), registry=r)
+        self.embed_latency = Histogram("stencil_embed_latency_seconds", "Seconds to answer an Embed call.",
+                                       ("model_name",), registry=r, buckets=EMBED_BUCKETS)
+        self.speech_requests = Counter("stencil_speech_requests", "Speech requests finished in the engine.",
+                                       (*e, "finished_reason"), registry=r)
+        self.audio_seconds = Counter("stencil_speech_audio_seconds", "Seconds of audio synthesized.", e,
+                                     registry=r)
+        self.ttfa = Histogram("stencil_speech_time_to_first_audio_seconds",
+                              "Seconds from a Synthesize call to its first audio.", e, registry=r,
+                              buckets=TTFT_BUCKETS)
+        # -- the server --------------------------------------------------------------
+        self.rpcs = Counter("stencil_rpcs", "RPCs handled, by method and status code.",
+                            ("method", "code"), registry=r)
+        self.refusals = Counter("stencil_admission_refusals",
+                                "Calls refused with RESOURCE_EXHAUSTED, by the limit that refused them.",
+                                ("reason",), registry=r)
+        self.step_seconds = Histogram("stencil_engine_step_seconds", "Seconds per engine step.", e,
+                                      registry=r, buckets=STEP_BUCKETS)
+        self.batch_size = Histogram("stencil_engine_batch_size", "Requests per engine step.", e,
+                                    registry=r, buckets=BATCH_BUCKETS)
+        self.engines = EngineCollector()
+        r.register(self.engines)
+
+
+class MetricsServer:
+    """`GET /metrics` over HTTP (prometheus_client's WSGI server, on threads of its own)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int):
+        self.registry = registry
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Bind and serve (port 0 picks a free one); OSError if it cannot bind."""
+        httpd, thread = start_http_server(self.requested_port, self.host, self.registry)
+        self._httpd, self._thread = httpd, thread
+        self.port = int(httpd.server_port)
+        return self.port
+
+    def stop(self) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(5)

@@ -1,0 +1,443 @@
+"""A server's telemetry: metrics, per-request log lines and trace spans, in one place.
+
+Three hooks feed it, none of which does I/O on the path of a request:
+
+- `CallInterceptor` (a grpc.aio server interceptor) wraps every RPC: it sets
+  the call's `CallRecord` (service/request_log.py) before the handler runs
+  and, when the call ends, counts it, writes its log line and ends its span.
+- `EngineObserver` (one per EngineLoop) sees each engine request admitted,
+  each output delivered (on the event loop) and each step (on the engine
+  thread): it keeps the request's `RequestStats` (tokens, time to first token,
+  finish reason) for the log line and updates vLLM's request metrics.
+- The engine gauges are read at scrape time (metrics.EngineCollector).
+
+With metrics off (`metrics_port` None) no registry exists and only the log
+lines' statistics are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from .metrics import VLLM_FINISH_REASONS, EngineSource, MetricsServer, ServerMetrics
+from .request_log import (
+    CallRecord,
+    assign_request_id,
+    current_call,
+    enter_call,
+    exit_call,
+    log_call,
+)
+from .tracing import Stage, Tracer, trace_context
+
+if TYPE_CHECKING:
+    from engine import EngineCore, RequestOutput
+    from engine.context import TextContext
+
+    from .engine_loop import RequestStream
+
+log = logging.getLogger(__name__)
+
+STENCIL_PREFIX = "/stencil.v1."
+EMBED_METHOD = "/stencil.v1.Embeddings/Embed"
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Where metrics are served and spans exported.
+
+    metrics_port: None serves no metrics, 0 picks a free port (`stencild
+    serve` maps its `--metrics-port 0` to None). span_exporter: an
+    OpenTelemetry SpanExporter to send spans to (tests pass the SDK's
+    in-memory one); otlp_endpoint: an OTLP collector to build one for.
+    """
+
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    otlp_endpoint: str | None = None
+    span_exporter: Any = None
+    service_name: str = "stencild"
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+
+
+class Telemetry:
+    """Metrics registry and HTTP endpoint, tracer and log lines of one server."""
+
+    def __init__(self, config: TelemetryConfig | None = None):
+        self.config = config = config or TelemetryConfig()
+        self.metrics = ServerMetrics() if config.metrics_port is not None else None
+        self._http = (MetricsServer(self.metrics.registry, config.metrics_host, config.metrics_port)
+                      if self.metrics is not None and config.metrics_port is not None else None)
+        self.tracer: Tracer | None = None
+        if config.span_exporter is not None:
+            self.tracer = Tracer(config.span_exporter, config.service_name, batch=False)
+        elif config.otlp_endpoint:
+            self.tracer = Tracer.otlp(config.otlp_endpoint, config.service_name)
+        self.embedding_model = ""
+        self.interceptor = CallInterceptor(self)
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._http.port if self._http is not None else None
+
+    def start(self) -> None:
+        """Serve /metrics (OSError if its port cannot be bound)."""
+        if self._http is not None:
+            port = self._http.start()
+            log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, port)
+
+    def close(self) -> None:
+        """Stop serving metrics and flush the spans not exported yet."""
+        if self._http is not None:
+            self._http.stop()
+        if self.tracer is not None:
+            self.tracer.close()
+
+    def observer(self, engine: EngineCore, model_name: str, index: int = 0) -> EngineObserver:
+        """The observer for an EngineLoop of `engine`; registers its gauges."""
+        labels = (model_name, str(index))
+        if self.metrics is not None:
+            self.metrics.engines.add(EngineSource(engine, model_name, str(index)))
+        rate = engine.audio.decoder_sample_rate if engine.audio is not None else 0
+        return EngineObserver(self.metrics, labels, rate)
+
+    # -- calls ----------------------------------------------------------------------
+    def begin(self, method: str, request: Any, context: grpc.aio.ServicerContext,
+              metadata: Any) -> CallRecord:
+        start = time.monotonic()
+        record = CallRecord(method, assign_request_id(request, metadata), context.peer(), start,
+                            trace_context(metadata))
+        if record.trace is not None:
+            record.trace_id = record.trace.trace_id
+        if self.tracer is not None and record.method.startswith(STENCIL_PREFIX):
+            record.span = self.tracer.start(record.method.lstrip("/"), record.trace, start,
+                                            {"rpc.system": "grpc", "rpc.service": record.service,
+                                             "rpc.method": record.name,
+                                             "stencil.request_id": record.request_id})
+            ids = Tracer.ids(record.span)
+            if ids is not None:
+                record.trace_id, record.span_id = ids
+        if method == EMBED_METHOD:
+            record.inputs = len(getattr(request, "inputs", ()))
+        return record
+
+    def finish(self, record: CallRecord) -> None:
+        """Count the call, log its line, end its span. Never raises."""
+        try:
+            record.end = time.monotonic()
+            self._count(record)
+            log_call(record, logging.INFO if record.method.startswith(STENCIL_PREFIX) else logging.DEBUG)
+            if record.span is not None and self.tracer is not None:
+                stats = record.request
+                stages = _stages(record)
+                attributes = stats.span_attributes() if stats is not None else {}
+                attributes["rpc.grpc.status_code"] = record.code or "UNKNOWN"
+                self.tracer.finish(record.span, record.end, record.code == "OK", record.code or "",
+                                   stages, attributes)
+        except Exception:  # noqa: BLE001 - telemetry must never fail a call
+            log.exception("telemetry failed for %s", record.method)
+
+    def _count(self, record: CallRecord) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        code = record.code or "UNKNOWN"
+        m.rpcs.labels(record.method.lstrip("/"), code).inc()
+        if code == "RESOURCE_EXHAUSTED":
+            m.refusals.labels(record.refusal or "other").inc()
+        note = record.compile
+        if note is not None:
+            if note.cached:
+                m.compile_cache_hits.labels(note.kind).inc()
+            if note.outcome == "compiled" and not note.cached:
+                m.compile_seconds.labels(note.backend or "", note.kind).observe(note.end - note.start)
+            elif note.outcome not in ("compiled", "hit"):
+                m.compile_failures.labels(note.kind, note.outcome).inc()
+                if note.outcome == "timeout":
+                    m.compile_timeouts.labels(note.kind).inc()
+        if record.method == EMBED_METHOD and code == "OK":
+            name = self.embedding_model
+            m.embed_requests.labels(name).inc()
+            m.embed_inputs.labels(name).inc(record.inputs or 0)
+            m.embed_latency.labels(name).observe(record.seconds)
+
+
+def _stages(record: CallRecord) -> list[Stage]:
+    """The child spans of a call: its compile and its request's stages in the engine."""
+    stages = []
+    note = record.compile
+    if note is not None:
+        stages.append(Stage("grammar_compile", note.start, note.end))
+    stats = record.request
+    if stats is not None:
+        times = stats.ctx.times
+        end = times.finished if times.finished is not None else record.end or time.monotonic()
+        if times.arrival is not None:
+            stages.append(Stage("queue", times.arrival, times.scheduled or end))
+        if times.scheduled is not None:
+            stages.append(Stage("prefill", times.scheduled, times.first_token or end))
+        if times.first_token is not None:
+            stages.append(Stage("decode", times.first_token, end))
+    return stages
+
+
+# -- the interceptor ------------------------------------------------------------------
+class CallInterceptor(grpc.aio.ServerInterceptor):
+    """Runs every unary-request RPC inside a CallRecord (streams of requests,
+    such as reflection, pass through untouched)."""
+
+    def __init__(self, telemetry: Telemetry):
+        self.telemetry = telemetry
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
+                                                             Awaitable[grpc.RpcMethodHandler]],
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        metadata = handler_call_details.invocation_metadata
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+            if inspect.isasyncgenfunction(behavior):
+                return grpc.unary_stream_rpc_method_handler(
+                    self._generator(behavior, method, metadata),
+                    handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                self._coroutine(behavior, method, metadata),
+                handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self._coroutine(handler.unary_unary, method, metadata),
+            handler.request_deserializer, handler.response_serializer)
+
+    def _coroutine(self, behavior: Any, method: str, metadata: Any) -> Any:
+        telemetry = self.telemetry
+
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            record = telemetry.begin(method, request, context, metadata)
+            token = enter_call(record)
+            try:
+                result = await behavior(request, context)
+                record.code = _code(context)
+                return result
+            except asyncio.CancelledError:
+                record.code = _cancelled_code(context)
+                raise
+            except BaseException:
+                record.code = _code(context, failed=True)
+                raise
+            finally:
+                exit_call(token)
+                telemetry.finish(record)
+
+        return run
+
+    def _generator(self, behavior: Any, method: str, metadata: Any) -> Any:
+        telemetry = self.telemetry
+
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            record = telemetry.begin(method, request, context, metadata)
+            token = enter_call(record)
+            try:
+                async for item in behavior(request, context):
+                    yield item
+                record.code = _code(context)
+            except (asyncio.CancelledError, GeneratorExit):
+                record.code = _cancelled_code(context)
+                raise
+            except BaseException:
+                record.code = _code(context, failed=True)
+                raise
+            finally:
+                with contextlib.suppress(ValueError):  # a generator closed in another context
+                    exit_call(token)
+                telemetry.finish(record)
+
+        return run
+
+
+def _code(context: grpc.aio.ServicerContext, failed: bool = False) -> str:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return "UNKNOWN" if failed else "OK"
+
+
+def _cancelled_code(context: grpc.aio.ServicerContext) -> str:
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+
+
+# -- engine requests ---------------------------------------------------------------------
+@dataclass(eq=False)
+class RequestStats:
+    """One engine request as its call saw it; `start` is when the call began."""
+
+    ctx: TextContext
+    start: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    forced_tokens: int = 0
+    finish_reason: str | None = None
+    ttft: float | None = None  # seconds from the call's start to the first output token
+    last_output: float | None = None
+    audio_samples: int = 0
+    sample_rate: int = 0
+    ttfa: float | None = None  # seconds to the first audio
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, backend) of a constrained request."""
+        matcher = self.ctx.matcher
+        return (matcher.spec.kind, matcher.backend) if matcher is not None else None
+
+    def log_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens,
+                               "completion_tokens": self.completion_tokens,
+                               "cached_tokens": self.cached_tokens}
+        constraint = self.constraint
+        if constraint is not None:
+            out["forced_tokens"] = self.forced_tokens
+            out["constraint"], out["backend"] = constraint
+        if self.ttft is not None:
+            out["ttft_ms"] = round(self.ttft * 1000, 2)
+        times = self.ctx.times
+        if times.arrival is not None and times.scheduled is not None:
+            out["queue_ms"] = round((times.scheduled - times.arrival) * 1000, 2)
+        if self.sample_rate:
+            out["audio_s"] = round(self.audio_samples / self.sample_rate, 3)
+            if self.ttfa is not None:
+                out["ttfa_ms"] = round(self.ttfa * 1000, 2)
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
+        return out
+
+    def span_attributes(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gen_ai.usage.input_tokens": self.prompt_tokens,
+                               "gen_ai.usage.output_tokens": self.completion_tokens,
+                               "stencil.cached_tokens": self.cached_tokens}
+        if self.finish_reason is not None:
+            out["gen_ai.response.finish_reasons"] = (self.finish_reason,)
+        constraint = self.constraint
+        if constraint is not None:
+            out["stencil.constraint.kind"], out["stencil.constraint.backend"] = constraint
+            out["stencil.forced_tokens"] = self.forced_tokens
+        return out
+
+
+class EngineObserver:
+    """Told by an EngineLoop about its requests and steps (see engine_loop.LoopObserver).
+
+    `submitted` and `delivered` run on the event loop, `stepped` on the engine
+    thread (a few histogram observations: prometheus_client takes a lock of
+    its own for microseconds, no I/O).
+    """
+
+    def __init__(self, metrics: ServerMetrics | None, labels: tuple[str, str], sample_rate: int = 0):
+        self.metrics = metrics
+        self.labels = labels
+        self.sample_rate = sample_rate
+        if metrics is not None:
+            # Labelled children bound once: observing is then a lock and a few adds.
+            self._ttft = metrics.ttft.labels(*labels)
+            self._itl = metrics.itl.labels(*labels)
+            self._e2e = metrics.e2e.labels(*labels)
+            self._queue = metrics.queue_time.labels(*labels)
+            self._prompt = metrics.prompt_tokens.labels(*labels)
+            self._generation = metrics.generation_tokens.labels(*labels)
+            self._step = metrics.step_seconds.labels(*labels)
+            self._batch = metrics.batch_size.labels(*labels)
+            self._mask = metrics.mask_seconds.labels(*labels)
+
+    def submitted(self, ctx: TextContext, stream: RequestStream) -> None:
+        call = current_call()
+        stats = RequestStats(ctx, call.start if call is not None else time.monotonic(),
+                             sample_rate=0 if ctx.produces_text else self.sample_rate)
+        stream.observed = stats
+        if call is not None:
+            call.request = stats
+        if self.metrics is not None and stats.constraint is not None:
+            self.metrics.constrained_requests.labels(*stats.constraint).inc()
+
+    def delivered(self, stream: RequestStream, out: RequestOutput) -> None:
+        stats = stream.observed
+        if not isinstance(stats, RequestStats):
+            return
+        try:
+            self._delivered(stats, out)
+        except Exception:  # noqa: BLE001 - telemetry must never break a delivery
+            log.exception("telemetry failed for request %s", out.request_id)
+
+    def _delivered(self, stats: RequestStats, out: RequestOutput) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if out.token_ids:
+            if stats.ttft is None:
+                first = stats.ctx.times.first_token
+                stats.ttft = (first if first is not None else now) - stats.start
+                if m is not None:
+                    self._ttft.observe(stats.ttft)
+                    self._prompt.inc(out.prompt_tokens)
+            elif m is not None and stats.last_output is not None:
+                self._itl.observe(now - stats.last_output)
+            stats.last_output = now
+            if m is not None:
+                self._generation.inc(len(out.token_ids))
+        if out.audio is not None and out.audio.size:
+            stats.audio_samples += int(out.audio.size)
+            if stats.ttfa is None:
+                stats.ttfa = now - stats.start
+                if m is not None:
+                    m.ttfa.labels(*self.labels).observe(stats.ttfa)
+        if out.finished:
+            self._finished(stats, out, now)
+
+    def _finished(self, stats: RequestStats, out: RequestOutput, now: float) -> None:
+        stats.prompt_tokens = out.prompt_tokens
+        stats.completion_tokens = out.completion_tokens
+        stats.cached_tokens = out.cached_prompt_tokens
+        stats.forced_tokens = out.forced_tokens
+        stats.finish_reason = out.status.value
+        m = self.metrics
+        if m is None:
+            return
+        times = stats.ctx.times
+        reason = VLLM_FINISH_REASONS.get(out.status.value, out.status.value)
+        m.request_success.labels(*self.labels, reason).inc()
+        self._e2e.observe((times.finished if times.finished is not None else now) - stats.start)
+        if times.arrival is not None and times.scheduled is not None:
+            self._queue.observe(times.scheduled - times.arrival)
+        constraint = stats.constraint
+        if constraint is not None:
+            m.forced_tokens.labels(*constraint).inc(out.forced_tokens)
+            m.passes_saved.labels(*constraint).inc(stats.ctx.num_jumped)
+        if stats.sample_rate:
+            m.speech_requests.labels(*self.labels, out.status.value).inc()
+            m.audio_seconds.labels(*self.labels).inc(stats.audio_samples / stats.sample_rate)
+
+    def stepped(self, engine: EngineCore) -> None:
+        """After each step, on the engine thread."""
+        if self.metrics is None:
+            return
+        step = engine.last_step
+        try:
+            if step.batch_size:
+                self._step.observe(step.seconds)
+                self._batch.observe(step.batch_size)
+            if step.mask_seconds is not None:
+                self._mask.observe(step.mask_seconds)
+        except Exception:  # noqa: BLE001 - never take the engine thread down
+            log.exception("telemetry failed after a step")

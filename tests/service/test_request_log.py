@@ -1,0 +1,129 @@
+"""Request log lines, their formats, request ids and W3C trace context parsing."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from service.gen.stencil.v1 import embed_pb2
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.request_log import (
+    CallContextFilter,
+    CallRecord,
+    JsonFormatter,
+    TextFormatter,
+    assign_request_id,
+    call_metadata,
+    configure_logging,
+    enter_call,
+    exit_call,
+    log_call,
+    note_refusal,
+)
+from service.tracing import parse_traceparent, trace_context
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+
+
+@pytest.mark.parametrize("header, ok", [
+    (f"00-{TRACE}-{PARENT}-01", True),
+    (f"00-{TRACE}-{PARENT}-00", True),
+    (f"01-{TRACE}-{PARENT}-01-future-field", True),  # later versions may add fields
+    (f"00-{TRACE}-{PARENT}-01-extra", False),  # version 00 may not
+    (f"ff-{TRACE}-{PARENT}-01", False),
+    (f"00-{'0' * 32}-{PARENT}-01", False),
+    (f"00-{TRACE}-{'0' * 16}-01", False),
+    (f"00-{TRACE.upper()}-{PARENT}-01", False),
+    ("00-abc-def-01", False),
+    ("", False),
+])
+def test_traceparent_parsing(header: str, ok: bool) -> None:
+    parsed = parse_traceparent(header)
+    assert (parsed is not None) == ok
+    if parsed is not None:
+        assert parsed.trace_id == TRACE and parsed.parent_id == PARENT
+        assert parsed.sampled == header.split("-")[3].startswith("01")
+
+
+def test_trace_context_reads_metadata() -> None:
+    parent = trace_context((("traceparent", f"00-{TRACE}-{PARENT}-01"), ("tracestate", "a=1"),
+                            ("tracestate", "b=2")))
+    assert parent is not None and parent.tracestate == "a=1,b=2"
+    assert trace_context((("x-other", "1"),)) is None
+
+
+def test_request_ids() -> None:
+    own = pb.GenerateRequest(request_id="mine")
+    assert assign_request_id(own, (("x-request-id", "gateway"),)) == "mine"
+    empty = pb.GenerateRequest()
+    assert assign_request_id(empty, (("x-request-id", "gateway"),)) == "gateway"
+    assert empty.request_id == "gateway", "the servicer sees the same id"
+    fresh = pb.GenerateRequest()
+    rid = assign_request_id(fresh, ())
+    assert len(rid) == 32 and fresh.request_id == rid
+    # An id the servicer will refuse is left for it to refuse; the log gets a printable one.
+    bad = pb.GenerateRequest(request_id="bad\nid")
+    logged = assign_request_id(bad, ())
+    assert logged != "bad\nid" and bad.request_id == "bad\nid"
+    # Requests without a request_id field (Embed) still get an id for their log line.
+    assert len(assign_request_id(embed_pb2.EmbedRequest(inputs=["a"]), ())) == 32
+
+
+def _record() -> CallRecord:
+    return CallRecord("/stencil.v1.Generation/Generate", "req-1", "ipv4:127.0.0.1:5000", 0.0,
+                      code="INVALID_ARGUMENT", end=0.25, trace_id=TRACE)
+
+
+def _capture(formatter: logging.Formatter) -> tuple[logging.Logger, io.StringIO]:
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(formatter)
+    handler.addFilter(CallContextFilter())
+    logger = logging.getLogger("stencild.requests")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return logger, out
+
+
+def test_text_and_json_lines() -> None:
+    for formatter in (TextFormatter(), JsonFormatter()):
+        logger, out = _capture(formatter)
+        try:
+            log_call(_record(), logging.INFO)
+        finally:
+            logger.handlers.clear()
+        text = out.getvalue().strip()
+        if isinstance(formatter, JsonFormatter):
+            line = json.loads(text)
+            assert line["request_id"] == "req-1" and line["status"] == "INVALID_ARGUMENT"
+            assert line["method"] == "Generate" and line["total_ms"] == 250.0
+            assert line["trace_id"] == TRACE and line["peer"] == "ipv4:127.0.0.1:5000"
+        else:
+            assert "request_id=req-1 method=Generate status=INVALID_ARGUMENT total_ms=250.0" in text
+            assert f"trace_id={TRACE}" in text
+
+
+def test_lines_logged_during_a_call_name_it() -> None:
+    logger, out = _capture(JsonFormatter())
+    other = logging.getLogger("stencild.requests.test")
+    token = enter_call(_record())
+    try:
+        note_refusal("max_pending_requests")
+        assert call_metadata() == (("x-request-id", "req-1"),)
+        other.warning("something about %s", "this call")
+    finally:
+        exit_call(token)
+        logger.handlers.clear()
+    line = json.loads(out.getvalue())
+    assert line["message"] == "something about this call"
+    assert line["request_id"] == "req-1" and line["trace_id"] == TRACE
+    assert call_metadata() == ()
+
+
+def test_configure_logging_rejects_unknown_formats() -> None:
+    with pytest.raises(ValueError):
+        configure_logging("INFO", "xml")
