@@ -133,7 +133,7 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(self._public):
             return handler
         key = self.match(handler_call_details.invocation_metadata)
-        return rewrap(handler, scope=lambda context: self._call(key, context))
+        return rewrap(handler, scope=lambda _request, context: self._call(key, context))
 
     @contextlib.asynccontextmanager
     async def _call(self, key: ApiKey | None, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:

@@ -8,7 +8,8 @@ parsed here instead; one that cannot be is answered INVALID_ARGUMENT ("request
 could not be parsed", reason UNPARSABLE_REQUEST), and logged in one line at
 most every few seconds, with a count of the others.
 
-The API-key check is in auth.py; it wraps handlers with `rewrap` too.
+The API-key check (auth.py) and the telemetry of every call (telemetry.py)
+wrap handlers with `rewrap` too.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ UNPARSABLE_MESSAGE = "request could not be parsed"
 
 # Awaited with each request message (streaming requests: each one) before the handler sees it.
 Before = Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]
-# An async context manager around each whole call.
-Scope = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
+# An async context manager around each whole call, given its request (None
+# for a stream of requests) and its context.
+Scope = Callable[[Any, grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
 
 _KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 _FACTORIES: dict[str, Callable[..., Any]] = {
@@ -43,7 +45,7 @@ _FACTORIES: dict[str, Callable[..., Any]] = {
 }
 
 
-def _no_scope(context: grpc.aio.ServicerContext) -> contextlib.AbstractAsyncContextManager[None]:
+def _no_scope(request: Any, context: grpc.aio.ServicerContext) -> contextlib.AbstractAsyncContextManager[None]:
     return contextlib.nullcontext()
 
 
@@ -71,13 +73,13 @@ def rewrap(handler: Any, *, before: Before | None = None, scope: Scope | None = 
 
     if inspect.isasyncgenfunction(behavior):
         async def wrapped_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async with enter(context):
+            async with enter(None if streaming_request else request, context):
                 async for item in behavior(await first(request, context), context):
                     yield item
         wrapped: Callable[..., Any] = wrapped_gen
     else:
         async def wrapped_call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            async with enter(context):
+            async with enter(None if streaming_request else request, context):
                 return await behavior(await first(request, context), context)
         wrapped = wrapped_call
     return _FACTORIES[kind](wrapped, request_deserializer=request_deserializer or handler.request_deserializer,

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from .interceptors import rewrap
 from .metrics import VLLM_FINISH_REASONS, EngineSource, MetricsServer, ServerMetrics
 from .request_log import (
     CallRecord,
@@ -209,63 +209,27 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method
         metadata = handler_call_details.invocation_metadata
-        if handler.response_streaming:
-            behavior = handler.unary_stream
-            if inspect.isasyncgenfunction(behavior):
-                return grpc.unary_stream_rpc_method_handler(
-                    self._generator(behavior, method, metadata),
-                    handler.request_deserializer, handler.response_serializer)
-            return grpc.unary_stream_rpc_method_handler(
-                self._coroutine(behavior, method, metadata),
-                handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            self._coroutine(handler.unary_unary, method, metadata),
-            handler.request_deserializer, handler.response_serializer)
+        return rewrap(handler, scope=lambda request, context: self._call(method, metadata, request, context))
 
-    def _coroutine(self, behavior: Any, method: str, metadata: Any) -> Any:
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, metadata: Any, request: Any,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         telemetry = self.telemetry
-
-        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            record = telemetry.begin(method, request, context, metadata)
-            token = enter_call(record)
-            try:
-                result = await behavior(request, context)
-                record.code = _code(context)
-                return result
-            except asyncio.CancelledError:
-                record.code = _cancelled_code(context)
-                raise
-            except BaseException:
-                record.code = _code(context, failed=True)
-                raise
-            finally:
+        record = telemetry.begin(method, request, context, metadata)
+        token = enter_call(record)
+        try:
+            yield
+            record.code = _code(context)
+        except (asyncio.CancelledError, GeneratorExit):
+            record.code = _cancelled_code(context)
+            raise
+        except BaseException:
+            record.code = _code(context, failed=True)
+            raise
+        finally:
+            with contextlib.suppress(ValueError):  # a generator closed in another context
                 exit_call(token)
-                telemetry.finish(record)
-
-        return run
-
-    def _generator(self, behavior: Any, method: str, metadata: Any) -> Any:
-        telemetry = self.telemetry
-
-        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            record = telemetry.begin(method, request, context, metadata)
-            token = enter_call(record)
-            try:
-                async for item in behavior(request, context):
-                    yield item
-                record.code = _code(context)
-            except (asyncio.CancelledError, GeneratorExit):
-                record.code = _cancelled_code(context)
-                raise
-            except BaseException:
-                record.code = _code(context, failed=True)
-                raise
-            finally:
-                with contextlib.suppress(ValueError):  # a generator closed in another context
-                    exit_call(token)
-                telemetry.finish(record)
-
-        return run
+            telemetry.finish(record)
 
 
 def _code(context: grpc.aio.ServicerContext, failed: bool = False) -> str:
