@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -236,11 +237,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever `sys.stderr` is when a line is logged, not the one
+    at set-up: a caller that swaps stderr (pytest, a daemon wrapper) and closes
+    the old one must not make every later line a logging error."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def configure_logging(level: str | int = "INFO", fmt: str = "text") -> None:
     """Log to stderr in `fmt` ("text" or "json"), replacing any handler set before."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; use text or json")
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(CallContextFilter())
     root = logging.getLogger()
