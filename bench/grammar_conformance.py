@@ -160,6 +160,13 @@ def markdown(report: Report, backends: Iterable[str] = BACKENDS) -> str:
         pct.append(f"{100 * t.valid_accepted / max(t.valid, 1):.1f}%")
         pct.append(f"{100 * t.invalid_rejected / max(t.invalid, 1):.1f}%")
     lines.append("| **rate** | " + " | ".join(pct) + " |")
+    flagged = []
+    for b in backends:
+        t = totals[b]
+        caught = t.invalid_rejected + t.invalid_caught_by_validator
+        flagged += ["", f"{caught}/{t.invalid} ({100 * caught / max(t.invalid, 1):.1f}%)"]
+    lines.append("| **invalid rejected or flagged INVALID by the output validator** | "
+                 + " | ".join(flagged) + " |")
     compiled = " | ".join(f"{totals[b].compiled}/{totals[b].groups} | " for b in backends)
     lines.append(f"| schemas compiled | {compiled}|")
     return "\n".join(lines)

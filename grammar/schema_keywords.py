@@ -145,12 +145,13 @@ def disjoint(branches: list[Any]) -> bool:
     types = [_types(b) for b in branches]
     if all(t is not None for t in types):
         seen_t: set[str] = set()
+        overlap = False
         for t in types:
             assert t is not None
-            if t & seen_t:
-                return False
+            overlap = overlap or bool(t & seen_t)
             seen_t |= t
-        return True
+        if not overlap:
+            return True
     return _discriminated(branches)
 
 

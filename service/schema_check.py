@@ -27,7 +27,7 @@ from .request_log import note_validation
 
 R = pb.SchemaValidation
 # Above this many characters the validation runs on a worker thread.
-OFF_LOOP_CHARS = 64 * 1024
+OFF_LOOP_CHARS = 16 * 1024
 
 
 def wants_validation(matcher: Matcher | None) -> bool:
