@@ -43,6 +43,12 @@ class Tally:
     valid_accepted: int = 0
     invalid: int = 0
     invalid_rejected: int = 0
+    # Invalid instances the grammar accepted but the output validator flags
+    # (what a request reports as INVALID, and strict mode ends SCHEMA_VIOLATION).
+    invalid_caught_by_validator: int = 0
+    # Invalid instances the grammar accepted although it reported every keyword
+    # of the schema as enforced (must be 0: see grammar/schema_keywords.py).
+    invalid_missed_when_enforced: int = 0
     groups: int = 0
     compiled: int = 0
 
@@ -112,7 +118,8 @@ def evaluate(
                     tally.compiled += 1
                 except GrammarError:
                     matcher = None
-                for valid, tokens in cases:
+                validator = getattr(matcher, "validator", None)
+                for (valid, tokens), test in zip(cases, group["tests"], strict=True):
                     ok = matcher is not None and run_instance(matcher, tokens, bitmask, stop_id)
                     if valid:
                         tally.valid += 1
@@ -120,6 +127,11 @@ def evaluate(
                     else:
                         tally.invalid += 1
                         tally.invalid_rejected += not ok
+                        if ok and validator is not None:
+                            tally.invalid_caught_by_validator += not validator.validate(
+                                test["data"]).valid
+                        if ok and matcher is not None and not matcher.unenforced_keywords:
+                            tally.invalid_missed_when_enforced += 1
     report.seconds = time.perf_counter() - start
     return report
 
@@ -148,6 +160,13 @@ def markdown(report: Report, backends: Iterable[str] = BACKENDS) -> str:
         pct.append(f"{100 * t.valid_accepted / max(t.valid, 1):.1f}%")
         pct.append(f"{100 * t.invalid_rejected / max(t.invalid, 1):.1f}%")
     lines.append("| **rate** | " + " | ".join(pct) + " |")
+    flagged = []
+    for b in backends:
+        t = totals[b]
+        caught = t.invalid_rejected + t.invalid_caught_by_validator
+        flagged += ["", f"{caught}/{t.invalid} ({100 * caught / max(t.invalid, 1):.1f}%)"]
+    lines.append("| **invalid rejected or flagged INVALID by the output validator** | "
+                 + " | ".join(flagged) + " |")
     compiled = " | ".join(f"{totals[b].compiled}/{totals[b].groups} | " for b in backends)
     lines.append(f"| schemas compiled | {compiled}|")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ the indentation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -48,6 +49,7 @@ from .cache import CacheInfo, GrammarCache
 from .config import CompilerConfig
 from .errors import GrammarError
 from .matcher import Matcher
+from .schema_plan import SchemaPlan, plan_for
 from .spec import JSON_KINDS, GrammarSpec
 from .tokenizer import TokenizerData
 
@@ -79,6 +81,11 @@ class _Artifact:
     spec: GrammarSpec
     native: Any  # xgrammar CompiledGrammar, or llguidance template LLMatcher
     size_bytes: int
+    # JSON kinds: what the grammar leaves to the validator, and the validator.
+    unenforced: tuple[str, ...] = ()
+    validator: Any = None  # grammar.validation.SchemaValidator
+    validator_error: str | None = None
+    compile_seconds: float = 0.0
 
 
 class GrammarCompiler:
@@ -208,7 +215,7 @@ class GrammarCompiler:
                 reason="too_large",
             )
         order = self.backends_for(spec, backend)
-        cached = self._from_cache(spec, order)
+        cached = self._from_cache(spec, order, backend)
         if cached is not None:
             return cached, None
         key = (spec, backend)
@@ -249,7 +256,15 @@ class GrammarCompiler:
     def _key(self, backend: str, spec: GrammarSpec) -> tuple[str, str, GrammarSpec]:
         return (self.tokenizer_data.fingerprint, backend, spec)
 
-    def _from_cache(self, spec: GrammarSpec, order: tuple[str, ...]) -> Future[_Artifact] | None:
+    def _from_cache(self, spec: GrammarSpec, order: tuple[str, ...],
+                    backend: str) -> Future[_Artifact] | None:
+        if backend == "auto" and spec.kind in JSON_KINDS:
+            # auto's choice for a JSON spec depends on the schema (see _resolve),
+            # so it is cached under its own key.
+            entry = self._cache.get(self._key("auto", spec))
+            if entry is None:
+                return None
+            return _done(entry) if isinstance(entry, _Artifact) else _done(None, entry)
         errors: list[GrammarError] = []
         for b in order:
             entry = self._cache.get(self._key(b, spec))
@@ -260,7 +275,56 @@ class GrammarCompiler:
             errors.append(entry)
         return _done(None, _combine(errors))
 
+    def schema_plan(self, spec: GrammarSpec) -> SchemaPlan | None:
+        """The normalized views, unenforced keywords and validator of a JSON spec
+        (None for other kinds); computed once and cached. GrammarError when the
+        schema cannot be normalized."""
+        if spec.kind not in JSON_KINDS:
+            return None
+        key = ("plan", spec)
+        entry = self._cache.get(key)
+        if isinstance(entry, GrammarError):
+            raise entry
+        if entry is not None:
+            return entry  # type: ignore[no-any-return]
+        try:
+            plan = plan_for(spec, BACKENDS)
+        except GrammarError as e:
+            self._cache.put(key, e, 512)
+            raise
+        assert plan is not None
+        self._cache.put(key, plan, plan.size_bytes)
+        return plan
+
     def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float) -> _Artifact:
+        if spec.kind not in JSON_KINDS:
+            return self._resolve_order(spec, order, deadline, None)
+        auto = len(order) > 1
+        planning = time.monotonic()
+        try:
+            plan = self.schema_plan(spec)
+        except GrammarError as e:
+            if auto:
+                self._cache.put(self._key("auto", spec), e, 512)
+            raise
+        assert plan is not None
+        if auto:
+            # Prefer the library that enforces more of this schema, not merely
+            # the first that compiles it.
+            order = plan.order(order)
+        try:
+            artifact = self._resolve_order(spec, order, deadline, plan,
+                                           time.monotonic() - planning)
+        except GrammarError as e:
+            if auto and e.reason != "timeout" and e.backend is not None:
+                self._cache.put(self._key("auto", spec), e, 512)
+            raise
+        if auto:
+            self._cache.put(self._key("auto", spec), artifact, 1)  # shares the backend's entry
+        return artifact
+
+    def _resolve_order(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float,
+                       plan: SchemaPlan | None, plan_seconds: float = 0.0) -> _Artifact:
         timeout = self.config.compile_timeout_s
         errors: list[GrammarError] = []
         for b in order:
@@ -280,8 +344,14 @@ class GrammarCompiler:
                     reason="timeout",
                 ))
                 break
+            started = time.monotonic()
             try:
-                artifact = self._compile_one(b, spec, deadline)
+                artifact = self._compile_one(b, spec if plan is None else plan.views[b], deadline)
+                if plan is not None:
+                    artifact = dataclasses.replace(
+                        artifact, spec=spec, unenforced=plan.unenforced[b],
+                        validator=plan.validator, validator_error=plan.validator_error)
+                artifact = dataclasses.replace(artifact, compile_seconds=time.monotonic() - started)
             except GrammarError as e:
                 if e.reason == "timeout":
                     # Without a backend it never got a worker in time: the
@@ -295,7 +365,8 @@ class GrammarCompiler:
                     )
                 # Worker start-up or shutdown trouble is not the spec's doing,
                 # nor is a timeout on a budget cut by queueing: not cached.
-                full_budget = budget >= _FULL_BUDGET * timeout
+                # (Planning the schema is the spec's own cost: it counts as budget.)
+                full_budget = budget + plan_seconds >= _FULL_BUDGET * timeout
                 if e.backend is not None and (e.reason != "timeout" or full_budget):
                     self._cache.put(key, e, 512)
                 errors.append(e)
@@ -345,9 +416,16 @@ class GrammarCompiler:
         return _Artifact(backend, spec, native, size)
 
     def _new_matcher(self, artifact: _Artifact) -> Matcher:
+        matcher: Matcher
         if artifact.backend == "xgrammar":
-            return _xgr.XGrammarMatcher(artifact.spec, self.tokenizer_data, artifact.native)
-        return _llg.LLGuidanceMatcher(artifact.spec, self.tokenizer_data, artifact.native)
+            matcher = _xgr.XGrammarMatcher(artifact.spec, self.tokenizer_data, artifact.native)
+        else:
+            matcher = _llg.LLGuidanceMatcher(artifact.spec, self.tokenizer_data, artifact.native)
+        matcher.unenforced_keywords = artifact.unenforced
+        matcher.validator = artifact.validator
+        matcher.validator_error = artifact.validator_error
+        matcher.compile_seconds = artifact.compile_seconds
+        return matcher
 
     # ---- bitmasks ----------------------------------------------------------
 

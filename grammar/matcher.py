@@ -26,12 +26,21 @@ import torch
 if TYPE_CHECKING:
     from .spec import GrammarSpec
     from .tokenizer import TokenizerData
+    from .validation import SchemaValidator
 
 
 class Matcher(ABC):
     """Tracks one request's output against its compiled grammar."""
 
     backend: str = ""
+    # Set by the compiler for JSON specs (see grammar/schema_plan.py): schema
+    # keywords this grammar does not enforce token by token, the validator of
+    # the full schema (None: outputs cannot be checked; validator_error says
+    # why), and how long the compile took (0 for a cache hit's first compile).
+    unenforced_keywords: tuple[str, ...] = ()
+    validator: SchemaValidator | None = None
+    validator_error: str | None = None
+    compile_seconds: float = 0.0
 
     def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData) -> None:
         self.spec = spec

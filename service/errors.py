@@ -49,6 +49,8 @@ class Reason:
     GRAMMAR_TOO_LARGE = "GRAMMAR_TOO_LARGE"  # ... or is too large for the limits
     GRAMMAR_COMPILE_TIMEOUT = "GRAMMAR_COMPILE_TIMEOUT"  # ... or did not compile in time
     GRAMMAR_LIMIT = "GRAMMAR_LIMIT"  # the grammar library gave up while generating
+    # a strict constraint whose schema has keywords the grammar cannot enforce
+    SCHEMA_NOT_ENFORCEABLE = "SCHEMA_NOT_ENFORCEABLE"
     NO_GENERATION_MODEL = "NO_GENERATION_MODEL"
     NO_EMBEDDING_MODEL = "NO_EMBEDDING_MODEL"
     NO_SPEECH_MODEL = "NO_SPEECH_MODEL"

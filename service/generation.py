@@ -25,7 +25,8 @@ from .errors import (
 )
 from .gen.stencil.v1 import generate_pb2 as pb
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
-from .structured import ConstraintCompiler
+from .schema_check import check_output, wants_validation
+from .structured import ConstraintCompiler, constraint_spec
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Requests larger than this are tokenized on a worker thread, so one long prompt
@@ -64,6 +65,16 @@ async def next_outputs(stream: RequestStream, constraint_field: str | None = Non
     return outputs, final
 
 
+async def _add_validation(done: pb.GenerateComplete, matcher: Any, text: str, final: RequestOutput,
+                          enabled: bool, strict: bool) -> None:
+    """Fill a JSON request's schema_validation and unenforced_keywords; a strict
+    request whose complete output the schema rejects ends SCHEMA_VIOLATION."""
+    done.unenforced_keywords.extend(matcher.unenforced_keywords)
+    done.schema_validation.CopyFrom(await check_output(matcher, text, final, enabled))
+    if strict and done.schema_validation.result == pb.SchemaValidation.INVALID:
+        done.finish_reason = pb.GenerateComplete.SCHEMA_VIOLATION
+
+
 class ServingState:
     """What the servicers need from the server: the engine once loaded, and
     whether new calls are still taken. Also counts calls in flight (Generate
@@ -82,6 +93,7 @@ class ServingState:
         # None: the generation engine serves speech too, or there is none).
         self.speech_loop: EngineLoop | None = None
         self.constraints: ConstraintCompiler | None = None
+        self.validate_output = True  # check finished JSON outputs (--no-validate-output)
         self.draining = False
         self._calls = 0
         self._idle = asyncio.Event()
@@ -164,13 +176,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             field = prepared.constraint.field if prepared.constraint is not None else None
+            validate = wants_validation(matcher)
+            text: list[str] = []  # the whole output, for its validation
             while True:
                 outputs, final = await next_outputs(stream, field)
+                if validate:
+                    text.extend(o.text for o in outputs)
                 chunk = convert.chunk_response(rid, outputs, prepared.options)
                 if chunk is not None:
                     await context.write(chunk)
                 if final is not None:
-                    await context.write(convert.complete_response(rid, final))
+                    done = convert.complete_response(rid, final)
+                    if validate:
+                        assert matcher is not None and prepared.constraint is not None
+                        await _add_validation(done.complete, matcher, "".join(text), final,
+                                              self.state.validate_output,
+                                              prepared.constraint.strict)
+                    await context.write(done)
                     return
         finally:
             # Cancelled, deadline passed, client gone, or a failure above: the
@@ -178,6 +200,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if not stream.finished:
                 loop.abort(ctx.request_id)
             self.state.call_finished()
+
+    @rpc_guard
+    async def ValidateConstraint(self, request: pb.ValidateConstraintRequest,
+                                 context: grpc.aio.ServicerContext) -> pb.ValidateConstraintResponse:
+        self.state.require_engine()
+        constraint = constraint_spec(pb.GenerateRequest(constraint=request.constraint))
+        if constraint is None:
+            raise invalid_argument("constraint", "set a constraint to validate")
+        compiler = self.state.constraints
+        assert compiler is not None
+        matcher, cached = await compiler.compile_noting_cache(constraint)
+        return pb.ValidateConstraintResponse(
+            grammar_backend=matcher.backend, compile_seconds=matcher.compile_seconds, cached=cached,
+            unenforced_keywords=list(matcher.unenforced_keywords),
+            output_validated=matcher.validator is not None and self.state.validate_output,
+            validator_message=("output validation is off on this server"
+                               if not self.state.validate_output else matcher.validator_error or ""))
 
     @rpc_guard
     async def Tokenize(self, request: pb.TokenizeRequest,

@@ -68,6 +68,11 @@ class CallRecord:
     trace_id: str | None = None  # the span's trace id, else the caller's
     span_id: str | None = None
     inputs: int | None = None  # Embed: the number of inputs
+    # JSON constraints: the output's validation ("valid", "invalid",
+    # "not_checked"), the failing keyword and path, the keywords left unenforced.
+    schema: str | None = None
+    schema_error: str | None = None
+    unenforced: tuple[str, ...] = ()
 
     @property
     def service(self) -> str:
@@ -119,6 +124,15 @@ def note_compile(kind: str, backend: str | None, start: float, outcome: str, cac
         call.compile = CompileNote(kind, backend, start, time.monotonic(), outcome, cached)
 
 
+def note_validation(result: str, keyword: str, path: str, unenforced: tuple[str, ...]) -> None:
+    """The current call's output was validated against its schema."""
+    call = _CURRENT.get()
+    if call is not None:
+        call.schema = result
+        call.schema_error = f"{keyword or 'json'}@{path or '/'}" if result == "invalid" else None
+        call.unenforced = tuple(unenforced)
+
+
 def valid_request_id(rid: str) -> bool:
     """Whether `rid` can be a request id: it is sent as the `x-request-id` header,
     whose values gRPC allows only as visible ASCII (spaces only between them)."""
@@ -160,6 +174,12 @@ def log_fields(record: CallRecord) -> dict[str, Any]:
         fields["compile"] = note.outcome
     if record.inputs is not None:
         fields["inputs"] = record.inputs
+    if record.schema is not None:
+        fields["schema"] = record.schema
+        if record.schema_error is not None:
+            fields["schema_error"] = record.schema_error
+        if record.unenforced:
+            fields["unenforced"] = ",".join(record.unenforced)
     if record.refusal is not None:
         fields["refused"] = record.refusal
     fields["peer"] = record.peer

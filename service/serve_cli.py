@@ -112,6 +112,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="default grammar library for constrained requests (a request may pick one)")
     g.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a constraint may compile; slower ones fail with INVALID_ARGUMENT")
+    g.add_argument("--no-validate-output", action="store_true",
+                   help="skip validating finished JSON outputs against their full schema "
+                        "(complete.schema_validation is then NOT_CHECKED)")
     s = p.add_argument_group("speech")
     spm = s.add_mutually_exclusive_group()
     spm.add_argument("--speech-model", type=Path, default=None, metavar="DIR",
@@ -265,7 +268,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         admission=AdmissionLimits(args.max_pending_requests, args.max_pending_tokens),
         keepalive=KeepalivePolicy(args.min_ping_interval, args.keepalive_time, args.keepalive_timeout,
                                   args.max_connection_age, args.max_connection_age_grace),
-        watchdog_timeout_s=args.watchdog_timeout,
+        watchdog_timeout_s=args.watchdog_timeout, validate_output=not args.no_validate_output,
         tls=tls, health_port=args.health_port, health_host=args.health_host,
         api_keys=tuple(api_keys), public_reflection=args.public_reflection,
         telemetry=TelemetryConfig(metrics_host=args.metrics_host or args.host,

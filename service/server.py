@@ -125,6 +125,8 @@ class ServerConfig:
     # Seconds an engine with work may go without completing a step before its
     # services report NOT_SERVING (0: no watchdog).
     watchdog_timeout_s: float = 60.0
+    # Validate finished JSON outputs against the full schema (service/schema_check.py).
+    validate_output: bool = True
     # TLS on the main port (None: plaintext).
     tls: TLSConfig | None = None
     # A second, plaintext port serving only grpc.health.v1, for probes that
@@ -169,6 +171,7 @@ class StencilServer:
         self.config = config or ServerConfig()
         self._engine_factory = engine_factory
         self.state = ServingState(model_name, SERVER_VERSION, serves_generation=engine_factory is not None)
+        self.state.validate_output = self.config.validate_output
         self.embedding = EmbeddingSlot(embedding)
         self.speech = SpeechSlot(speech)
         self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE])

@@ -46,6 +46,7 @@ class ConstraintSpec:
     spec: GrammarSpec
     backend: str | None
     field: str
+    strict: bool = False
 
 
 def _options(c: pb.Constraint, kind: str) -> GrammarOptions:
@@ -105,7 +106,9 @@ def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
             spec = GrammarSpec(kind, getattr(c, kind))
     except GrammarError as err:
         raise invalid_argument(field, str(err), Reason.GRAMMAR_INVALID) from None
-    return ConstraintSpec(spec, backend, field)
+    if c.strict and kind not in _JSON_KINDS:
+        raise invalid_argument("constraint.strict", "applies to json_schema and json_object only")
+    return ConstraintSpec(spec, backend, field, c.strict)
 
 
 class ConstraintCompiler:
@@ -128,7 +131,15 @@ class ConstraintCompiler:
         return self._structured.compiler.pending_compiles if self._started else 0
 
     async def compile(self, constraint: ConstraintSpec) -> Matcher:
-        """A fresh matcher for the constraint; ServiceError if it cannot be compiled.
+        """A fresh matcher for the constraint; ServiceError if it cannot be compiled
+        (see `compile_noting_cache`)."""
+        matcher, _ = await self.compile_noting_cache(constraint)
+        return matcher
+
+    async def compile_noting_cache(self, constraint: ConstraintSpec) -> tuple[Matcher, bool]:
+        """A fresh matcher for the constraint and whether the compile cache had
+        it; ServiceError if it cannot be compiled, or (INVALID_ARGUMENT) if it is
+        strict and its grammar leaves schema keywords unenforced.
 
         Cancellation (client gone, deadline) stops the waiting and cancels the
         compile's future: a compile nobody else waits for leaves the queue if it
@@ -156,7 +167,16 @@ class ConstraintCompiler:
             note_compile(kind, err.backend, start, err.reason, cached)
             raise _compile_error(err, constraint.field) from None
         note_compile(kind, getattr(matcher, "backend", None), start, "compiled", cached)
-        return matcher
+        if constraint.strict and matcher.unenforced_keywords:
+            # Strict promises that the grammar alone keeps the output inside
+            # the schema; refuse before any token is spent.
+            names = ", ".join(matcher.unenforced_keywords)
+            raise invalid_argument(
+                constraint.field,
+                f"strict: the {matcher.backend} grammar cannot enforce {names} token by token; "
+                "drop strict to have them checked on the finished output instead",
+                Reason.SCHEMA_NOT_ENFORCEABLE)
+        return matcher, cached
 
 
 def _compile_error(err: GrammarError, field: str) -> ServiceError:

@@ -23,6 +23,7 @@ from .helpers import TIMEOUT, ServerHandle, engine_factory, generate, greedy
 
 Finish = pb.GenerateComplete.FinishReason
 C = pb.Constraint
+V = pb.SchemaValidation
 
 # Bounded strings, enums, bounded integers and arrays, no extra keys: a random
 # model cannot wander off, so every output completes within max_new_tokens.
@@ -136,6 +137,8 @@ def check_json(stub: Any, name: str, schema: dict[str, Any], whitespace: int,
     for text, done in run_all(stub, reqs):
         assert done.finish_reason == Finish.EOS, (text, done)
         jsonschema.validate(json.loads(text), schema)
+        assert done.schema_validation.result == V.VALID, done
+        assert list(done.unenforced_keywords) == []
         assert 0 < done.usage.forced_tokens <= done.usage.completion_tokens
         if whitespace == C.WHITESPACE_UNSPECIFIED:  # compact: exactly json.dumps' separators
             assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
@@ -233,8 +236,66 @@ def test_cut_by_max_new_tokens_finishes_with_length(grammar_server: ServerHandle
                                 constrained("cut", max_new_tokens=3, json_schema=json.dumps(ORDER)))
     assert done.finish_reason == Finish.LENGTH
     assert done.usage.completion_tokens == 3
+    assert done.schema_validation.result == V.NOT_CHECKED
     with pytest.raises(ValueError):
         json.loads(text)
+
+
+# Three items from three values, all different: a random model repeats one
+# often, and neither library enforces uniqueItems token by token.
+UNIQUE = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 3, "maxItems": 3,
+          "uniqueItems": True}
+
+
+def test_outputs_are_validated_against_the_whole_schema(grammar_server: ServerHandle) -> None:
+    reqs = [constrained(f"u {seed}", 1.0, seed, json_schema=json.dumps(UNIQUE)) for seed in range(8)]
+    results = set()
+    for text, done in run_all(grammar_server.stub, reqs):
+        assert done.finish_reason == Finish.EOS, (text, done)
+        assert list(done.unenforced_keywords) == ["uniqueItems"]
+        value = json.loads(text)
+        expected = V.VALID if len(set(value)) == 3 else V.INVALID
+        assert done.schema_validation.result == expected, (text, done)
+        if expected == V.INVALID:
+            assert done.schema_validation.keyword == "uniqueItems"
+            assert done.schema_validation.instance_path == ""
+            assert done.schema_validation.message
+        results.add(expected)
+    assert V.INVALID in results  # the random model does repeat itself
+
+
+def test_strict_refuses_what_the_grammar_cannot_enforce(grammar_server: ServerHandle) -> None:
+    stub = grammar_server.stub
+    req = constrained("s", json_schema=json.dumps({"type": "object", "not": {"required": ["a"]}}),
+                      strict=True)
+    err = _error(stub.Generate(req, timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not" in err.details() and "strict" in err.details()
+    assert bad_request_violations(err.trailing_metadata())[0][0] == "constraint.json_schema"
+    err = _error(stub.Generate(constrained("r", regex="a+", strict=True), timeout=TIMEOUT))
+    assert bad_request_violations(err.trailing_metadata())[0][0] == "constraint.strict"
+    # A schema the grammar enforces whole runs as usual.
+    text, _, done, _ = generate(stub, constrained("p", json_schema=json.dumps(PERSON), strict=True))
+    assert done.finish_reason == Finish.EOS and done.schema_validation.result == V.VALID
+
+
+def test_validate_constraint_reports_without_generating(grammar_server: ServerHandle) -> None:
+    stub = grammar_server.stub
+    schema = {"type": "object", "properties": {"tags": UNIQUE}, "required": ["tags"],
+              "title": "annotation only", "x-vendor": True}
+    resp = stub.ValidateConstraint(pb.ValidateConstraintRequest(
+        constraint=pb.Constraint(json_schema=json.dumps(schema))), timeout=TIMEOUT)
+    assert resp.grammar_backend == "llguidance"
+    assert list(resp.unenforced_keywords) == ["uniqueItems"]
+    assert resp.output_validated and resp.compile_seconds >= 0
+    again = stub.ValidateConstraint(pb.ValidateConstraintRequest(
+        constraint=pb.Constraint(json_schema=json.dumps(schema))), timeout=TIMEOUT)
+    assert again.cached
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ValidateConstraint(pb.ValidateConstraintRequest(
+            constraint=pb.Constraint(json_schema='{"$ref": "#/nowhere"}')), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_violations(info.value.trailing_metadata())[0][0] == "constraint.json_schema"
 
 
 INVALID = {

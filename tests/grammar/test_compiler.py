@@ -69,14 +69,15 @@ def test_auto_picks_a_backend_per_kind(compiler, spec, expected):
 
 
 def test_auto_falls_back_when_the_first_backend_cannot_compile(compiler):
-    # llguidance refuses keywords it cannot enforce ("not"); xgrammar compiles it.
-    spec = GrammarSpec.json_schema({"type": "object", "not": {"required": ["x"]}})
-    with pytest.raises(GrammarError, match="not"):
+    # llguidance refuses patternProperties whose patterns overlap; xgrammar compiles it.
+    spec = GrammarSpec.json_schema(
+        {"type": "object", "patternProperties": {"a*": {"type": "integer"}, "aaa*": {}}})
+    with pytest.raises(GrammarError, match="disjoint"):
         compiler.compile(spec, backend="llguidance")
     matcher = compiler.compile(spec)
     assert matcher.backend == "xgrammar"
     tok = compiler.tokenizer_data
-    assert matcher.accept_tokens(tok.encode('{"y":1}')) == len(tok.encode('{"y":1}'))
+    assert matcher.accept_tokens(tok.encode('{"aa":1}')) == len(tok.encode('{"aa":1}'))
     # The other way round: "pretty" prefers xgrammar, which lacks \p{...} classes.
     unicode = GrammarSpec.json_schema(
         {"type": "string", "pattern": "^\\p{L}+$"}, GrammarOptions("pretty")
@@ -88,7 +89,7 @@ def test_auto_falls_back_when_the_first_backend_cannot_compile(compiler):
 
 
 def test_error_when_every_backend_fails_names_both(compiler):
-    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nope"}}})
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}})
     start = time.monotonic()
     with pytest.raises(GrammarError) as info:
         compiler.compile(spec)
@@ -265,19 +266,23 @@ def test_config_validation(tokenizer):
         GrammarCompiler(tokenizer, isolation="thread").compile(json.dumps({"type": "object"}))
 
 
-@pytest.mark.parametrize(
-    "schema",
-    [
-        {"$ref": "http://example.com/schema.json"},
-        {"$id": "http://x.test/root", "$defs": {"a": {"$id": "a.json"}}, "$ref": "a.json"},
-        {"$defs": {"a": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"},
-        {"$dynamicRef": "#items", "$defs": {"i": {"$dynamicAnchor": "items"}}},
-    ],
-)
-def test_xgrammar_refuses_references_it_would_ignore(compiler, schema):
-    # xgrammar reads these as "any value" (fails open); they must not compile there.
+def test_references_are_resolved_or_refused_or_reported(compiler):
+    # xgrammar reads unresolved references as "any value" (fails open): a remote
+    # one is refused; anchors and embedded $ids are resolved before compiling;
+    # $dynamicRef is left to the validator and reported as unenforced.
     with pytest.raises(GrammarError, match="supported"):
-        compiler.compile(GrammarSpec.json_schema(schema), backend="xgrammar")
+        compiler.compile(GrammarSpec.json_schema({"$ref": "http://example.com/schema.json"}),
+                         backend="xgrammar")
+    tok = compiler.tokenizer_data
+    for schema in ({"$id": "http://x.test/root", "$defs": {"a": {"$id": "a.json", "type": "integer"}},
+                    "$ref": "a.json"},
+                   {"$defs": {"a": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"}):
+        m = compiler.compile(GrammarSpec.json_schema(schema), backend="xgrammar")
+        assert m.unenforced_keywords == ()
+        assert m.accept_tokens(tok.encode('"x"')) == 0
+    dynamic = {"$dynamicRef": "#items", "$defs": {"i": {"$dynamicAnchor": "items"}}}
+    m = compiler.compile(GrammarSpec.json_schema(dynamic), backend="xgrammar")
+    assert m.unenforced_keywords == ("$dynamicRef",)
     # Data that merely looks like a reference is fine.
     data = {"const": {"$ref": "http://example.com"}}
     assert compiler.compile(GrammarSpec.json_schema(data), backend="xgrammar")

@@ -43,7 +43,8 @@ def test_field_names_from_the_issue() -> None:
     assert done.WhichOneof("response") == "complete"
     service = pb.DESCRIPTOR.services_by_name["Generation"]
     assert service.full_name == "stencil.v1.Generation"
-    assert set(service.methods_by_name) == {"Generate", "Tokenize", "Detokenize", "GetModelInfo", "Abort"}
+    assert set(service.methods_by_name) == {"Generate", "Tokenize", "Detokenize", "GetModelInfo", "Abort",
+                                            "ValidateConstraint"}
     assert service.methods_by_name["Generate"].server_streaming
 
 

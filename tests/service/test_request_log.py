@@ -21,7 +21,9 @@ from service.request_log import (
     enter_call,
     exit_call,
     log_call,
+    log_fields,
     note_refusal,
+    note_validation,
 )
 from service.tracing import parse_traceparent, trace_context
 
@@ -127,3 +129,18 @@ def test_lines_logged_during_a_call_name_it() -> None:
 def test_configure_logging_rejects_unknown_formats() -> None:
     with pytest.raises(ValueError):
         configure_logging("INFO", "xml")
+
+
+def test_schema_validation_is_in_the_log_line() -> None:
+    record = _record()
+    token = enter_call(record)
+    try:
+        note_validation("invalid", "uniqueItems", "/tags", ("not", "uniqueItems"))
+    finally:
+        exit_call(token)
+    fields = log_fields(record)
+    assert fields["schema"] == "invalid"
+    assert fields["schema_error"] == "uniqueItems@/tags"
+    assert fields["unenforced"] == "not,uniqueItems"
+    plain = _record()
+    assert "schema" not in log_fields(plain)

@@ -30,7 +30,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
 
 class Constraint(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark", "backend", "whitespace", "max_whitespace", "indent")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark", "backend", "whitespace", "max_whitespace", "indent", "strict")
     class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         BACKEND_UNSPECIFIED: _ClassVar[Constraint.Backend]
@@ -61,6 +61,7 @@ class Constraint(_message.Message):
     WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     INDENT_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
@@ -71,7 +72,8 @@ class Constraint(_message.Message):
     whitespace: Constraint.Whitespace
     max_whitespace: int
     indent: int
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., backend: _Optional[_Union[Constraint.Backend, str]] = ..., whitespace: _Optional[_Union[Constraint.Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., indent: _Optional[int] = ...) -> None: ...
+    strict: bool
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., backend: _Optional[_Union[Constraint.Backend, str]] = ..., whitespace: _Optional[_Union[Constraint.Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., indent: _Optional[int] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)
@@ -199,7 +201,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = ("finish_reason", "stop_string", "stop_token_id", "usage", "grammar_backend")
+    __slots__ = ("finish_reason", "stop_string", "stop_token_id", "usage", "grammar_backend", "schema_validation", "unenforced_keywords")
     class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FINISH_REASON_UNSPECIFIED: _ClassVar[GenerateComplete.FinishReason]
@@ -209,6 +211,7 @@ class GenerateComplete(_message.Message):
         LENGTH: _ClassVar[GenerateComplete.FinishReason]
         CONTEXT_LENGTH: _ClassVar[GenerateComplete.FinishReason]
         CANCELLED: _ClassVar[GenerateComplete.FinishReason]
+        SCHEMA_VIOLATION: _ClassVar[GenerateComplete.FinishReason]
     FINISH_REASON_UNSPECIFIED: GenerateComplete.FinishReason
     EOS: GenerateComplete.FinishReason
     STOP_STRING: GenerateComplete.FinishReason
@@ -216,29 +219,58 @@ class GenerateComplete(_message.Message):
     LENGTH: GenerateComplete.FinishReason
     CONTEXT_LENGTH: GenerateComplete.FinishReason
     CANCELLED: GenerateComplete.FinishReason
+    SCHEMA_VIOLATION: GenerateComplete.FinishReason
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VALIDATION_FIELD_NUMBER: _ClassVar[int]
+    UNENFORCED_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: GenerateComplete.FinishReason
     stop_string: str
     stop_token_id: int
     usage: Usage
     grammar_backend: str
-    def __init__(self, finish_reason: _Optional[_Union[GenerateComplete.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., grammar_backend: _Optional[str] = ...) -> None: ...
+    schema_validation: SchemaValidation
+    unenforced_keywords: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, finish_reason: _Optional[_Union[GenerateComplete.FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., grammar_backend: _Optional[str] = ..., schema_validation: _Optional[_Union[SchemaValidation, _Mapping]] = ..., unenforced_keywords: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SchemaValidation(_message.Message):
+    __slots__ = ("result", "instance_path", "keyword", "message")
+    class Result(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RESULT_UNSPECIFIED: _ClassVar[SchemaValidation.Result]
+        VALID: _ClassVar[SchemaValidation.Result]
+        INVALID: _ClassVar[SchemaValidation.Result]
+        NOT_CHECKED: _ClassVar[SchemaValidation.Result]
+    RESULT_UNSPECIFIED: SchemaValidation.Result
+    VALID: SchemaValidation.Result
+    INVALID: SchemaValidation.Result
+    NOT_CHECKED: SchemaValidation.Result
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    KEYWORD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    result: SchemaValidation.Result
+    instance_path: str
+    keyword: str
+    message: str
+    def __init__(self, result: _Optional[_Union[SchemaValidation.Result, str]] = ..., instance_path: _Optional[str] = ..., keyword: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "forced_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "forced_tokens", "schema_retries")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_RETRIES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     forced_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
+    schema_retries: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., schema_retries: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens", "return_offsets", "offsets_in_utf8_bytes")
@@ -343,3 +375,25 @@ class AbortResponse(_message.Message):
     ABORTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     aborted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, aborted_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ValidateConstraintRequest(_message.Message):
+    __slots__ = ("constraint",)
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    constraint: Constraint
+    def __init__(self, constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class ValidateConstraintResponse(_message.Message):
+    __slots__ = ("grammar_backend", "compile_seconds", "cached", "unenforced_keywords", "output_validated", "validator_message")
+    GRAMMAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    UNENFORCED_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_VALIDATED_FIELD_NUMBER: _ClassVar[int]
+    VALIDATOR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    grammar_backend: str
+    compile_seconds: float
+    cached: bool
+    unenforced_keywords: _containers.RepeatedScalarFieldContainer[str]
+    output_validated: bool
+    validator_message: str
+    def __init__(self, grammar_backend: _Optional[str] = ..., compile_seconds: _Optional[float] = ..., cached: _Optional[bool] = ..., unenforced_keywords: _Optional[_Iterable[str]] = ..., output_validated: _Optional[bool] = ..., validator_message: _Optional[str] = ...) -> None: ...

@@ -60,6 +60,11 @@ class GenerationStub:
                 request_serializer=stencil_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
                 response_deserializer=stencil_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.ValidateConstraint = channel.unary_unary(
+                '/stencil.v1.Generation/ValidateConstraint',
+                request_serializer=stencil_dot_v1_dot_generate__pb2.ValidateConstraintRequest.SerializeToString,
+                response_deserializer=stencil_dot_v1_dot_generate__pb2.ValidateConstraintResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -106,6 +111,16 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ValidateConstraint(self, request, context):
+        """Compiles a constraint without generating: which library would enforce it,
+        how long the compile took, and which JSON-schema keywords the grammar
+        leaves to the output validator. An invalid constraint fails the call with
+        INVALID_ARGUMENT, as it would fail a Generate call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +148,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=stencil_dot_v1_dot_generate__pb2.AbortRequest.FromString,
                     response_serializer=stencil_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
+            ),
+            'ValidateConstraint': grpc.unary_unary_rpc_method_handler(
+                    servicer.ValidateConstraint,
+                    request_deserializer=stencil_dot_v1_dot_generate__pb2.ValidateConstraintRequest.FromString,
+                    response_serializer=stencil_dot_v1_dot_generate__pb2.ValidateConstraintResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +291,33 @@ class Generation:
             '/stencil.v1.Generation/Abort',
             stencil_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
             stencil_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ValidateConstraint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stencil.v1.Generation/ValidateConstraint',
+            stencil_dot_v1_dot_generate__pb2.ValidateConstraintRequest.SerializeToString,
+            stencil_dot_v1_dot_generate__pb2.ValidateConstraintResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,202 @@
+"""Which JSON-schema keywords each grammar library enforces token by token.
+
+Neither library implements the whole of JSON Schema. llguidance refuses a
+schema with a keyword it does not implement (`lenient: false`); xgrammar
+silently ignores one. Either way an output could satisfy the grammar and still
+break the schema, so at compile time the compiler asks `backend_view` for
+
+- the schema the library gets: the normalized schema without the keywords the
+  library cannot enforce. Dropping a keyword only ever widens what a schema
+  accepts (each keyword is one more condition), so the grammar still accepts
+  every valid instance; the output validator checks the rest;
+- the keywords left unenforced, which the request reports
+  (`complete.unenforced_keywords`), strict mode refuses, and `auto` minimizes.
+
+The tables come from each library's documented support (llguidance's JSON
+schema notes, xgrammar's JSON schema converter), checked against the
+JSON-Schema-Test-Suite: tests/grammar/test_schema_keywords.py asserts that a
+suite schema reported as fully enforced has every invalid instance rejected
+token by token. xgrammar applies a type's keywords only where the node declares
+that type (`{"maxLength": 2}` alone is ignored), hence the per-type scopes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
+
+# Keywords that never need enforcing (structure, not conditions).
+_STRUCTURAL = frozenset({"$defs", "definitions", "$ref", "$schema", "$id", "$anchor"})
+
+# llguidance 1.x: everything else it implements (it refuses these).
+_LLG_UNSUPPORTED = frozenset({
+    "not", "uniqueItems", "if", "then", "else", "contains", "minContains", "maxContains",
+    "dependentRequired", "dependentSchemas", "propertyNames", "unevaluatedItems",
+    "unevaluatedProperties", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
+    "$recursiveAnchor",
+})
+
+# xgrammar 0.2: enforced wherever they appear...
+_XGR_ANYWHERE = frozenset({"type", "enum", "const", "anyOf"})
+# ... and these only where the node's `type` is exactly the type they belong to.
+_XGR_SCOPED = {
+    "minLength": "string", "maxLength": "string", "pattern": "string", "format": "string",
+    "minimum": "number", "maximum": "number", "exclusiveMinimum": "number",
+    "exclusiveMaximum": "number",
+    "minItems": "array", "maxItems": "array", "items": "array", "prefixItems": "array",
+    "properties": "object", "required": "object", "additionalProperties": "object",
+}
+# Property names xgrammar mishandles (it does not escape them in its grammar).
+_NEEDS_ESCAPE = frozenset('"\\') | {chr(i) for i in range(0x20)}
+# What xgrammar is not given at all: keywords it would ignore anyway, and
+# references it cannot read.
+_XGR_DROPPED = _LLG_UNSUPPORTED
+
+
+def backend_view(schema: Any, backend: str) -> tuple[Any, tuple[str, ...]]:
+    """(the schema `backend` compiles, the keywords it leaves unenforced, sorted).
+
+    `schema` is a normalized schema (see `schema_normalize`); not modified.
+    """
+    unenforced: set[str] = set()
+    if backend == "llguidance":
+        view = _strip(schema, _LLG_UNSUPPORTED, unenforced, one_of_to_any=True)
+    else:
+        view = _strip(schema, _XGR_DROPPED, unenforced, one_of_to_any=False)
+        _xgrammar_gaps(view, unenforced)
+    return view, tuple(sorted(unenforced))
+
+
+def _strip(node: Any, drop: frozenset[str], dropped: set[str], *, one_of_to_any: bool) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in drop:
+            dropped.add(key)
+            continue
+        if key in SUBSCHEMA:
+            out[key] = _strip(value, drop, dropped, one_of_to_any=one_of_to_any)
+        elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _strip(v, drop, dropped, one_of_to_any=one_of_to_any)
+                        for k, v in value.items()}
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_strip(v, drop, dropped, one_of_to_any=one_of_to_any) for v in value]
+        else:
+            out[key] = value
+    if one_of_to_any and isinstance(out.get("oneOf"), list) and "anyOf" not in out:
+        # llguidance has no oneOf. As anyOf it is exact when at most one branch
+        # can match any instance; otherwise "exactly one" goes unenforced.
+        if not disjoint(out["oneOf"]):
+            dropped.add("oneOf")
+        out["anyOf"] = out.pop("oneOf")
+    return out
+
+
+def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
+    if not isinstance(node, dict):
+        return
+    declared = node.get("type")
+    for key, value in node.items():
+        if key in _STRUCTURAL or key in _XGR_ANYWHERE:
+            pass
+        elif key == "oneOf" and isinstance(value, list) and disjoint(value):
+            pass  # xgrammar reads oneOf as anyOf: exact for disjoint branches
+        elif key in _XGR_SCOPED:
+            scope = _XGR_SCOPED[key]
+            if not (declared == scope or (scope == "number" and declared == "integer")) or key in ("properties", "required") and any(
+                    set(str(name)) & _NEEDS_ESCAPE
+                    for name in (value if isinstance(value, dict | list) else ())):
+                gaps.add(key)
+            elif key == "required" and isinstance(value, list) and not set(value) <= set(
+                    node.get("properties") or ()):
+                gaps.add(key)  # xgrammar only requires names that `properties` declares
+        else:
+            gaps.add(key)  # oneOf (read as anyOf), allOf, multipleOf, patternProperties, ...
+        if key in SUBSCHEMA:
+            _xgrammar_gaps(value, gaps)
+        elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            for sub in value.values():
+                _xgrammar_gaps(sub, gaps)
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            for sub in value:
+                _xgrammar_gaps(sub, gaps)
+
+
+_JSON_TYPES = ("null", "boolean", "object", "array", "string", "integer", "number")
+
+
+def disjoint(branches: list[Any]) -> bool:
+    """True when no instance can match two of `branches` (a cheap, sound test:
+    distinct literal values, distinct types, or a required property whose
+    `const` differs per branch)."""
+    if len(branches) < 2:
+        return True
+    literals = [_literals(b) for b in branches]
+    if all(lit is not None for lit in literals):
+        seen: list[Any] = []
+        for lit in literals:
+            assert lit is not None
+            if any(_same(x, y) for x in lit for y in seen):
+                return False
+            seen.extend(lit)
+        return True
+    types = [_types(b) for b in branches]
+    if all(t is not None for t in types):
+        seen_t: set[str] = set()
+        overlap = False
+        for t in types:
+            assert t is not None
+            overlap = overlap or bool(t & seen_t)
+            seen_t |= t
+        if not overlap:
+            return True
+    return _discriminated(branches)
+
+
+def _literals(branch: Any) -> list[Any] | None:
+    if isinstance(branch, dict):
+        if "const" in branch:
+            return [branch["const"]]
+        if isinstance(branch.get("enum"), list):
+            return list(branch["enum"])
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b or (_num(a) and _num(b) and a == b)
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _types(branch: Any) -> set[str] | None:
+    if not isinstance(branch, dict) or "type" not in branch:
+        return None
+    t = branch["type"]
+    names = set(t) if isinstance(t, list) else {t}
+    if "number" in names:
+        names.add("integer")  # a number branch overlaps an integer one
+    if "integer" in names:
+        names.add("number")
+    return names if names <= set(_JSON_TYPES) else None
+
+
+def _discriminated(branches: list[Any]) -> bool:
+    """Every branch is an object requiring a property `p` whose const differs."""
+    if not all(isinstance(b, dict) for b in branches):
+        return False
+    common: set[str] | None = None
+    for b in branches:
+        props = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+        required = set(b.get("required", [])) if isinstance(b.get("required"), list) else set()
+        keys = {k for k, v in props.items() if isinstance(v, dict) and "const" in v and k in required}
+        common = keys if common is None else common & keys
+    for key in sorted(common or ()):
+        values = [b["properties"][key]["const"] for b in branches]
+        if all(not _same(values[i], values[j]) for i in range(len(values))
+               for j in range(i + 1, len(values))):
+            return True
+    return False

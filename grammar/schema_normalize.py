@@ -1,0 +1,348 @@
+"""Rewriting a JSON schema into an equivalent one both grammar libraries read.
+
+Real schemas are written for validators, not for grammar compilers: they use
+draft-04/07 spellings, chains of `$ref`, `allOf` to compose objects, custom
+`format`s and vendor keywords. Each of those made one library or the other
+refuse the schema (or misread it) although the schema says nothing a grammar
+cannot express. `normalize_schema` rewrites them, keeping the set of accepted
+instances the same (draft 2020-12 semantics), rule by rule:
+
+- annotations: keywords that constrain nothing (`title`, `description`,
+  `examples`, `default`, `deprecated`, `x-*`, any keyword outside the JSON
+  Schema vocabulary, ...) are dropped, and so is a `format` the libraries do not
+  know (in 2020-12 a format is an annotation unless a validator opts in);
+- references: every local `$ref` (`#`, a JSON pointer, `#/definitions/...`, an
+  `$anchor`) is resolved; a non-recursive target is inlined, a recursive one
+  lives in the root `$defs` and is referred to as `#/$defs/<name>`;
+- `allOf` whose members can be merged key by key (properties, required, type,
+  bounds, ...) becomes one schema;
+- a single-item `enum` becomes `const`; integral floats in count keywords
+  (`maxLength: 2.0`) become integers;
+- draft-04/07: `exclusiveMinimum: true` (with `minimum`), `dependencies`,
+  array-form `items` with `additionalItems`, `definitions`, `id`;
+- size: inlining is bounded (`MAX_NODES`), so a schema whose references expand
+  exponentially is refused instead of exhausting memory; recursion is never
+  unrolled (it stays a `$ref`, which both libraries handle lazily).
+
+What the libraries then cannot enforce is the business of `schema_keywords`.
+Everything here is pure Python on plain JSON values (no library calls), and
+raises `GrammarError` for a schema it cannot rewrite (a dangling `$ref`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from typing import Any
+
+from .errors import GrammarError
+
+# Keywords that constrain instances (draft 2020-12 plus older spellings that
+# are rewritten below). Anything else is an annotation or unknown: dropped.
+SCHEMA_KEYWORDS = frozenset({
+    "type", "enum", "const",
+    "properties", "required", "additionalProperties", "patternProperties",
+    "propertyNames", "minProperties", "maxProperties", "dependentRequired",
+    "dependentSchemas", "unevaluatedProperties",
+    "items", "prefixItems", "additionalItems", "contains", "minContains", "maxContains",
+    "minItems", "maxItems", "uniqueItems", "unevaluatedItems",
+    "minLength", "maxLength", "pattern", "format",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+    "$ref", "$defs", "definitions", "dependencies",
+    "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor",
+    "$id", "$anchor", "$schema", "$vocabulary", "id",
+})
+# Formats llguidance enforces (and xgrammar either enforces or ignores). Any
+# other format is an annotation: llguidance refuses an unknown one outright.
+KNOWN_FORMATS = frozenset({
+    "date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6",
+    "uuid", "uri", "unknown",
+})
+# Keywords whose value is one subschema / a map of subschemas / a list of them.
+SUBSCHEMA = ("additionalProperties", "propertyNames", "unevaluatedProperties", "items",
+             "additionalItems", "contains", "unevaluatedItems", "not", "if", "then", "else")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")
+SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+           "minContains", "maxContains")
+# Inlined nodes beyond this are refused: `$ref` chains can expand exponentially.
+MAX_NODES = 200_000
+_DRAFT_OLD = re.compile(r"draft-0[3-7]")
+
+
+class Unresolved(Exception):
+    """A `$ref` that is not a local pointer or anchor: the schema is left as written."""
+
+
+def normalize_schema(schema: Any) -> Any:
+    """A schema accepting the same instances, in the subset both libraries read.
+
+    `schema` is a parsed JSON schema (dict or bool); it is not modified.
+    Raises GrammarError for a local `$ref` that points nowhere or a schema that
+    grows past MAX_NODES when references are inlined, and `Unresolved` for a
+    `$ref` by URI (the caller then compiles the schema as written).
+    """
+    if not isinstance(schema, dict):
+        return schema
+    return _Normalizer(schema).run()
+
+
+class _Normalizer:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.old_draft = bool(_DRAFT_OLD.search(str(root.get("$schema", ""))))
+        self.anchors: dict[str, Any] = {}
+        self.ids: dict[str, Any] = {}
+        self._index(root)
+        self.defs: dict[str, Any] = {}  # name -> normalized body of a recursive target
+        self.def_names: dict[str, str] = {}  # ref string -> name in the root $defs
+        self.nodes = 0
+
+    # -- references ------------------------------------------------------------
+    def _index(self, node: Any) -> None:
+        stack = [node]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, list):
+                stack.extend(item)
+            elif isinstance(item, dict):
+                if isinstance(item.get("$anchor"), str):
+                    self.anchors.setdefault(item["$anchor"], item)
+                if isinstance(item.get("$id"), str) and item is not self.root:
+                    self.ids.setdefault(item["$id"], item)
+                for key, value in item.items():
+                    if key not in ("const", "enum", "default", "examples"):
+                        stack.append(value)
+
+    def _target(self, ref: str) -> Any:
+        if ref in self.ids:
+            return self.ids[ref]
+        if not ref.startswith("#"):
+            # A URI: relative to some `$id`, or remote. Resolving URIs is the
+            # libraries' business (llguidance has a resolver): the schema goes
+            # to them as written.
+            raise Unresolved(ref)
+        frag = ref[1:]
+        if frag and not frag.startswith("/"):
+            if frag in self.anchors:
+                return self.anchors[frag]
+            raise GrammarError(f"cannot compile JSON schema: $ref {ref[:80]!r} names no $anchor")
+        node: Any = self.root
+        for raw in frag.split("/")[1:]:
+            part = _unescape(raw)
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise GrammarError(f"cannot compile JSON schema: $ref {ref[:80]!r} points nowhere")
+        return node
+
+    # -- the walk --------------------------------------------------------------
+    def run(self) -> Any:
+        out = self.node(self.root, ())
+        if self.defs:
+            if out is True:
+                out = {}
+            if isinstance(out, dict):
+                out = dict(out)
+                out["$defs"] = {**out.get("$defs", {}), **self.defs}
+            else:  # `false` with definitions: still false
+                return out
+        return out
+
+    def node(self, schema: Any, active: tuple[str, ...]) -> Any:
+        """Normalize one subschema; `active` are the refs being inlined above it."""
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise GrammarError("JSON schema is too large once its $refs are expanded",
+                               reason="too_large")
+        if not isinstance(schema, dict):
+            return schema
+        s = dict(schema)
+        ref = s.pop("$ref", None)
+        if isinstance(ref, str) and "$recursiveRef" not in s and "$dynamicRef" not in s:
+            target_ref = self._inline(ref, active)
+            # Before 2019-09 a $ref's siblings are ignored.
+            if s and not self.old_draft and any(k in SCHEMA_KEYWORDS and k not in ("$defs", "definitions", "$schema",
+                                                             "$id", "$anchor", "id") for k in s):
+                s = {"allOf": [target_ref, s]}
+            else:
+                return target_ref
+        elif ref is not None:
+            s["$ref"] = ref
+        out: dict[str, Any] = {}
+        self._old_spellings(s)
+        for key, value in s.items():
+            if key not in SCHEMA_KEYWORDS or key in ("$defs", "definitions", "$schema", "$id",
+                                                      "$anchor", "id", "$vocabulary"):
+                continue  # annotations; definitions are reached through $ref only
+            if key == "format" and value not in KNOWN_FORMATS:
+                continue
+            if key in SUBSCHEMA:
+                out[key] = self.node(value, active)
+            elif key in SUBSCHEMA_MAPS:
+                out[key] = {k: self.node(v, active) for k, v in value.items()} \
+                    if isinstance(value, dict) else value
+            elif key in SUBSCHEMA_LISTS:
+                out[key] = [self.node(v, active) for v in value] if isinstance(value, list) else value
+            elif key in _COUNTS and isinstance(value, float) and value.is_integer():
+                out[key] = int(value)
+            else:
+                out[key] = copy.deepcopy(value)
+        enum = out.get("enum")
+        if isinstance(enum, list) and len(enum) == 1 and "const" not in out:
+            out["const"] = out.pop("enum")[0]
+        if isinstance(out.get("allOf"), list):
+            out = merge_all_of(out)
+        if isinstance(out, dict) and not any(k in out for k in _APPLICATORS):
+            _unevaluated_as_additional(out)
+        return out
+
+    def _inline(self, ref: str, active: tuple[str, ...]) -> Any:
+        """The normalized target of `ref`: inlined, or `{"$ref": "#/$defs/name"}` when
+        it refers to itself (directly or through others)."""
+        if ref in active or ref in self.def_names:
+            return {"$ref": f"#/$defs/{self._def_name(ref)}"}
+        body = self.node(self._target(ref), (*active, ref))
+        if ref in self.def_names:  # recursion found below: it lives in $defs
+            self.defs[self.def_names[ref]] = body
+            return {"$ref": f"#/$defs/{self.def_names[ref]}"}
+        return body
+
+    def _def_name(self, ref: str) -> str:
+        name = self.def_names.get(ref)
+        if name is None:
+            base = re.sub(r"[^A-Za-z0-9_]+", "_", ref.strip("#/")) or "root"
+            name = base
+            while name in self.def_names.values():
+                name += "_"
+            self.def_names[ref] = name
+        return name
+
+    def _old_spellings(self, s: dict[str, Any]) -> None:
+        """Draft-04/07 keywords rewritten in place to their 2020-12 forms."""
+        for bound, strict in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            flag = s.get(strict)
+            if isinstance(flag, bool):
+                del s[strict]
+                if flag and bound in s:
+                    s[strict] = s.pop(bound)
+        deps = s.pop("dependencies", None)
+        if isinstance(deps, dict):
+            required = {k: v for k, v in deps.items() if isinstance(v, list)}
+            schemas = {k: v for k, v in deps.items() if not isinstance(v, list)}
+            if required:
+                s["dependentRequired"] = {**s.get("dependentRequired", {}), **required}
+            if schemas:
+                s["dependentSchemas"] = {**s.get("dependentSchemas", {}), **schemas}
+        items = s.get("items")
+        if isinstance(items, list):  # tuple validation before 2020-12
+            s["prefixItems"] = s.pop("items")
+            if "additionalItems" in s:
+                s["items"] = s.pop("additionalItems")
+        elif "additionalItems" in s and (self.old_draft or "prefixItems" not in s):
+            s.pop("additionalItems")  # without a tuple form it constrains nothing
+
+
+# Keywords that evaluate properties or items of the instance in place, so that
+# `unevaluated*` sees more than its siblings.
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
+                "$recursiveRef", "dependentSchemas")
+
+
+def _unevaluated_as_additional(out: dict[str, Any]) -> None:
+    """Without in-place applicators, `unevaluatedProperties` means
+    `additionalProperties` and `unevaluatedItems` means `items` (2020-12), which
+    both libraries enforce."""
+    if "unevaluatedProperties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = out.pop("unevaluatedProperties")
+    if "unevaluatedItems" in out and "items" not in out and "contains" not in out:
+        out["items"] = out.pop("unevaluatedItems")
+
+
+def _unescape(part: str) -> str:
+    from urllib.parse import unquote
+
+    return unquote(part).replace("~1", "/").replace("~0", "~")
+
+
+# -- allOf ---------------------------------------------------------------------
+_MAX_OF = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains")
+_MIN_OF = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains")
+# Keywords whose meaning depends on sibling keywords: merging them with another
+# member's properties would change what they apply to.
+_SIBLING_DEPENDENT = ("additionalProperties", "patternProperties", "unevaluatedProperties",
+                      "items", "prefixItems", "unevaluatedItems", "additionalItems", "contains",
+                      "minContains", "maxContains", "if", "then", "else")
+
+
+def merge_all_of(schema: dict[str, Any]) -> Any:
+    """`schema` with its `allOf` merged into it where that keeps its meaning;
+    unchanged otherwise."""
+    members = [m for m in schema["allOf"] if m is not True and m != {}]
+    if any(m is False for m in members):
+        return False
+    rest = {k: v for k, v in schema.items() if k != "allOf"}
+    parts = [rest, *members]
+    if not all(isinstance(p, dict) for p in parts):
+        return schema
+    if any("$ref" in p for p in parts):
+        return schema
+    dependent = [p for p in parts if any(k in p for k in _SIBLING_DEPENDENT)]
+    # One member may carry sibling-dependent keywords if no other declares
+    # properties/items they would now see (directly or through an applicator).
+    seen_by_dependent = ("properties", "prefixItems", "items", "patternProperties",
+                         *_APPLICATORS)
+    if len(dependent) > 1 or (dependent and any(
+            p is not dependent[0] and any(k in p for k in seen_by_dependent) for p in parts)):
+        return schema
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in merged:
+                merged[key] = value
+                continue
+            combined = _merge_key(key, merged[key], value)
+            if combined is _CONFLICT:
+                return schema
+            merged[key] = combined
+    if isinstance(merged.get("type"), list) and not merged["type"]:
+        return False
+    return merged
+
+
+_CONFLICT = object()
+
+
+def _merge_key(key: str, a: Any, b: Any) -> Any:
+    if a == b:
+        return a
+    if key == "required" and isinstance(a, list) and isinstance(b, list):
+        return list(dict.fromkeys(a + b))
+    if key == "properties" and isinstance(a, dict) and isinstance(b, dict):
+        out = dict(a)
+        for name, sub in b.items():
+            out[name] = merge_all_of({"allOf": [out[name], sub]}) if name in out else sub
+        return out
+    if key in _MAX_OF and _is_number(a) and _is_number(b):
+        return max(a, b)
+    if key in _MIN_OF and _is_number(a) and _is_number(b):
+        return min(a, b)
+    if key == "type":
+        ta = set(a) if isinstance(a, list) else {a}
+        tb = set(b) if isinstance(b, list) else {b}
+        both = (ta & tb) | ({"integer"} if ("integer" in ta and "number" in tb)
+                            or ("number" in ta and "integer" in tb) else set())
+        return sorted(both) if len(both) != 1 else both.pop()
+    if key == "enum" and isinstance(a, list) and isinstance(b, list):
+        return [x for x in a if x in b]
+    if key in ("anyOf", "oneOf", "not"):
+        return _CONFLICT  # two of these cannot share one key; keep the allOf
+    return _CONFLICT
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,91 @@
+"""What the compiler does with a JSON spec before any library sees it.
+
+`plan_for(spec)` normalizes the schema (`schema_normalize`), derives each
+library's view of it and the keywords that view leaves unenforced
+(`schema_keywords`), and builds the output validator (`validation`). The
+compiler runs it on its own thread (never the caller's), once per spec: the
+plan is cached like a compiled grammar, and every artifact compiled from it
+carries its unenforced keywords and validator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import GrammarError
+from .schema_keywords import backend_view
+from .schema_normalize import Unresolved, normalize_schema
+from .spec import GrammarSpec
+from .validation import SchemaValidator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchemaPlan:
+    """A JSON spec prepared for compiling.
+
+    views: per backend, the spec that library compiles (normalized, without
+        the keywords it cannot enforce).
+    unenforced: per backend, the schema keywords it leaves to the validator.
+    validator: the full schema's validator; None when it cannot read the schema
+        (`validator_error` says why), and outputs are then not checked.
+    """
+
+    views: dict[str, GrammarSpec]
+    unenforced: dict[str, tuple[str, ...]]
+    validator: SchemaValidator | None
+    validator_error: str | None = None
+
+    def order(self, preferred: tuple[str, ...]) -> tuple[str, ...]:
+        """`preferred` re-ordered so the backend leaving fewer keywords
+        unenforced comes first (ties keep the preferred order)."""
+        return tuple(sorted(preferred, key=lambda b: (len(self.unenforced.get(b, ())),
+                                                      preferred.index(b))))
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(v.source_size for v in self.views.values()) + 4096
+
+
+def plan_for(spec: GrammarSpec, backends: tuple[str, ...]) -> SchemaPlan | None:
+    """The plan of a json_schema / json_object spec (None for other kinds).
+
+    Raises GrammarError when the schema cannot be normalized (a `$ref` that
+    points nowhere, too large once expanded).
+    """
+    if spec.kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif spec.kind == "json_schema":
+        assert isinstance(spec.source, str)
+        schema = json.loads(spec.source)
+    else:
+        return None
+    try:
+        normalized = normalize_schema(schema)
+    except GrammarError:
+        raise
+    except Unresolved:
+        normalized = schema
+    except (RecursionError, MemoryError):
+        raise GrammarError("JSON schema is too deeply nested to compile", reason="too_large") from None
+    except Exception:  # a normalizer bug on an odd schema: the libraries get it as written
+        log.exception("could not normalize a JSON schema; compiling it as written")
+        normalized = schema
+    views: dict[str, GrammarSpec] = {}
+    unenforced: dict[str, tuple[str, ...]] = {}
+    for backend in backends:
+        view, missing = backend_view(normalized, backend)
+        unenforced[backend] = missing
+        if spec.kind == "json_object":
+            views[backend] = spec
+        else:
+            views[backend] = GrammarSpec("json_schema", json.dumps(view, ensure_ascii=False),
+                                         spec.options)
+    try:
+        return SchemaPlan(views, unenforced, SchemaValidator(schema))
+    except ValueError as e:
+        return SchemaPlan(views, unenforced, None, str(e))

@@ -1,0 +1,83 @@
+"""Checking a finished output against the whole JSON schema.
+
+The grammar enforces what its library can (see `schema_keywords`); a real
+validator (jsonschema-rs) checks everything else once the output is complete.
+A `SchemaValidator` is built once per schema, when the schema's grammar is
+compiled, and cached with it; validating one output then costs microseconds
+for typical schemas (BENCHMARKS.md has figures per schema size).
+
+The validator sees the schema as the client wrote it, not the normalized form
+the libraries compile, so a normalization mistake can never hide a violation.
+It runs offline: a remote `$ref` is never fetched (such schemas do not compile
+anyway).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema_rs
+
+# Messages quote the instance; keep what goes into a status or a log short.
+_MAX_MESSAGE_CHARS = 300
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """The outcome of validating one output.
+
+    valid: the output is JSON and the schema accepts it.
+    instance_path: JSON pointer to the first failing value ("" for the root).
+    keyword: the schema keyword that failed (empty when the output is not JSON).
+    message: one line, for humans.
+    """
+
+    valid: bool
+    instance_path: str = ""
+    keyword: str = ""
+    message: str = ""
+
+
+VALID = ValidationResult(True)
+
+
+class SchemaValidator:
+    """A compiled validator for one schema (thread-safe; shared by requests).
+
+    Raises ValueError when the validator cannot read the schema (the grammar
+    compiler then reports outputs as not checked rather than failing them).
+    """
+
+    def __init__(self, schema: Any) -> None:
+        try:
+            self._validator = jsonschema_rs.validator_for(schema, offline=True)
+        except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as e:
+            raise ValueError(f"the validator cannot read this schema: {_short(str(e))}") from None
+
+    def validate_text(self, text: str) -> ValidationResult:
+        """Parse `text` as JSON and validate it; never raises."""
+        try:
+            instance = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            return ValidationResult(False, "", "", f"output is not JSON: {_short(str(e))}")
+        return self.validate(instance)
+
+    def validate(self, instance: Any) -> ValidationResult:
+        """Validate a parsed instance: VALID or the first error; never raises."""
+        try:
+            error = next(iter(self._validator.iter_errors(instance)), None)
+        except Exception as e:  # noqa: BLE001 - a validator fault must not fail the request
+            return ValidationResult(False, "", "", f"validator failed: {_short(str(e))}")
+        if error is None:
+            return VALID
+        keyword = next((str(p) for p in reversed(error.schema_path) if isinstance(p, str)), "")
+        path = "".join("/" + str(p).replace("~", "~0").replace("/", "~1")
+                       for p in error.instance_path)
+        return ValidationResult(False, path, keyword, _short(error.message))
+
+
+def _short(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= _MAX_MESSAGE_CHARS else line[: _MAX_MESSAGE_CHARS - 1] + "…"

@@ -1,0 +1,62 @@
+"""Validating a finished JSON output against the request's full schema.
+
+Where: here, in the service layer, once the request's final output has reached
+the event loop - never on the engine thread, whose every millisecond delays
+the next step of every running request. The grammar already guaranteed most of
+the schema token by token, so this check is one pass of a compiled Rust
+validator (jsonschema-rs) over one JSON value: microseconds for a typical
+output (BENCHMARKS.md). An output larger than `OFF_LOOP_CHARS` is validated on
+a worker thread instead, so a huge answer cannot hold up the other streams on
+the loop either.
+
+Only an output that ended with EOS is complete; anything cut short is
+NOT_CHECKED. A strict request whose output is INVALID ends with finish reason
+SCHEMA_VIOLATION instead of EOS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine import GenerationStatus, RequestOutput
+from grammar import Matcher
+from grammar.validation import ValidationResult
+
+from .gen.stencil.v1 import generate_pb2 as pb
+from .request_log import note_validation
+
+R = pb.SchemaValidation
+# Above this many characters the validation runs on a worker thread.
+OFF_LOOP_CHARS = 16 * 1024
+
+
+def wants_validation(matcher: Matcher | None) -> bool:
+    """Whether the request's output gets a schema_validation (JSON constraints)."""
+    return matcher is not None and matcher.spec.kind in ("json_schema", "json_object")
+
+
+async def check_output(matcher: Matcher, text: str, final: RequestOutput,
+                       enabled: bool) -> pb.SchemaValidation:
+    """The SchemaValidation of a finished JSON request (also noted for its log line)."""
+    keywords = matcher.unenforced_keywords
+    if not enabled:
+        result = R(result=R.NOT_CHECKED, message="output validation is off on this server")
+    elif final.status is not GenerationStatus.END_OF_SEQUENCE:
+        result = R(result=R.NOT_CHECKED, message="the output is incomplete")
+    elif matcher.validator is None:
+        result = R(result=R.NOT_CHECKED, message=matcher.validator_error or "no validator")
+    else:
+        validator = matcher.validator
+        outcome: ValidationResult
+        if len(text) > OFF_LOOP_CHARS:
+            outcome = await asyncio.to_thread(validator.validate_text, text)
+        else:
+            outcome = validator.validate_text(text)
+        if outcome.valid:
+            result = R(result=R.VALID)
+        else:
+            result = R(result=R.INVALID, instance_path=outcome.instance_path,
+                       keyword=outcome.keyword, message=outcome.message)
+    note_validation(R.Result.Name(result.result).lower(), result.keyword, result.instance_path,
+                    keywords)
+    return result

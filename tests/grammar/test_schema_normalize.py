@@ -1,0 +1,157 @@
+"""One test per normalization rule (grammar/schema_normalize.py), plus the
+keyword tables (schema_keywords.py) and the output validator (validation.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grammar import GrammarError, GrammarSpec
+from grammar.schema_keywords import backend_view, disjoint
+from grammar.schema_normalize import MAX_NODES, Unresolved, normalize_schema
+from grammar.validation import SchemaValidator
+
+
+def test_annotations_and_unknown_formats_are_dropped():
+    schema = {"type": "string", "title": "t", "description": "d", "examples": ["x"],
+              "default": "x", "deprecated": True, "x-vendor": 1, "$comment": "c",
+              "format": "my-custom-format", "readOnly": True}
+    assert normalize_schema(schema) == {"type": "string"}
+    assert normalize_schema({"type": "string", "format": "date"}) == {"type": "string",
+                                                                      "format": "date"}
+
+
+def test_local_refs_defs_definitions_and_anchors_are_inlined():
+    schema = {"$defs": {"a": {"$ref": "#/definitions/b"}},
+              "definitions": {"b": {"$anchor": "int", "type": "integer"}},
+              "properties": {"x": {"$ref": "#/$defs/a"}, "y": {"$ref": "#int"},
+                             "z": {"$ref": "#/definitions/b", "minimum": 3}}}
+    assert normalize_schema(schema) == {"properties": {
+        "x": {"type": "integer"}, "y": {"type": "integer"},
+        "z": {"type": "integer", "minimum": 3}}}
+
+
+def test_recursive_refs_stay_refs_into_defs():
+    schema = {"$defs": {"node": {"type": "object", "properties": {
+        "next": {"$ref": "#/$defs/node"}}}}, "$ref": "#/$defs/node"}
+    out = normalize_schema(schema)
+    assert out["$ref"].startswith("#/$defs/")
+    name = out["$ref"].rsplit("/", 1)[1]
+    assert out["$defs"][name]["properties"]["next"] == {"$ref": out["$ref"]}
+
+
+def test_dangling_and_uri_refs():
+    with pytest.raises(GrammarError, match="points nowhere"):
+        normalize_schema({"$ref": "#/$defs/missing"})
+    with pytest.raises(Unresolved):  # left to the libraries' own resolvers
+        normalize_schema({"$ref": "http://example.com/s.json"})
+
+
+def test_exponential_ref_expansion_is_bounded():
+    defs = {f"d{i}": {"type": "array", "items": [{"$ref": f"#/$defs/d{i + 1}"}] * 4}
+            for i in range(12)}
+    defs["d12"] = {"type": "integer"}
+    defs = {k: {**v, "prefixItems": v.pop("items")} if "items" in v else v for k, v in defs.items()}
+    with pytest.raises(GrammarError) as info:
+        normalize_schema({"$defs": defs, "$ref": "#/$defs/d0"})
+    assert info.value.reason == "too_large" and MAX_NODES < 4 ** 12
+
+
+def test_all_of_of_objects_is_merged():
+    schema = {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}, "required": ["a"]},
+        {"properties": {"a": {"maximum": 9}, "b": {"type": "string"}}, "required": ["b"]},
+    ]}
+    assert normalize_schema(schema) == {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "string"}},
+        "required": ["a", "b"]}
+    # additionalProperties would see other members' properties: kept as allOf.
+    kept = {"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
+                      {"properties": {"b": {}}}]}
+    assert "allOf" in normalize_schema(kept)
+
+
+def test_single_enum_becomes_const():
+    assert normalize_schema({"enum": ["only"]}) == {"const": "only"}
+    assert normalize_schema({"enum": [1, 2]}) == {"enum": [1, 2]}
+
+
+def test_draft_04_07_spellings():
+    assert normalize_schema({"minimum": 1, "exclusiveMinimum": True}) == {"exclusiveMinimum": 1}
+    assert normalize_schema({"maximum": 5, "exclusiveMaximum": False}) == {"maximum": 5}
+    assert normalize_schema({"dependencies": {"a": ["b"], "c": {"required": ["d"]}}}) == {
+        "dependentRequired": {"a": ["b"]}, "dependentSchemas": {"c": {"required": ["d"]}}}
+    assert normalize_schema({"items": [{"type": "integer"}], "additionalItems": False}) == {
+        "prefixItems": [{"type": "integer"}], "items": False}
+    # Before 2019-09 a $ref's siblings are ignored.
+    old = {"$schema": "http://json-schema.org/draft-07/schema#",
+           "definitions": {"i": {"type": "integer"}}, "$ref": "#/definitions/i", "maximum": 3}
+    assert normalize_schema(old) == {"type": "integer"}
+
+
+def test_integral_float_counts_and_unevaluated_without_applicators():
+    assert normalize_schema({"maxLength": 2.0}) == {"maxLength": 2}
+    assert normalize_schema({"properties": {"a": {}}, "unevaluatedProperties": False}) == {
+        "properties": {"a": {}}, "additionalProperties": False}
+    with_applicator = {"anyOf": [{"properties": {"a": {}}}], "unevaluatedProperties": False}
+    assert normalize_schema(with_applicator) == with_applicator
+
+
+def test_unenforced_keywords_per_backend():
+    schema = normalize_schema({"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "n": {"maxLength": 3}}, "required": ["tags"], "not": {"required": ["x"]}})
+    llg_view, llg = backend_view(schema, "llguidance")
+    _, xgr = backend_view(schema, "xgrammar")
+    assert llg == ("not", "uniqueItems")
+    assert xgr == ("maxLength", "not", "uniqueItems")  # maxLength without type: string
+    # Dropping a keyword only widens the schema: the rest is still there.
+    assert "not" not in llg_view and llg_view["properties"]["tags"]["items"] == {"type": "string"}
+
+
+def test_one_of_is_enforced_only_when_branches_are_disjoint():
+    assert disjoint([{"const": 1}, {"const": 2}])
+    assert disjoint([{"type": "string"}, {"type": "object"}])
+    assert not disjoint([{"type": "integer"}, {"type": "number"}])
+    tagged = [{"type": "object", "properties": {"k": {"const": c}}, "required": ["k"]}
+              for c in ("a", "b")]
+    assert disjoint(tagged)
+    assert backend_view({"oneOf": tagged}, "llguidance")[1] == ()
+    view, missing = backend_view({"oneOf": [{"type": "integer"}, {"minimum": 2}]}, "llguidance")
+    assert missing == ("oneOf",) and "anyOf" in view
+
+
+def test_auto_prefers_the_backend_that_enforces_more(compiler):
+    # Pretty JSON prefers xgrammar, which ignores maxLength without a type;
+    # llguidance enforces it, so auto takes llguidance for this schema.
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"maxLength": 2}},
+                                    "required": ["a"]}, options=None)
+    from grammar import GrammarOptions
+    pretty = GrammarSpec.json_schema(spec.source, GrammarOptions("pretty"))
+    assert compiler.backends_for(pretty)[0] == "xgrammar"
+    matcher = compiler.compile(pretty)
+    assert matcher.backend == "llguidance" and matcher.unenforced_keywords == ()
+    assert compiler.compile(pretty, backend="xgrammar").unenforced_keywords == ("maxLength",)
+
+
+def test_validator_results():
+    v = SchemaValidator({"type": "object", "properties": {
+        "tags": {"type": "array", "uniqueItems": True}}, "required": ["tags"]})
+    assert v.validate_text('{"tags":[1,2]}').valid
+    bad = v.validate_text('{"tags":[1,1]}')
+    assert (bad.valid, bad.instance_path, bad.keyword) == (False, "/tags", "uniqueItems")
+    missing = v.validate_text("{}")
+    assert missing.keyword == "required" and missing.instance_path == ""
+    broken = v.validate_text('{"tags":')
+    assert not broken.valid and broken.keyword == "" and "not JSON" in broken.message
+    with pytest.raises(ValueError):
+        SchemaValidator({"$ref": "http://example.com/remote.json"})  # never fetched
+
+
+def test_compiled_matchers_carry_their_validator(compiler):
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    m = compiler.compile(GrammarSpec.json_schema(schema))
+    assert m.unenforced_keywords == ("uniqueItems",)
+    assert m.validator is not None and not m.validator.validate_text("[1,1]").valid
+    # Cached with the grammar: the next request gets the same validator.
+    assert compiler.compile(GrammarSpec.json_schema(schema)).validator is m.validator
