@@ -177,6 +177,12 @@ class WorkerPool:
             self._discard(worker)
             raise GrammarError("grammar compile worker could not start", reason="crashed") from None
         deadline += time.monotonic() - booting
+        if deadline - time.monotonic() <= 0:
+            # The wait for a worker used up the budget. Giving it a compile
+            # now would only time out and kill a worker that did nothing
+            # wrong, and every caller queued behind would do the same in turn.
+            self._idle.put(_done(worker))
+            raise GrammarError("grammar compile timed out waiting for a worker", reason="timeout")
         try:
             reply = worker.call(backend, spec, max_bytes, deadline - time.monotonic())
         except _Timeout:

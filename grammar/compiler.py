@@ -299,6 +299,11 @@ class GrammarCompiler:
     def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float) -> _Artifact:
         if spec.kind not in JSON_KINDS:
             return self._resolve_order(spec, order, deadline, None)
+        if deadline <= time.monotonic() and self._cache.get(("plan", spec)) is None:
+            # Queued past its deadline behind other compiles: planning a large
+            # schema takes a while on this thread, and the answer is "busy"
+            # however it ends. Every compile queued behind would wait for it.
+            raise _busy(self.config.compile_timeout_s)
         auto = len(order) > 1
         planning = time.monotonic()
         try:
@@ -339,10 +344,7 @@ class GrammarCompiler:
             if budget <= 0:
                 # Spent waiting for a worker (or on the first backend): the
                 # server was busy, which says nothing about the spec. Not cached.
-                errors.append(GrammarError(
-                    f"grammar compile timed out after {timeout:g} s (the compiler was busy)",
-                    reason="timeout",
-                ))
+                errors.append(_busy(timeout))
                 break
             started = time.monotonic()
             try:
@@ -356,13 +358,8 @@ class GrammarCompiler:
                 if e.reason == "timeout":
                     # Without a backend it never got a worker in time: the
                     # server was busy, which says nothing about the spec.
-                    busy = e.backend is None
-                    e = GrammarError(
-                        f"grammar compile timed out after {timeout:g} s"
-                        + (" (the compiler was busy)" if busy else ""),
-                        reason="timeout",
-                        backend=None if busy else b,
-                    )
+                    e = _busy(timeout) if e.backend is None else GrammarError(
+                        f"grammar compile timed out after {timeout:g} s", reason="timeout", backend=b)
                 # Worker start-up or shutdown trouble is not the spec's doing,
                 # nor is a timeout on a budget cut by queueing: not cached.
                 # (Planning the schema is the spec's own cost: it counts as budget.)
@@ -502,3 +499,10 @@ def _shutdown(
     executor.shutdown(wait=False, cancel_futures=True)
     if runner is not None:
         runner.shutdown(wait=False, cancel_futures=True)
+
+
+def _busy(timeout: float) -> GrammarError:
+    """The error of a compile that never got its turn in time (no backend: not
+    the spec's fault, never cached)."""
+    return GrammarError(f"grammar compile timed out after {timeout:g} s (the compiler was busy)",
+                        reason="timeout")

@@ -184,6 +184,11 @@ def _compile_error(err: GrammarError, field: str) -> ServiceError:
     # such); a compiler that is closed or cannot start a worker is the server's.
     if err.reason == "crashed" and err.backend is None:
         return unavailable(f"the grammar compiler is unavailable: {err}", Reason.GRAMMAR_COMPILER_UNAVAILABLE)
+    # A timeout without a backend never reached a compile worker: the server
+    # was busy with other constraints, which says nothing about this one.
+    if err.reason == "timeout" and err.backend is None:
+        note_refusal("grammar_compiler_busy")
+        return resource_exhausted(f"{err}; retry later", Reason.COMPILE_QUEUE_FULL)
     reason = {"timeout": Reason.GRAMMAR_COMPILE_TIMEOUT, "too_large": Reason.GRAMMAR_TOO_LARGE}.get(
         err.reason, Reason.GRAMMAR_INVALID)
     return invalid_argument(field, str(err), reason)

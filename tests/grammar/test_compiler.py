@@ -15,13 +15,13 @@ from grammar import GrammarCache, GrammarCompiler, GrammarError, GrammarOptions,
 from .conftest import MODEL_VOCAB, STOP_IDS
 
 
-def nested_any_of(depth: int, width: int = 2) -> dict:
+def nested_any_of(depth: int, width: int = 2, salt: str = "") -> dict:
     """Nested anyOf of objects and arrays: xgrammar's compile time explodes with depth."""
     schema: dict = {"type": "string"}
     for i in range(depth):
         schema = {
             "anyOf": [
-                {"type": "object", "properties": {f"k{i}_{j}": schema}, "required": [f"k{i}_{j}"]}
+                {"type": "object", "properties": {f"{salt}k{i}_{j}": schema}, "required": [f"{salt}k{i}_{j}"]}
                 for j in range(width)
             ]
             + [{"type": "array", "items": schema}]
@@ -286,3 +286,53 @@ def test_references_are_resolved_or_refused_or_reported(compiler):
     # Data that merely looks like a reference is fine.
     data = {"const": {"$ref": "http://example.com"}}
     assert compiler.compile(GrammarSpec.json_schema(data), backend="xgrammar")
+
+
+def test_compiles_queued_behind_a_stuck_one_fail_as_busy_and_spare_the_new_worker(tokenizer):
+    # A bomb holds the only worker past the timeout; the compiles queued behind
+    # it run out of time waiting. They must fail as "busy" (not cached, not the
+    # spec's fault) within about the timeout, and must not take the replacement
+    # worker down with them (one handed a fresh worker with no time left gives
+    # it back rather than time out at once and kill it).
+    timeout = 1.0
+    with GrammarCompiler(
+        tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=timeout
+    ) as c:
+        c.compile(GrammarSpec.regex("warm"), backend="xgrammar")  # worker up
+        start = time.monotonic()
+        bomb = c.compile_async(GrammarSpec.json_schema(nested_any_of(7)), backend="xgrammar")
+        queued = [c.compile_async(GrammarSpec.regex(f"q{i}+"), backend="xgrammar") for i in range(4)]
+        for fut in queued:
+            err = fut.exception(timeout=30)
+            assert isinstance(err, GrammarError) and err.reason == "timeout" and err.backend is None, err
+            assert "busy" in str(err)
+        assert time.monotonic() - start < timeout + 2.0
+        assert isinstance(bomb.exception(timeout=30), GrammarError)
+        # One replacement worker, started once and kept: the queued compiles,
+        # retried, are answered by it.
+        ok = _compile_when_a_worker_is_up(c, GrammarSpec.regex("q0+"), "xgrammar")
+        (replacement,) = c.worker_pids()
+        for i in range(1, 4):
+            assert c.compile(GrammarSpec.regex(f"q{i}+"), backend="xgrammar").backend == "xgrammar"
+        assert c.worker_pids() == [replacement] and ok.backend == "xgrammar"
+
+
+def test_schemas_queued_past_their_deadline_are_not_planned_first(tokenizer):
+    # Planning a large schema (normalizing it, listing its keywords) runs on
+    # the compile thread; schemas queued behind a stuck compile used to be
+    # planned one after the other before finding their time was up.
+    timeout = 1.0
+    with GrammarCompiler(
+        tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=timeout
+    ) as c:
+        c.compile(GrammarSpec.regex("warm"), backend="xgrammar")  # worker up
+        bomb = c.compile_async(GrammarSpec.json_schema(nested_any_of(7)), backend="xgrammar")
+        time.sleep(0.2)  # the bomb holds the compile thread
+        start = time.monotonic()
+        queued = [c.compile_async(GrammarSpec.json_schema(nested_any_of(7, salt=f"q{i}")))
+                  for i in range(6)]
+        for fut in queued:
+            err = fut.exception(timeout=60)
+            assert isinstance(err, GrammarError) and "busy" in str(err), err
+        assert time.monotonic() - start < timeout + 2.0
+        assert isinstance(bomb.exception(timeout=30), GrammarError)
