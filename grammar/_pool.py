@@ -54,7 +54,9 @@ class _Crashed(Exception):
 class WorkerProcess:
     """One compile worker: a child process and the two pipe ends that reach it."""
 
-    def __init__(self, init_blob: bytes) -> None:
+    def __init__(self, init_blob: bytes, first: bool = False) -> None:
+        self.started = time.monotonic()
+        self.first = first  # started with the pool, not to replace a killed one
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         env = dict(os.environ)
@@ -86,6 +88,10 @@ class WorkerProcess:
     def _send_init(self, blob: bytes) -> None:
         with contextlib.suppress(OSError, ValueError):  # a dead child shows in wait_ready
             self._send.send_bytes(blob)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
 
     def wait_ready(self, timeout: float) -> None:
         if self._ready:
@@ -136,16 +142,16 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         for _ in range(size):
-            self._spawn()
+            self._spawn(first=True)
 
-    def _spawn(self) -> None:
+    def _spawn(self, first: bool = False) -> None:
         with self._lock:
             if self._closed:
                 return
-            self._idle.put(self._spawner.submit(self._start))
+            self._idle.put(self._spawner.submit(self._start, first))
 
-    def _start(self) -> WorkerProcess:
-        worker = WorkerProcess(self._blob)
+    def _start(self, first: bool) -> WorkerProcess:
+        worker = WorkerProcess(self._blob, first)
         with self._lock:
             if self._closed:
                 worker.kill()
@@ -163,20 +169,31 @@ class WorkerPool:
         """Compile in a worker by `deadline` (time.monotonic()): the reply tuple,
         or GrammarError on timeout or crash.
 
-        Waiting for a free worker counts against the deadline (GrammarError
-        timeout without a backend: the server was busy, the spec is not to
-        blame). Waiting for a worker process to start (the first one, or the
-        replacement of one killed at a timeout) does not: that is the server's
-        own latency, bounded by the start-up timeout.
+        Waiting for a free worker counts against the deadline, and so does
+        waiting for one to start (the replacement of one killed at a
+        timeout): either way the server was busy, the spec is not to blame
+        (GrammarError timeout without a backend). Were start-up excluded, a
+        compile queued behind a killed one would hold its compile thread for
+        the whole start-up, then time out at once and kill the new worker.
         """
         worker = self._acquire(deadline)
-        booting = time.monotonic()
+        started_by = worker.started + self._startup_timeout
+        if worker.first:
+            # A compiler's first workers start with it: a caller that uses it
+            # at once waits for them, as for its construction.
+            deadline += max(0.0, started_by - time.monotonic()) if not worker.ready else 0.0
+            worker.first = False
         try:
-            worker.wait_ready(self._startup_timeout)
-        except (_Timeout, _Crashed):
+            worker.wait_ready(max(0.0, min(started_by, deadline) - time.monotonic()))
+        except _Timeout:
+            if time.monotonic() >= started_by:  # it never started
+                self._discard(worker)
+                raise GrammarError("grammar compile worker could not start", reason="crashed") from None
+            self._idle.put(_done(worker))  # still starting: the next caller waits on
+            raise GrammarError("grammar compile timed out waiting for a worker", reason="timeout") from None
+        except _Crashed:
             self._discard(worker)
             raise GrammarError("grammar compile worker could not start", reason="crashed") from None
-        deadline += time.monotonic() - booting
         if deadline - time.monotonic() <= 0:
             # The wait for a worker used up the budget. Giving it a compile
             # now would only time out and kill a worker that did nothing

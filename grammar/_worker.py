@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # How much lower than the server a compile worker runs (see `nice(1)`).
 COMPILE_NICENESS = 10
+# The job that plans a JSON spec (schema_plan.prepare_views) instead of compiling it.
+PLAN_JOB = "plan"
 
 
 def process_init(data: TokenizerData, memory_limit_bytes: int | None) -> dict[str, Any]:
@@ -69,6 +71,8 @@ class CompileContext:
         self._llg_tokenizer: Any = init.get("llg_tokenizer")
 
     def compile(self, backend: str, spec: GrammarSpec, max_compiled_bytes: int) -> dict[str, Any]:
+        if backend == PLAN_JOB:
+            return _plan(spec)
         if backend == "xgrammar":
             return self._compile_xgrammar(spec, max_compiled_bytes)
         if backend == "llguidance":
@@ -158,6 +162,16 @@ def _limit_memory(extra_bytes: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     except (OSError, ValueError, ImportError):
         pass
+
+
+def _plan(spec: GrammarSpec) -> dict[str, Any]:
+    from .schema_plan import prepare_views
+    from .spec import BACKENDS
+
+    prepared = prepare_views(spec, BACKENDS)
+    assert prepared is not None, "only JSON specs are planned"
+    views, unenforced = prepared
+    return {"views": views, "unenforced": unenforced, "size": sum(v.source_size for v in views.values())}
 
 
 def main(read_fd: int, write_fd: int, parent_pid: int) -> None:

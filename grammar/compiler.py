@@ -43,17 +43,16 @@ import torch
 
 from . import _llg, _xgr
 from ._pool import WorkerPool
-from ._worker import CompileContext, process_init, thread_init
+from ._worker import PLAN_JOB, CompileContext, process_init, thread_init
 from .bitmask import BitmaskFiller, allocate_bitmask
 from .cache import CacheInfo, GrammarCache
 from .config import CompilerConfig
 from .errors import GrammarError
 from .matcher import Matcher
-from .schema_plan import SchemaPlan, plan_for
-from .spec import JSON_KINDS, GrammarSpec
+from .schema_plan import SchemaPlan, plan_for, with_validator
+from .spec import BACKENDS, JSON_KINDS, GrammarSpec
 from .tokenizer import TokenizerData
 
-BACKENDS = ("xgrammar", "llguidance")
 # A compile that timed out is cached as a failure only if it had (nearly) the
 # whole timeout; one whose budget went on queueing may succeed another time.
 _FULL_BUDGET = 0.9
@@ -275,10 +274,11 @@ class GrammarCompiler:
             errors.append(entry)
         return _done(None, _combine(errors))
 
-    def schema_plan(self, spec: GrammarSpec) -> SchemaPlan | None:
+    def schema_plan(self, spec: GrammarSpec, deadline: float | None = None) -> SchemaPlan | None:
         """The normalized views, unenforced keywords and validator of a JSON spec
         (None for other kinds); computed once and cached. GrammarError when the
-        schema cannot be normalized."""
+        schema cannot be normalized, or (with a compile worker and a
+        `deadline`) is not prepared by then; its `backend` is then PLAN_JOB."""
         if spec.kind not in JSON_KINDS:
             return None
         key = ("plan", spec)
@@ -288,13 +288,24 @@ class GrammarCompiler:
         if entry is not None:
             return entry  # type: ignore[no-any-return]
         try:
-            plan = plan_for(spec, BACKENDS)
+            plan = self._plan(spec, deadline)
         except GrammarError as e:
-            self._cache.put(key, e, 512)
+            if e.reason != "timeout" and e.backend is not None:
+                self._cache.put(key, e, 512)
             raise
         assert plan is not None
         self._cache.put(key, plan, plan.size_bytes)
         return plan
+
+    def _plan(self, spec: GrammarSpec, deadline: float | None) -> SchemaPlan | None:
+        if self._pool is None:
+            return plan_for(spec, BACKENDS)
+        if deadline is None:
+            deadline = time.monotonic() + self.config.compile_timeout_s
+        status, _, payload, detail = self._pool.run(PLAN_JOB, spec, self.config.max_compiled_bytes, deadline)
+        if status == "error":
+            raise GrammarError(payload, reason=detail, backend=PLAN_JOB)
+        return with_validator(spec, payload["views"], payload["unenforced"])
 
     def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float) -> _Artifact:
         if spec.kind not in JSON_KINDS:
@@ -307,12 +318,25 @@ class GrammarCompiler:
         auto = len(order) > 1
         planning = time.monotonic()
         try:
-            plan = self.schema_plan(spec)
+            plan = self.schema_plan(spec, deadline)
         except GrammarError as e:
+            if e.reason == "timeout" and e.backend is None:  # never reached a worker
+                raise _busy(self.config.compile_timeout_s) from None
+            if e.reason == "timeout":
+                raise GrammarError(f"grammar compile timed out after {self.config.compile_timeout_s:g} s "
+                                   "(preparing the schema)", reason="timeout", backend=order[0]) from None
+            e = GrammarError(str(e), reason=e.reason, backend=order[0])
             if auto:
                 self._cache.put(self._key("auto", spec), e, 512)
-            raise
+            raise e from None
         assert plan is not None
+        if deadline <= time.monotonic():
+            if time.monotonic() - planning < _FULL_BUDGET * self.config.compile_timeout_s:
+                raise _busy(self.config.compile_timeout_s)  # the queue ate most of it
+            # Its own planning used the budget: the spec's cost, not a busy
+            # server's (not cached: a quieter server may plan it in time).
+            raise GrammarError(f"grammar compile timed out after {self.config.compile_timeout_s:g} s "
+                               "(preparing the schema)", reason="timeout", backend=order[0])
         if auto:
             # Prefer the library that enforces more of this schema, not merely
             # the first that compiles it.

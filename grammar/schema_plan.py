@@ -2,10 +2,13 @@
 
 `plan_for(spec)` normalizes the schema (`schema_normalize`), derives each
 library's view of it and the keywords that view leaves unenforced
-(`schema_keywords`), and builds the output validator (`validation`). The
-compiler runs it on its own thread (never the caller's), once per spec: the
-plan is cached like a compiled grammar, and every artifact compiled from it
-carries its unenforced keywords and validator.
+(`schema_keywords`): `prepare_views`, run in a compile worker process with
+process isolation (a large schema takes the better part of a second of pure
+Python, which in the server would hold the GIL the engine thread needs); then
+builds the output validator (`validation`, `with_validator`) in the server,
+which keeps it. Once per spec: the plan is cached like a compiled grammar,
+and every artifact compiled from it carries its unenforced keywords and
+validator.
 """
 
 from __future__ import annotations
@@ -57,6 +60,27 @@ def plan_for(spec: GrammarSpec, backends: tuple[str, ...]) -> SchemaPlan | None:
     Raises GrammarError when the schema cannot be normalized (a `$ref` that
     points nowhere, too large once expanded).
     """
+    prepared = prepare_views(spec, backends)
+    if prepared is None:
+        return None
+    return with_validator(spec, *prepared)
+
+
+def with_validator(spec: GrammarSpec, views: dict[str, GrammarSpec],
+                   unenforced: dict[str, tuple[str, ...]]) -> SchemaPlan:
+    """The plan of `spec` from its prepared views, with the full schema's validator."""
+    schema: Any = {"type": "object"} if spec.kind == "json_object" else json.loads(str(spec.source))
+    try:
+        return SchemaPlan(views, unenforced, SchemaValidator(schema))
+    except ValueError as e:
+        return SchemaPlan(views, unenforced, None, str(e))
+
+
+def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
+                  ) -> tuple[dict[str, GrammarSpec], dict[str, tuple[str, ...]]] | None:
+    """Each backend's view of a JSON spec and the keywords it leaves
+    unenforced (None for other kinds). Pure Python over the whole schema: the
+    compiler runs it in a compile worker, away from the server's GIL."""
     if spec.kind == "json_object":
         schema: Any = {"type": "object"}
     elif spec.kind == "json_schema":
@@ -85,7 +109,4 @@ def plan_for(spec: GrammarSpec, backends: tuple[str, ...]) -> SchemaPlan | None:
         else:
             views[backend] = GrammarSpec("json_schema", json.dumps(view, ensure_ascii=False),
                                          spec.options)
-    try:
-        return SchemaPlan(views, unenforced, SchemaValidator(schema))
-    except ValueError as e:
-        return SchemaPlan(views, unenforced, None, str(e))
+    return views, unenforced

@@ -41,6 +41,8 @@ from typing import Any
 from .errors import GrammarError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark")
+# The grammar libraries, in the default order of `auto`.
+BACKENDS = ("xgrammar", "llguidance")
 JSON_KINDS = frozenset({"json_schema", "json_object"})
 WHITESPACE_STYLES = ("compact", "flexible", "pretty")
 

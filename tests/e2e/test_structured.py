@@ -110,6 +110,20 @@ def run_all(stub: Any, reqs: list[pb.GenerateRequest]) -> list[tuple[str, pb.Gen
     return [(text, done) for text, _, done, _ in results]
 
 
+def _generate_once_compiler_is_up(stub: Any, req: pb.GenerateRequest) -> Any:
+    """`generate`, retried while the server answers RESOURCE_EXHAUSTED: after a
+    compile timeout killed the only worker, compiles that come before its
+    replacement is up find the compiler busy (and say so, retryable)."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            return generate(stub, req)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _error(call: Any) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         list(call)
@@ -373,7 +387,7 @@ def test_compile_timeout_fails_only_its_request(slow_grammar_server: ServerHandl
     assert len(during) >= 10, f"only {len(during)} chunks during the {end - start:.2f} s compile"
     slow_grammar_server.wait_pending(0)
     # The killed worker was replaced: constrained requests still work.
-    text, _, done, _ = generate(stub, constrained("after", json_schema=json.dumps(PERSON)))
+    text, _, done, _ = _generate_once_compiler_is_up(stub, constrained("after", json_schema=json.dumps(PERSON)))
     assert done.finish_reason == Finish.EOS
     jsonschema.validate(json.loads(text), PERSON)
 
@@ -398,7 +412,7 @@ def test_cancel_while_compiling_leaks_nothing(slow_grammar_server: ServerHandle)
     assert handle.pages_in_use() == (0, 0)
     pids = handle.engine_call(lambda e: e.structured.compiler.worker_pids())
     assert len(pids) <= 1, "a killed compile worker was not replaced one for one"
-    _, _, done, _ = generate(handle.stub, constrained("after", choice=["a", "b"]))
+    _, _, done, _ = _generate_once_compiler_is_up(handle.stub, constrained("after", choice=["a", "b"]))
     assert done.finish_reason == Finish.EOS
 
 

@@ -329,10 +329,12 @@ def test_schemas_queued_past_their_deadline_are_not_planned_first(tokenizer):
         bomb = c.compile_async(GrammarSpec.json_schema(nested_any_of(7)), backend="xgrammar")
         time.sleep(0.2)  # the bomb holds the compile thread
         start = time.monotonic()
-        queued = [c.compile_async(GrammarSpec.json_schema(nested_any_of(7, salt=f"q{i}")))
-                  for i in range(6)]
+        queued = [c.compile_async(GrammarSpec.json_schema(nested_any_of(6, salt=f"q{i}")))
+                  for i in range(12)]
         for fut in queued:
             err = fut.exception(timeout=60)
-            assert isinstance(err, GrammarError) and "busy" in str(err), err
+            # Mostly "busy"; one that started with a little time left may
+            # have spent it on its own schema.
+            assert isinstance(err, GrammarError) and err.reason == "timeout", err
         assert time.monotonic() - start < timeout + 2.0
         assert isinstance(bomb.exception(timeout=30), GrammarError)
