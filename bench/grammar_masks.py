@@ -1,14 +1,24 @@
 """Grammar micro-benchmarks: mask time per token and compile time, per backend.
 
-    .venv/bin/python bench/grammar_masks.py [--tokenizers demo,bpe32k] [--iters N] [--e2e | --e2e-only]
+    .venv/bin/python bench/grammar_masks.py [--tokenizers demo,bpe32k] [--iters N] [--skip-compile]
+    .venv/bin/python bench/grammar_masks.py --steps [--steps-batch 64] [--e2e-tokens 48]
+    .venv/bin/python bench/grammar_masks.py [--e2e | --e2e-only]
 
 - mask time: one matcher walks a compact JSON instance of each schema token by
-  token; every step's `fill_bitmask` is timed (p50 / p99 / mean, µs), and a
-  16-row `fill_bitmasks` batch step is timed too (µs per row);
+  token; at every position its mask is filled three ways, timed in a rotating
+  order: the raw library's own call on its native matcher (xgrammar
+  `GrammarMatcher.fill_next_token_bitmask`, llguidance
+  `llguidance.torch.fill_next_token_bitmask`) into a preallocated bitmask, our
+  `Matcher.fill_bitmask`, and the engine's per-step `StructuredOutput.fill` for
+  a one-row step (p50 / p99, µs; ratio = engine / raw). A 16-row batch step is
+  timed too (µs per row), the library's batch call vs `fill_bitmasks`;
 - compile time: cold compiles (distinct cache keys) through `GrammarCompiler`
   with process isolation (what the server pays: worker compile + transfer +
   rebuild), and the same in-process (`isolation="thread"`), whose difference is
   the cost of isolation.
+- `--steps`: per-step grammar work for a batch of constrained rows (64 by
+  default) against the device job of the same steps, overlap on: how much of
+  it the forward pass does not hide (see `step_costs`).
 
 Tokenizers: the committed 8k demo tokenizer, and a 32k byte-level BPE trained
 here on the standard library's .py sources plus the demo tokenizer's corpus,
@@ -173,41 +183,116 @@ def _pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def mask_times(compiler: Any, name: str, backend: str, iters: int) -> dict[str, float]:
+class _Row:
+    """The two fields of a TextContext that `StructuredOutput.fill` reads."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.forced_next: int | None = None
+
+
+def _raw_fill(backend: str, native: Any, bitmask: Any) -> None:
+    """The library's own single-row fill, as its documentation shows it."""
+    if backend == "xgrammar":
+        native.fill_next_token_bitmask(bitmask, 0)
+    else:
+        import llguidance.torch as llt
+
+        llt.fill_next_token_bitmask(native, bitmask, 0)
+
+
+def _raw_batch_fill(backend: str, natives: list[Any], bitmask: Any, pool: Any) -> None:
+    """The library's own batch fill (rows 0..n-1), as its documentation shows it."""
+    if backend == "xgrammar":
+        pool.batch_fill_next_token_bitmask(natives, bitmask)
+    else:
+        import llguidance.torch as llt
+
+        llt.fill_next_token_bitmask_par(pool, [(m, i) for i, m in enumerate(natives)], bitmask)
+
+
+def _raw_pool(backend: str) -> Any:
+    if backend == "xgrammar":
+        import xgrammar as xgr
+
+        return xgr.BatchGrammarMatcher(max_threads=1)
+    import llguidance
+
+    return llguidance.LLExecutor(num_threads=1)
+
+
+# The ways one row's mask is filled, timed in turn at every position.
+WAYS = ("raw", "matcher", "engine")
+
+
+def mask_times(structured: Any, name: str, backend: str, iters: int) -> dict[str, Any]:
+    """Per-token mask time of the raw library vs our two entry points, same matcher, same tokens.
+
+    At each position of the instance the one matcher's mask is filled three
+    ways, in an order that rotates with the position (so none always runs on
+    warm caches): `raw`, the library's own call on its native matcher into a
+    preallocated bitmask; `matcher`, `Matcher.fill_bitmask`; `engine`,
+    `StructuredOutput.fill` for a one-row step (what the engine runs per step,
+    PendingMask release included; the PendingMask is built outside the timing,
+    as the engine builds it with the step's inputs).
+    """
+    from engine.structured import PendingMask
+
+    compiler = structured.compiler
     matcher = compiler.compile(_spec(name), backend=backend)
     tokens = compiler.tokenizer_data.encode(json.dumps(SCHEMAS[name][1], separators=(",", ":")))
     bitmask = compiler.allocate_bitmask(16)
-    single: list[float] = []
+    rows = [_Row(matcher)]
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
     forced: list[float] = []
+    structured.fill(PendingMask(), rows)  # allocates the engine's bitmask once
+    position = 0
     for _ in range(iters):
         matcher.reset()
+        native = matcher.native  # llguidance's reset makes a new native matcher
         for tok in tokens:
-            t0 = time.perf_counter_ns()
-            matcher.fill_bitmask(bitmask, 0)
+            pending = PendingMask()
+            for k in range(len(WAYS)):
+                way = WAYS[(position + k) % len(WAYS)]
+                t0 = time.perf_counter_ns()
+                if way == "raw":
+                    _raw_fill(backend, native, bitmask)
+                elif way == "matcher":
+                    matcher.fill_bitmask(bitmask, 0)
+                else:
+                    structured.fill(pending, rows)
+                times[way].append((time.perf_counter_ns() - t0) / 1e3)
+            position += 1
             t1 = time.perf_counter_ns()
             matcher.forced_tokens()
-            t2 = time.perf_counter_ns()
-            single.append((t1 - t0) / 1e3)
-            forced.append((t2 - t1) / 1e3)
+            forced.append((time.perf_counter_ns() - t1) / 1e3)
             if not matcher.accept_token(tok):
                 raise RuntimeError(f"{backend} rejected the {name} instance")
-    # A batch of 16 requests at the same positions, one native call per step.
+    # A batch of 16 requests at the same positions: the library's batch call
+    # vs ours (one native call per backend), alternating which goes first.
     batch = [compiler.compile(_spec(name), backend=backend) for _ in range(16)]
-    per_row: list[float] = []
-    for tok in tokens:
-        t0 = time.perf_counter_ns()
-        compiler.fill_bitmasks(batch, bitmask)
-        per_row.append((time.perf_counter_ns() - t0) / 1e3 / len(batch))
+    pool = _raw_pool(backend)
+    raw16: list[float] = []
+    ours16: list[float] = []
+    for i, tok in enumerate(tokens):
+        natives = [m.native for m in batch]
+        for k in range(2):
+            t0 = time.perf_counter_ns()
+            if (i + k) % 2:
+                _raw_batch_fill(backend, natives, bitmask, pool)
+                raw16.append((time.perf_counter_ns() - t0) / 1e3 / len(batch))
+            else:
+                compiler.fill_bitmasks(batch, bitmask)
+                ours16.append((time.perf_counter_ns() - t0) / 1e3 / len(batch))
         for m in batch:
             m.accept_token(tok)
-    return {
-        "tokens": len(tokens),
-        "p50": _pct(single, 0.5),
-        "p99": _pct(single, 0.99),
-        "mean": statistics.fmean(single),
-        "forced_p50": _pct(forced, 0.5),
-        "batch16_row": statistics.fmean(per_row),
-    }
+    out: dict[str, Any] = {"tokens": len(tokens), "forced_p50": _pct(forced, 0.5),
+                           "batch16_raw": statistics.fmean(raw16),
+                           "batch16_ours": statistics.fmean(ours16)}
+    for way, samples in times.items():
+        out[way] = {"p50": _pct(samples, 0.5), "p99": _pct(samples, 0.99),
+                    "mean": statistics.fmean(samples)}
+    return out
 
 
 def compile_times(compiler: Any, name: str, backend: str, reps: int, salt0: int) -> float:
@@ -301,11 +386,119 @@ def end_to_end(args: argparse.Namespace) -> str:
     return head + table + "\n".join(rows)
 
 
+class _StepClock:
+    """Per-step timers hooked around the engine's step phases (this process only).
+
+    `run`: the device thread's whole job per step (forward pass, mask wait,
+    sampling); `wait`: the part of it spent blocked on the grammar mask, i.e.
+    grammar work the forward pass did not hide; `fill` and `advance`: grammar
+    work on the engine thread (mask fill; feeding tokens to matchers and
+    appending forced ones).
+    """
+
+    def __init__(self) -> None:
+        self.totals = {"run": 0.0, "wait": 0.0, "fill": 0.0, "advance": 0.0}
+        self.calls = dict.fromkeys(self.totals, 0)
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, name: str, key: str, *, static: bool = False,
+              waits: bool = False) -> None:
+        original = owner.__dict__[name]
+        func = original.__func__ if static else original
+        totals, calls = self.totals, self.calls
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                totals[key] += time.perf_counter() - t0
+                calls[key] += 1
+
+        def counted_wait(*args: Any, **kwargs: Any) -> Any:
+            waited = func(*args, **kwargs)
+            totals[key] += waited
+            return waited
+
+        wrapper = counted_wait if waits else timed
+        setattr(owner, name, staticmethod(wrapper) if static else wrapper)
+        self._undo.append((owner, name, original))
+
+    def __enter__(self) -> _StepClock:
+        import engine.pipeline as pipeline
+        from engine.structured import PendingMask, StructuredOutput
+
+        self._wrap(pipeline, "run_step", "run")  # a module: same __dict__ / setattr
+        self._wrap(PendingMask, "wait", "wait", waits=True)
+        self._wrap(StructuredOutput, "fill", "fill")
+        self._wrap(StructuredOutput, "advance", "advance", static=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+
+
+def step_costs(args: argparse.Namespace) -> str:
+    """Per-step grammar work at batch `--steps-batch` vs the forward pass, overlap on.
+
+    The offline engine on the `--e2e-preset` model runs a batch of requests
+    constrained by an array of `E2E_SCHEMA` records (long enough that every
+    request runs to `--e2e-tokens`), once to warm up and then measured, and
+    the same batch unconstrained. Per step (= per device job): the device
+    job's time, how long it sat blocked on the grammar mask (exposed grammar
+    work), and the engine thread's grammar work (mask fill, advance), which
+    overlap scheduling runs while the device computes.
+    """
+    import os
+
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.presets import ensure_preset
+    from grammar import GrammarSpec
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    batch = args.steps_batch
+    llm = LLM(ensure_preset(args.e2e_preset), max_num_seqs=batch, grammar_backend=args.e2e_backend,
+              overlap=True)
+    rows = []
+    try:
+        prompts = [f"Ticket {i}: the build is failing on branch release-{i}." for i in range(batch)]
+        params = SamplingParams(temperature=0.8, seed=7, max_new_tokens=args.e2e_tokens,
+                                ignore_eos=True)
+        spec = GrammarSpec.json_schema({"type": "array", "items": E2E_SCHEMA, "minItems": 50})
+        for label, constraint in (("unconstrained", None), ("json schema", spec)):
+            llm.generate(prompts, params, constraint=constraint)  # warm-up
+            with _StepClock() as clock:
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params, constraint=constraint)
+                wall = time.perf_counter() - start
+            t = clock.totals
+            n = max(clock.calls["run"], 1)  # one device job per step
+            tokens = sum(len(o.token_ids) for o in outs)
+            rows.append(
+                f"| {label} | {batch} | {tokens} | {tokens / wall:.0f} | {1e3 * wall / n:.2f} "
+                f"| {1e3 * (t['run'] - t['wait']) / n:.2f} | {1e3 * t['fill'] / n:.3f} "
+                f"| {1e3 * t['advance'] / n:.3f} | {1e3 * t['wait'] / n:.3f} |"
+            )
+    finally:
+        llm.close()
+    head = (f"{args.e2e_preset} preset, batch {batch}, temperature 0.8 (seeded), "
+            f"{args.e2e_tokens} new tokens per request, overlap on, grammar backend "
+            f"{args.e2e_backend}, {os.cpu_count()} CPU threads; per step, ms\n\n")
+    table = ("| case | batch | output tokens | tok/s | wall per step | device job (excl. mask wait) "
+             "| mask fill (engine thread) | advance (engine thread) | device blocked on mask |\n"
+             "|---|---|---|---|---|---|---|---|---|\n")
+    return head + table + "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizers", default="demo,bpe32k")
     parser.add_argument("--iters", type=int, default=20, help="walks per schema for mask times")
     parser.add_argument("--compile-reps", type=int, default=3)
+    parser.add_argument("--skip-compile", action="store_true", help="mask times only")
     parser.add_argument(
         "--corpus-mb",
         type=int,
@@ -320,46 +513,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e-reps", type=int, default=2)
     parser.add_argument("--e2e-backend", default="auto", choices=["auto", *BACKENDS])
     parser.add_argument("--e2e-no-overlap", action="store_true")
+    parser.add_argument("--steps", action="store_true",
+                        help="run only the per-step grammar cost at --steps-batch (overlap on)")
+    parser.add_argument("--steps-batch", type=int, default=64)
     args = parser.parse_args(argv)
     if args.e2e_only:
         print(end_to_end(args))
         return 0
+    if args.steps:
+        print(step_costs(args))
+        return 0
 
     import torch
 
-    from grammar import GrammarCompiler
+    from engine.structured import StructuredOutput
+    from grammar import GrammarCompiler, TokenizerData
 
     torch.set_num_threads(1)
     mask_rows, compile_rows = [], []
     for tok_name in args.tokenizers.split(","):
         tokenizer = load_tokenizer(tok_name, args.corpus_mb)
         label = f"{tok_name} ({len(tokenizer)})"
-        with (
-            GrammarCompiler(tokenizer) as proc,
-            GrammarCompiler(tokenizer, isolation="thread") as thr,
-        ):
-            proc.compile(_spec("person"), backend="xgrammar")  # worker warm-up
-            for name in SCHEMAS:
-                for backend in BACKENDS:
-                    r = mask_times(proc, name, backend, args.iters)
-                    mask_rows.append(
-                        f"| {label} | {name} | {backend} | {r['tokens']} | {r['p50']:.1f} | "
-                        f"{r['p99']:.1f} | {r['mean']:.1f} | {r['batch16_row']:.1f} | "
-                        f"{r['forced_p50']:.1f} |"
-                    )
-                    p = compile_times(proc, name, backend, args.compile_reps, 1000)
-                    t = compile_times(thr, name, backend, args.compile_reps, 2000)
-                    compile_rows.append(f"| {label} | {name} | {backend} | {p:.1f} | {t:.1f} |")
+        eos = TokenizerData(tokenizer).eos_token_ids
+        structured = StructuredOutput(tokenizer, len(tokenizer), eos)
+        proc = structured.compiler  # process isolation, as the server compiles
+        try:
+            with GrammarCompiler(tokenizer, isolation="thread") as thr:
+                proc.compile(_spec("person"), backend="xgrammar")  # worker warm-up
+                for name in SCHEMAS:
+                    for backend in BACKENDS:
+                        r = mask_times(structured, name, backend, args.iters)
+                        raw, ours, eng = r["raw"], r["matcher"], r["engine"]
+                        mask_rows.append(
+                            f"| {label} | {name} | {backend} | {r['tokens']} "
+                            f"| {raw['p50']:.1f} | {raw['p99']:.1f} "
+                            f"| {ours['p50']:.1f} | {ours['p99']:.1f} "
+                            f"| {eng['p50']:.1f} | {eng['p99']:.1f} "
+                            f"| {eng['p50'] / raw['p50']:.2f} | {eng['p99'] / raw['p99']:.2f} "
+                            f"| {r['batch16_raw']:.1f} | {r['batch16_ours']:.1f} "
+                            f"| {r['forced_p50']:.1f} |"
+                        )
+                        if args.skip_compile:
+                            continue
+                        p = compile_times(proc, name, backend, args.compile_reps, 1000)
+                        t = compile_times(thr, name, backend, args.compile_reps, 2000)
+                        compile_rows.append(f"| {label} | {name} | {backend} | {p:.1f} | {t:.1f} |")
+        finally:
+            structured.close()
     print("### Mask time per token (µs, one CPU thread)\n")
-    print(
-        "| tokenizer | schema | backend | tokens | p50 | p99 | mean | batch-16 per row | forced_tokens p50 |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("raw: the library's own fill on its matcher; matcher: `Matcher.fill_bitmask`; "
+          "engine: `StructuredOutput.fill` of a one-row step; ratio: engine / raw.\n")
+    print("| tokenizer | schema | backend | tokens | raw p50 | raw p99 | matcher p50 | matcher p99 "
+          "| engine p50 | engine p99 | ratio p50 | ratio p99 | batch-16 per row raw | "
+          "batch-16 per row ours | forced_tokens p50 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(mask_rows))
-    print("\n### Cold compile time (ms, median)\n")
-    print("| tokenizer | schema | backend | isolated (worker process) | in-process |")
-    print("|---|---|---|---|---|")
-    print("\n".join(compile_rows))
+    if compile_rows:
+        print("\n### Cold compile time (ms, median)\n")
+        print("| tokenizer | schema | backend | isolated (worker process) | in-process |")
+        print("|---|---|---|---|---|")
+        print("\n".join(compile_rows))
     if args.e2e:
         print("\n### End to end\n")
         print(end_to_end(args))

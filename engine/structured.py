@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from grammar import GrammarCompiler, GrammarSpec, Matcher, apply_token_bitmask_inplace
@@ -38,26 +39,46 @@ class PendingMask:
 
     `failed` holds the batch rows whose matcher could not compute its mask (the
     step's postprocess fails those requests).
+
+    The hand-over is a lock held from construction until `set`: releasing a
+    plain `threading.Lock` is one C call, where `threading.Event.set` takes a
+    Python-level condition variable (several microseconds per step, on the
+    engine thread). A Lock may be released by a thread that did not acquire it.
     """
 
     def __init__(self) -> None:
-        self._ready = threading.Event()
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._set = False
         self._bitmask: torch.Tensor | None = None
         self._rows: list[int] = []
         self.failed: dict[int, Failure] = {}
 
     def set(self, bitmask: torch.Tensor | None, rows: list[int]) -> None:
+        """Publish the mask (once; a second call is ignored) and wake the device thread."""
+        if self._set:
+            return
         self._bitmask, self._rows = bitmask, rows
-        self._ready.set()
+        self._set = True
+        self._latch.release()
 
     @property
     def is_set(self) -> bool:
-        return self._ready.is_set()
+        return self._set
+
+    def wait(self) -> float:
+        """Block until the mask is set; returns the seconds spent blocked (0.0 if it was)."""
+        if self._set:
+            return 0.0
+        start = time.perf_counter()
+        with self._latch:  # acquired only once `set` released it
+            pass
+        return time.perf_counter() - start
 
     def apply(self, logits: torch.Tensor,
               apply_mask: Callable[[torch.Tensor, torch.Tensor, list[int]], None]) -> None:
         """Wait until the mask is filled, then mask `logits` with it."""
-        self._ready.wait()
+        self.wait()
         if self._bitmask is not None and self._rows:
             apply_mask(logits, self._bitmask, self._rows)
 
@@ -75,6 +96,8 @@ class StructuredOutput:
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
+        self._views: dict[int, torch.Tensor] = {}
+        self._words: np.ndarray = np.zeros((0, 0), dtype=np.uint32)
         # Seconds the last `fill` with constrained rows took (the engine resets
         # it to None at the start of each step and reports it in StepStats).
         self.last_mask_seconds: float | None = None
@@ -114,33 +137,62 @@ class StructuredOutput:
         A context whose next token is already decided (`forced_next`, see
         `advance`) gets a row allowing only it. A matcher that fails is
         recorded in `mask.failed`; the others are filled all the same.
+
+        This runs once per step on the engine thread, so it is kept lean: one
+        pass over the contexts, a bitmask view per batch size made once, and
+        forced rows written through a numpy view (torch indexing costs
+        microseconds per call).
         """
         start = time.perf_counter()
         try:
-            rows = [i for i, c in enumerate(contexts) if c is not None and c.matcher is not None]
+            rows: list[int] = []
+            free: list[int] = []
+            matchers: list[Matcher] = []
+            for i, ctx in enumerate(contexts):
+                if ctx is None or ctx.matcher is None:
+                    continue
+                rows.append(i)
+                if ctx.forced_next is None:
+                    free.append(i)
+                    matchers.append(ctx.matcher)
             if not rows:
                 mask.set(None, [])
                 return
-            if self._bitmask is None or self._bitmask.shape[0] < len(contexts):
-                self._bitmask = self.compiler.allocate_bitmask(max(len(contexts), 64))
-            # One buffer is enough: a step's bitmask is filled only after the
-            # previous step (its last reader) has finished.
-            bitmask = self._bitmask[: len(contexts)]
-            free = [i for i in rows if contexts[i].forced_next is None]  # type: ignore[union-attr]
-            matchers = [contexts[i].matcher for i in free]  # type: ignore[union-attr]
+            bitmask = self._view(len(contexts))
+            compiler = self._compiler or self.compiler  # set once a matcher exists
             try:
-                self.compiler.fill_bitmasks(matchers, bitmask, free)
+                compiler.fill_bitmasks(matchers, bitmask, free)
             except Exception:  # noqa: BLE001 - one matcher's fault must not fail the batch
                 self._fill_one_by_one(matchers, bitmask, free, mask)
-            for i in rows:
-                token = contexts[i].forced_next  # type: ignore[union-attr]
-                if token is not None:
-                    _allow_only(bitmask[i], token)
+            if len(free) < len(rows):
+                words = self._words
+                for i in rows:
+                    token = contexts[i].forced_next  # type: ignore[union-attr]
+                    if token is not None:
+                        words[i] = 0  # allow exactly `token`
+                        words[i, token >> 5] = 1 << (token & 31)
             mask.set(bitmask, rows)
             self.last_mask_seconds = time.perf_counter() - start
         finally:
             if not mask.is_set:  # the device thread must never wait for ever
                 mask.set(None, [])
+
+    def _view(self, batch: int) -> torch.Tensor:
+        """The first `batch` rows of the step bitmask (allocated, or grown, on demand).
+
+        One buffer is enough: a step's bitmask is filled only after the
+        previous step (its last reader) has finished. Views are cached per
+        batch size, so the batch filler sees the same tensor object each step.
+        """
+        view = self._views.get(batch)
+        if view is None:
+            if self._bitmask is None or self._bitmask.shape[0] < batch:
+                self._bitmask = self.compiler.allocate_bitmask(max(batch, 64))
+                self._views.clear()
+                # Shares memory with the bitmask; unsigned, so bit 31 needs no sign trick.
+                self._words = self._bitmask.numpy().view(np.uint32)
+            view = self._views[batch] = self._bitmask[:batch]
+        return view
 
     def _fill_one_by_one(self, matchers: Sequence[Matcher | None], bitmask: torch.Tensor,
                          rows: Sequence[int], mask: PendingMask) -> None:
@@ -232,10 +284,3 @@ def _rejected(matcher: Matcher, token: int) -> Failure:
         return Failure(f"the grammar library refused token {token}: {reason}", cause="constraint")
     return Failure(f"token {token} was rejected by the grammar")
 
-
-def _allow_only(row: torch.Tensor, token: int) -> None:
-    """Set an int32 bitmask row to allow exactly `token`."""
-    row.zero_()
-    bit = token % 32
-    # Bit 31 is the sign bit of an int32 word.
-    row[token // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)

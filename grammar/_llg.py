@@ -220,6 +220,9 @@ class LLGuidanceMatcher(Matcher):
     def native(self) -> Any:
         return self._m
 
+    def batch_native(self) -> Any | None:
+        return None if self._eos or self._m.is_error() else self._m
+
     def accept_token(self, token_id: int) -> bool:
         token_id = int(token_id)  # numpy / 0-d tensor ids too
         if self._eos or not self._valid_id(token_id) or self._m.is_error():

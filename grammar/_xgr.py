@@ -315,6 +315,9 @@ class XGrammarMatcher(Matcher):
     def native(self) -> Any:
         return self._m
 
+    def batch_native(self) -> Any | None:
+        return None if self._m.is_terminated() else self._m
+
     def accept_token(self, token_id: int) -> bool:
         token_id = int(token_id)  # numpy / 0-d tensor ids too
         if not self._valid_id(token_id) or self._m.is_terminated():

@@ -96,10 +96,12 @@ class BitmaskFiller:
     """Fills bitmask rows for many matchers at once, in parallel native code.
 
     xgrammar matchers go through one `BatchGrammarMatcher` call and llguidance
-    matchers through one `LLExecutor` call; rows with no matcher (unconstrained
-    requests) are set to all-allowed. Meant for one thread at a time (the
-    scheduler's). Measured here: llguidance's executor releases the GIL while
-    it works, xgrammar's batch call (through tvm_ffi) largely does not.
+    matchers through one `LLExecutor` call; a backend with a single row calls
+    its matcher directly (the batch machinery costs more than it saves there).
+    Rows with no matcher (unconstrained requests) are set to all-allowed.
+    Meant for one thread at a time (the scheduler's). Measured here:
+    llguidance's executor releases the GIL while it works, xgrammar's batch
+    call (through tvm_ffi) largely does not.
     """
 
     def __init__(self, tokenizer: TokenizerData, num_threads: int = 1) -> None:
@@ -109,6 +111,12 @@ class BitmaskFiller:
         self._num_threads = num_threads
         self._xgr_batch: Any = None  # created on first use: each owns native threads
         self._llg_exec: Any = None
+        # The last bitmask that passed `check_bitmask`, and its base address.
+        # The engine passes the same tensor object step after step, so the
+        # check (microseconds of tensor attribute reads) runs once per buffer;
+        # holding the reference keeps that identity meaningful.
+        self._checked: torch.Tensor | None = None
+        self._base = 0
 
     def fill(
         self,
@@ -120,8 +128,10 @@ class BitmaskFiller:
         rows = range(len(matchers)) if rows is None else rows
         if len(rows) != len(matchers):
             raise ValueError("rows and matchers differ in length")
-        words = self._tok.bitmask_words
-        check_bitmask(bitmask, words)
+        row_bytes = self._tok.bitmask_words * 4
+        if bitmask is not self._checked:
+            check_bitmask(bitmask, self._tok.bitmask_words)
+            self._checked, self._base = bitmask, bitmask.data_ptr()
         batch = bitmask.shape[0]
         xgr_m, xgr_rows, llg_pairs = [], [], []
         for matcher, row in zip(matchers, rows, strict=True):
@@ -129,13 +139,15 @@ class BitmaskFiller:
                 raise IndexError(f"row {row} out of range for a bitmask of {batch} rows")
             if matcher is None:
                 bitmask[row].fill_(-1)
-            elif matcher.is_terminated() or matcher.error() is not None:
+                continue
+            native = matcher.batch_native()
+            if native is None:  # terminated, failed or not batchable: its own rule
                 matcher.fill_bitmask(bitmask, row)
             elif matcher.backend == "xgrammar":
-                xgr_m.append(matcher.native)
+                xgr_m.append(native)
                 xgr_rows.append(int(row))
             elif matcher.backend == "llguidance":
-                llg_pairs.append((matcher.native, int(row)))
+                llg_pairs.append((native, int(row)))
             else:
                 matcher.fill_bitmask(bitmask, row)
         if len(xgr_m) == 1:
@@ -146,12 +158,15 @@ class BitmaskFiller:
 
                 self._xgr_batch = xgr.BatchGrammarMatcher(max_threads=self._num_threads)
             self._xgr_batch.batch_fill_next_token_bitmask(xgr_m, bitmask, xgr_rows)
-        if llg_pairs:
+        if len(llg_pairs) == 1:
+            native, row = llg_pairs[0]
+            native.unsafe_compute_mask_ptr(self._base + row * row_bytes, row_bytes)
+        elif llg_pairs:
             if self._llg_exec is None:
                 import llguidance
 
                 self._llg_exec = llguidance.LLExecutor(num_threads=self._num_threads)
-            self._llg_exec.unsafe_compute_mask_ptr(llg_pairs, bitmask.data_ptr(), words * 4, batch)
+            self._llg_exec.unsafe_compute_mask_ptr(llg_pairs, self._base, row_bytes, batch)
 
 
 def check_bitmask(bitmask: torch.Tensor, words: int) -> None:

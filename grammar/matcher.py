@@ -113,6 +113,11 @@ class Matcher(ABC):
     def native(self) -> Any:
         """The library's own matcher object (for batch operations)."""
 
+    def batch_native(self) -> Any | None:
+        """`native` when a batch fill may compute this matcher's row, else None
+        (terminated or failed: `fill_bitmask` writes its stop-only row)."""
+        return None
+
     def _fill_eos_only(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row].copy_(self._tok.eos_only_row)
 
