@@ -19,6 +19,7 @@ from .errors import GrammarError
 from .schema_keywords import backend_view
 from .schema_normalize import Unresolved, normalize_schema
 from .spec import GrammarSpec
+from .unique_items import UniqueItemsPlan
 from .validation import SchemaValidator
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,15 @@ class SchemaPlan:
     unenforced: per backend, the schema keywords it leaves to the validator.
     validator: the full schema's validator; None when it cannot read the schema
         (`validator_error` says why), and outputs are then not checked.
+    unique_items: where `uniqueItems` applies, for resampling duplicates in
+        strict requests (None: the schema has no `uniqueItems`).
     """
 
     views: dict[str, GrammarSpec]
     unenforced: dict[str, tuple[str, ...]]
     validator: SchemaValidator | None
     validator_error: str | None = None
+    unique_items: UniqueItemsPlan | None = None
 
     def order(self, preferred: tuple[str, ...]) -> tuple[str, ...]:
         """`preferred` re-ordered so the backend leaving fewer keywords
@@ -85,7 +89,8 @@ def plan_for(spec: GrammarSpec, backends: tuple[str, ...]) -> SchemaPlan | None:
         else:
             views[backend] = GrammarSpec("json_schema", json.dumps(view, ensure_ascii=False),
                                          spec.options)
+    unique = UniqueItemsPlan.for_schema(normalized) if spec.kind == "json_schema" else None
     try:
-        return SchemaPlan(views, unenforced, SchemaValidator(schema))
+        return SchemaPlan(views, unenforced, SchemaValidator(schema), unique_items=unique)
     except ValueError as e:
-        return SchemaPlan(views, unenforced, None, str(e))
+        return SchemaPlan(views, unenforced, None, str(e), unique_items=unique)
