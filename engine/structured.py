@@ -136,6 +136,7 @@ class StructuredOutput:
                 token = contexts[i].forced_next  # type: ignore[union-attr]
                 if token is not None:
                     _allow_only(bitmask[i], token)
+            _mask_resampled(contexts, bitmask, free)
             mask.set(bitmask, rows)
             self.last_mask_seconds = time.perf_counter() - start
         finally:
@@ -231,6 +232,16 @@ def _rejected(matcher: Matcher, token: int) -> Failure:
     if reason:
         return Failure(f"the grammar library refused token {token}: {reason}", cause="constraint")
     return Failure(f"token {token} was rejected by the grammar")
+
+
+def _mask_resampled(contexts: Sequence[TextContext | None], bitmask: torch.Tensor,
+                    rows: Sequence[int]) -> None:
+    """Rows resampling a value that broke the schema: their banned choices go
+    (engine/resample.py). Kept apart from the mask fill above on purpose."""
+    for i in rows:
+        resampler = contexts[i].resampler  # type: ignore[union-attr]
+        if resampler is not None:
+            resampler.mask(contexts[i], bitmask[i])  # type: ignore[arg-type]
 
 
 def _allow_only(row: torch.Tensor, token: int) -> None:
