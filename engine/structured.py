@@ -241,7 +241,10 @@ def _mask_resampled(contexts: Sequence[TextContext | None], bitmask: torch.Tenso
     for i in rows:
         resampler = contexts[i].resampler  # type: ignore[union-attr]
         if resampler is not None:
-            resampler.mask(contexts[i], bitmask[i])  # type: ignore[arg-type]
+            try:
+                resampler.mask(contexts[i], bitmask[i])  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - a ban is a preference; the grammar's mask stands
+                log.exception("masking a resampled value failed (row %d)", i)
 
 
 def _allow_only(row: torch.Tensor, token: int) -> None:

@@ -96,3 +96,26 @@ def test_object_items_nested_in_an_object(make_llm, tok):
     llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
     out = _generate(llm, schema, max_new_tokens=60)
     assert json.loads(out.text) == {"xs": [{"a": 1}, {"a": 3}]} and out.schema_retries == 1
+
+
+def test_the_stream_never_carries_what_a_rollback_takes_back(make_llm, tok):
+    script = _script(tok, "[1,1,2]", {3: ["3"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
+    engine = llm.engine
+    matcher = engine.structured.compile(GrammarSpec.json_schema(json.dumps(INTS)))
+    ctx = engine.make_context(PROMPT, SamplingParams(temperature=0, max_new_tokens=20), matcher=matcher,
+                              strict=True)
+    engine.add_request(ctx)
+    sent, token_ids, finished = [], [], False
+    while not finished:
+        for delta in engine.step():
+            sent.append(delta.text)
+            token_ids += delta.token_ids
+            finished = finished or delta.finished
+    while engine.has_work():
+        engine.step()
+    text = "".join(sent)
+    assert text == "[1,3,2]" and ctx.schema_retries == 1
+    assert tok.decode(token_ids) == text
+    # An item goes out once the `,` or `]` after it shows it complete (and unique).
+    assert [s for s in sent if s] == ["[", "1,", "3,", "2]"]
