@@ -28,6 +28,8 @@ from .sampling_params import SamplingParams
 if TYPE_CHECKING:
     from grammar import Matcher
 
+    from .resample import Resampler
+
 FUTURE_TOKEN = -1
 
 
@@ -150,6 +152,9 @@ class TextContext:
         # Forced tokens appended without a forward pass sampling them
         # (jump_ahead): each one is a decode step saved.
         self.num_jumped = 0
+        # Strict JSON requests whose schema has `uniqueItems`: rolls back and
+        # resamples a duplicate item (resample.py); None otherwise.
+        self.resampler: Resampler | None = None
 
     # -- views -------------------------------------------------------------
     @property
@@ -292,6 +297,18 @@ class TextContext:
         self.committed_idx = min(self.committed_idx, self.start_idx)
         del self.logprobs[self.num_generated:]
         self.grammar_idx = min(self.grammar_idx, self.end_idx)
+
+    def recompute_from(self, position: int) -> None:
+        """Tokens from `position` on must be computed again (their keys and values
+        are not in the cache any more); nothing is dropped."""
+        self.start_idx = min(self.start_idx, position)
+        self.active_idx = self.end_idx
+        self.committed_idx = min(self.committed_idx, self.start_idx)
+
+    @property
+    def schema_retries(self) -> int:
+        """Values resampled because they broke the schema (see resample.py)."""
+        return self.resampler.retries if self.resampler is not None else 0
 
     def reset(self) -> None:
         """After preemption: everything known is recomputed from scratch."""

@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grammar.unique_items import UniqueItemsWatch
+from grammar.vocab import token_bytes
+
 from .attention import make_attention
 from .config import EngineConfig
 from .context import GenerationStatus, TextContext
@@ -25,6 +28,7 @@ from .output import RequestOutput
 from .pipeline import TextGenerationPipeline
 from .postprocess import Postprocessor
 from .requests import RequestSpec, check_request
+from .resample import Resampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .speech import (
@@ -177,16 +181,24 @@ class EngineCore:
         """Check a tokenized prompt and its parameters (InvalidRequest names the field)."""
         return check_request(prompt, params, request_id, self.vocab_size, self.max_model_len)
 
-    def context(self, spec: RequestSpec, matcher: Matcher | None = None) -> TextContext:
-        """The context of a checked request; `matcher` is its compiled grammar, if constrained."""
+    def context(self, spec: RequestSpec, matcher: Matcher | None = None, strict: bool = False) -> TextContext:
+        """The context of a checked request; `matcher` is its compiled grammar, if constrained.
+
+        `strict` (JSON schemas): a duplicate item where the schema says
+        `uniqueItems` is rolled back and resampled (resample.py).
+        """
         kwargs: dict[str, Any] = {"request_id": spec.request_id} if spec.request_id else {}
-        return TextContext(tokens=spec.prompt, max_length=spec.max_length, sampling_params=spec.params,
-                           eos_token_ids=self.eos_token_ids, seed=spec.seed, matcher=matcher, **kwargs)
+        ctx = TextContext(tokens=spec.prompt, max_length=spec.max_length, sampling_params=spec.params,
+                          eos_token_ids=self.eos_token_ids, seed=spec.seed, matcher=matcher, **kwargs)
+        if strict and matcher is not None and matcher.unique_items is not None:
+            ctx.resampler = Resampler(UniqueItemsWatch(matcher.unique_items), token_bytes(matcher.tokenizer))
+        return ctx
 
     def make_context(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, matcher: Matcher | None = None) -> TextContext:
+                     request_id: str | None = None, matcher: Matcher | None = None,
+                     strict: bool = False) -> TextContext:
         """`check_request` and `context` in one call, for callers with the matcher in hand."""
-        return self.context(self.check_request(prompt, params, request_id), matcher)
+        return self.context(self.check_request(prompt, params, request_id), matcher, strict)
 
     @property
     def serves_speech(self) -> bool:

@@ -32,6 +32,7 @@ class CompletionOutput:
     forced_tokens: int = 0
     grammar_backend: str | None = None
     error: str | None = None
+    schema_retries: int = 0
 
     def _add(self, delta: RequestOutput) -> None:
         self.token_ids += delta.token_ids
@@ -47,6 +48,7 @@ class CompletionOutput:
             self.forced_tokens = delta.forced_tokens
             self.grammar_backend = delta.grammar_backend
             self.error = delta.error
+            self.schema_retries = delta.schema_retries
 
 
 @dataclass
@@ -91,11 +93,13 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 constraint: Any = None) -> list[CompletionOutput]:
+                 constraint: Any = None, strict: bool = False) -> list[CompletionOutput]:
         """Generate for every prompt (text or token ids); results in prompt order.
 
         `constraint` is a `grammar.GrammarSpec` for all prompts, or a list with
         one spec (or None) per prompt. An invalid spec raises GrammarError.
+        `strict`: JSON-schema outputs resample duplicate `uniqueItems` items
+        (see engine/resample.py).
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -114,7 +118,7 @@ class LLM:
         for prompt, p, matcher in zip(prompts, params, matchers, strict=True):
             ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else \
                 [int(t) for t in cast(Sequence[int], prompt)]
-            ctx = self.engine.make_context(ids, p, matcher=matcher)
+            ctx = self.engine.make_context(ids, p, matcher=matcher, strict=strict)
             self.engine.add_request(ctx)
             out = CompletionOutput(ctx.request_id, ids, logprobs=[] if p.logprobs is not None else None)
             results[ctx.request_id] = out

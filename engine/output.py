@@ -39,6 +39,7 @@ class RequestOutput:
     error_cause: str | None = None
     audio: np.ndarray | None = None  # new speech samples (float32, mono), speech requests only
     grammar_backend: str | None = None  # the library that compiled the constraint, if any
+    schema_retries: int = 0  # values resampled because they broke the schema (strict JSON)
 
     @property
     def finish_reason(self) -> str | None:
@@ -59,9 +60,8 @@ class OutputStream:
     def __init__(self, ctx: TextContext, tokenizer: Tokenizer):
         params = ctx.sampling_params
         self.ctx = ctx
-        self.decoder: IncrementalDecoder | None = (
-            tokenizer.stream(ctx.prompt_tokens.tolist(), params.skip_special_tokens)
-            if ctx.produces_text else None)
+        self._tokenizer = tokenizer
+        self.decoder: IncrementalDecoder | None = self._new_decoder()
         self.stops = params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
@@ -71,6 +71,22 @@ class OutputStream:
         self.decoded_tokens = 0
         self.stop_reason: str | int | None = None
         self.prompt_logprobs_sent = False
+        # len(self.text) after each decoded token (where a held-back stream may cut).
+        self._text_ends: list[int] = []
+
+    def _new_decoder(self) -> IncrementalDecoder | None:
+        ctx = self.ctx
+        if not ctx.produces_text:
+            return None
+        return self._tokenizer.stream(ctx.prompt_tokens.tolist(), ctx.sampling_params.skip_special_tokens)
+
+    def rolled_back(self) -> None:
+        """The context's tokens were rolled back (never below what was sent):
+        decode its output again from the start at the next `decode`."""
+        self.decoder = self._new_decoder()
+        self.text = ""
+        self.decoded_tokens = 0
+        self._text_ends = []
 
     def decode(self) -> StopStringMatch | None:
         """Detokenize the tokens known since the last call; the first stop string found, if any."""
@@ -82,10 +98,11 @@ class OutputStream:
             tok = int(ctx.tokens[ctx.prompt_len + self.decoded_tokens])
             self.decoded_tokens += 1
             piece = self.decoder.step(tok)
-            if not piece:
-                continue
             before = len(self.text)
             self.text += piece
+            self._text_ends.append(len(self.text))
+            if not piece:
+                continue
             if self.stops:
                 match = self._match_stop(before)
                 if match is not None:
@@ -115,6 +132,11 @@ class OutputStream:
             self.stop_reason = int(ctx.tokens[ctx.end_idx - 1])
         limit = len(self.text) if done or not self.stops else max(self.sent_chars, len(self.text) - self.hold)
         final_tokens = ctx.num_final_tokens - ctx.prompt_len
+        if ctx.resampler is not None and not done:
+            # What a rollback may still take back is held back (resample.py).
+            final_tokens = min(final_tokens, ctx.resampler.stable_tokens)
+            text_end = self._text_ends[final_tokens - 1] if 0 < final_tokens <= len(self._text_ends) else 0
+            limit = max(self.sent_chars, min(limit, text_end))
         out = RequestOutput(
             request_id=ctx.request_id,
             token_ids=ctx.tokens[ctx.prompt_len + self.sent_tokens:ctx.prompt_len + final_tokens].tolist(),
@@ -130,6 +152,7 @@ class OutputStream:
             error=ctx.error,
             error_cause=ctx.error_cause,
             grammar_backend=ctx.matcher.backend if ctx.matcher is not None else None,
+            schema_retries=ctx.schema_retries,
         )
         if not self.prompt_logprobs_sent and ctx.sampling_params.prompt_logprobs is not None \
                 and len(ctx.prompt_logprobs) >= ctx.prompt_len:

@@ -145,8 +145,32 @@ class Postprocessor:
                 verdict = token_verdict(ctx, int(ctx.tokens[last]), last, self.max_seq_len)
             if verdict is not None:
                 ctx.end(verdict)
+        if ctx.resampler is not None and not ctx.is_done:
+            self._resample(ctx)
         if ctx.is_done:
             ctx.drop_futures()
+
+    def _resample(self, ctx: TextContext) -> None:
+        """Roll ctx back to the start of a value that broke its schema, if one
+        just completed and retries remain (see resample.py)."""
+        assert ctx.resampler is not None
+        stream = self._streams.get(ctx.request_id)
+        to = ctx.resampler.check(ctx, floor=stream.sent_tokens if stream is not None else 0)
+        if to is None:
+            return
+        log.debug("request %s: duplicate array item; resampling from token %d (retry %d)",
+                  ctx.request_id, to.position - ctx.prompt_len, ctx.resampler.retries)
+        matcher = ctx.matcher
+        assert matcher is not None
+        matcher.rollback(ctx.grammar_idx - to.position)
+        ctx.rollback(ctx.end_idx - to.position)
+        ctx.forced_next = None
+        # A step launched with the old tokens (speculative constrained decoding)
+        # computed work that is gone: its results for ctx are discarded.
+        ctx.epoch += 1
+        self.kv.truncate(ctx)
+        if stream is not None:
+            stream.rolled_back()
 
     @staticmethod
     def _store_prompt_logprobs(ctx: TextContext, item: PromptLogprobs | None, first: int | None) -> None:

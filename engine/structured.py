@@ -171,6 +171,7 @@ class StructuredOutput:
                     if token is not None:
                         words[i] = 0  # allow exactly `token`
                         words[i, token >> 5] = 1 << (token & 31)
+            _mask_resampled(contexts, bitmask, free)
             mask.set(bitmask, rows)
             self.last_mask_seconds = time.perf_counter() - start
         finally:
@@ -283,4 +284,17 @@ def _rejected(matcher: Matcher, token: int) -> Failure:
     if reason:
         return Failure(f"the grammar library refused token {token}: {reason}", cause="constraint")
     return Failure(f"token {token} was rejected by the grammar")
+
+
+def _mask_resampled(contexts: Sequence[TextContext | None], bitmask: torch.Tensor,
+                    rows: Sequence[int]) -> None:
+    """Rows resampling a value that broke the schema: their banned choices go
+    (engine/resample.py). Kept apart from the mask fill above on purpose."""
+    for i in rows:
+        resampler = contexts[i].resampler  # type: ignore[union-attr]
+        if resampler is not None:
+            try:
+                resampler.mask(contexts[i], bitmask[i])  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - a ban is a preference; the grammar's mask stands
+                log.exception("masking a resampled value failed (row %d)", i)
 

@@ -170,8 +170,9 @@ def _plan(spec: GrammarSpec) -> dict[str, Any]:
 
     prepared = prepare_views(spec, BACKENDS)
     assert prepared is not None, "only JSON specs are planned"
-    views, unenforced = prepared
-    return {"views": views, "unenforced": unenforced, "size": sum(v.source_size for v in views.values())}
+    views, unenforced, unique = prepared
+    return {"views": views, "unenforced": unenforced, "unique_items": unique,
+            "size": sum(v.source_size for v in views.values())}
 
 
 def main(read_fd: int, write_fd: int, parent_pid: int) -> None:

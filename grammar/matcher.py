@@ -26,6 +26,7 @@ import torch
 if TYPE_CHECKING:
     from .spec import GrammarSpec
     from .tokenizer import TokenizerData
+    from .unique_items import UniqueItemsPlan
     from .validation import SchemaValidator
 
 
@@ -41,11 +42,28 @@ class Matcher(ABC):
     validator: SchemaValidator | None = None
     validator_error: str | None = None
     compile_seconds: float = 0.0
+    # Where `uniqueItems` applies (None: nowhere); a strict request resamples
+    # duplicate items there (engine/resample.py).
+    unique_items: UniqueItemsPlan | None = None
 
     def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData) -> None:
         self.spec = spec
         self._tok = tokenizer
         self._num_accepted = 0
+
+    @property
+    def tokenizer(self) -> TokenizerData:
+        """The vocabulary this matcher reads tokens of."""
+        return self._tok
+
+    @property
+    def resampled_keywords(self) -> tuple[str, ...]:
+        """Unenforced keywords that a strict request enforces by resampling
+        instead: `uniqueItems`, when every occurrence of it is tracked."""
+        plan = self.unique_items
+        if plan is not None and plan.covers_all and "uniqueItems" in self.unenforced_keywords:
+            return ("uniqueItems",)
+        return ()
 
     @property
     def num_accepted(self) -> int:

@@ -22,6 +22,7 @@ from .errors import GrammarError
 from .schema_keywords import backend_view
 from .schema_normalize import Unresolved, normalize_schema
 from .spec import GrammarSpec
+from .unique_items import UniqueItemsPlan
 from .validation import SchemaValidator
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,15 @@ class SchemaPlan:
     unenforced: per backend, the schema keywords it leaves to the validator.
     validator: the full schema's validator; None when it cannot read the schema
         (`validator_error` says why), and outputs are then not checked.
+    unique_items: where `uniqueItems` applies, for resampling duplicates in
+        strict requests (None: the schema has no `uniqueItems`).
     """
 
     views: dict[str, GrammarSpec]
     unenforced: dict[str, tuple[str, ...]]
     validator: SchemaValidator | None
     validator_error: str | None = None
+    unique_items: UniqueItemsPlan | None = None
 
     def order(self, preferred: tuple[str, ...]) -> tuple[str, ...]:
         """`preferred` re-ordered so the backend leaving fewer keywords
@@ -67,19 +71,20 @@ def plan_for(spec: GrammarSpec, backends: tuple[str, ...]) -> SchemaPlan | None:
 
 
 def with_validator(spec: GrammarSpec, views: dict[str, GrammarSpec],
-                   unenforced: dict[str, tuple[str, ...]]) -> SchemaPlan:
+                   unenforced: dict[str, tuple[str, ...]],
+                   unique: UniqueItemsPlan | None) -> SchemaPlan:
     """The plan of `spec` from its prepared views, with the full schema's validator."""
     schema: Any = {"type": "object"} if spec.kind == "json_object" else json.loads(str(spec.source))
     try:
-        return SchemaPlan(views, unenforced, SchemaValidator(schema))
+        return SchemaPlan(views, unenforced, SchemaValidator(schema), unique_items=unique)
     except ValueError as e:
-        return SchemaPlan(views, unenforced, None, str(e))
+        return SchemaPlan(views, unenforced, None, str(e), unique_items=unique)
 
 
 def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
-                  ) -> tuple[dict[str, GrammarSpec], dict[str, tuple[str, ...]]] | None:
-    """Each backend's view of a JSON spec and the keywords it leaves
-    unenforced (None for other kinds). Pure Python over the whole schema: the
+                  ) -> tuple[dict[str, GrammarSpec], dict[str, tuple[str, ...]], UniqueItemsPlan | None] | None:
+    """Each backend's view of a JSON spec, the keywords it leaves unenforced
+    and where `uniqueItems` applies (None for other kinds). Pure Python over the whole schema: the
     compiler runs it in a compile worker, away from the server's GIL."""
     if spec.kind == "json_object":
         schema: Any = {"type": "object"}
@@ -109,4 +114,5 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
         else:
             views[backend] = GrammarSpec("json_schema", json.dumps(view, ensure_ascii=False),
                                          spec.options)
-    return views, unenforced
+    unique = UniqueItemsPlan.for_schema(normalized) if spec.kind == "json_schema" else None
+    return views, unenforced, unique

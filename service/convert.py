@@ -219,7 +219,7 @@ def complete_response(request_id: str, final: RequestOutput) -> pb.GenerateRespo
         finish_reason=finish_reason(final),
         usage=pb.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
                        cached_prompt_tokens=final.cached_prompt_tokens,
-                       forced_tokens=final.forced_tokens),
+                       forced_tokens=final.forced_tokens, schema_retries=final.schema_retries),
         grammar_backend=final.grammar_backend or "",
     )
     if isinstance(final.stop_reason, str):

@@ -170,7 +170,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self.state.draining:  # the drain began while the prompt was tokenized or compiled
             raise unavailable("the server is shutting down", Reason.DRAINING)
         # 3. Build its context, once, and hand it to the engine thread.
-        ctx = loop.engine.context(prepared.spec, matcher)
+        strict = prepared.constraint is not None and prepared.constraint.strict
+        ctx = loop.engine.context(prepared.spec, matcher, strict)
         stream = loop.submit(ctx)
         self.state.call_started()
         try:

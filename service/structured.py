@@ -167,10 +167,13 @@ class ConstraintCompiler:
             note_compile(kind, err.backend, start, err.reason, cached)
             raise _compile_error(err, constraint.field) from None
         note_compile(kind, getattr(matcher, "backend", None), start, "compiled", cached)
-        if constraint.strict and matcher.unenforced_keywords:
-            # Strict promises that the grammar alone keeps the output inside
-            # the schema; refuse before any token is spent.
-            names = ", ".join(matcher.unenforced_keywords)
+        refused = [k for k in matcher.unenforced_keywords
+                   if k not in matcher.resampled_keywords] if constraint.strict else []
+        if refused:
+            # Strict promises that the grammar keeps the output inside the
+            # schema (token by token, or by resampling a value that breaks
+            # `uniqueItems`); refuse before any token is spent.
+            names = ", ".join(refused)
             raise invalid_argument(
                 constraint.field,
                 f"strict: the {matcher.backend} grammar cannot enforce {names} token by token; "

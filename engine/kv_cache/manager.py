@@ -131,6 +131,29 @@ class KVCacheManager:
             self.allocator.publish(state.pages[i], parent, page_tokens)
         ctx.committed_idx = max(ctx.committed_idx, full * p)
 
+    def truncate(self, ctx: TextContext) -> None:
+        """After `ctx.rollback`: keep pages only for its remaining tokens.
+
+        A published page is never written again (other requests may share it
+        through the prefix cache): when the positions ctx recomputes start
+        inside one, ctx lets go of it and every page after it, and recomputes
+        from that page's start into fresh pages.
+        """
+        state = self._seqs.get(ctx.request_id)
+        if state is None:
+            return
+        p = self.page_size
+        first = ctx.start_idx // p  # the page the next computed position lands in
+        if first < len(state.hashes):
+            del state.hashes[first:]
+            ctx.recompute_from(first * p)
+            keep = first
+        else:
+            keep = -(-ctx.end_idx // p)
+        for page in state.pages[keep:]:
+            self.allocator.release(page)
+        del state.pages[keep:]
+
     def release(self, ctx: TextContext) -> None:
         """Give back every page of `ctx` (safe to call twice)."""
         state = self._seqs.pop(ctx.request_id, None)

@@ -15,10 +15,14 @@ import grpc
 import jsonschema
 import pytest
 
+from engine import EngineConfig, EngineCore
+from engine.presets import ensure_preset
+from engine.tokenizer import Tokenizer
 from service.cli import main
 from service.errors import bad_request_violations
 from service.gen.stencil.v1 import generate_pb2 as pb
 
+from ..engine.scripted import scripted_by_position
 from .helpers import TIMEOUT, ServerHandle, engine_factory, generate, greedy
 
 Finish = pb.GenerateComplete.FinishReason
@@ -291,6 +295,43 @@ def test_strict_refuses_what_the_grammar_cannot_enforce(grammar_server: ServerHa
     # A schema the grammar enforces whole runs as usual.
     text, _, done, _ = generate(stub, constrained("p", json_schema=json.dumps(PERSON), strict=True))
     assert done.finish_reason == Finish.EOS and done.schema_validation.result == V.VALID
+
+
+def test_strict_resamples_a_duplicate_item(make_server) -> None:  # type: ignore[no-untyped-def]
+    """A scripted model that wants [1,1,2]: the second 1 is rolled back and
+    resampled (its second choice, 3); the stream never carried the duplicate."""
+    path = ensure_preset("tiny-llama")
+    tok = Tokenizer(str(path))
+    ids = tok.encode("[1,1,2]", add_special_tokens=False)
+    script = {2 + i: [t] for i, t in enumerate(ids)}  # the prompt is 2 tokens
+    script[5] += tok.encode("3", add_special_tokens=False)
+    server = make_server(lambda: EngineCore(EngineConfig(model=str(path), kv_cache_gib=0.05),
+                                            wrap_model=scripted_by_position(script)))
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[9, 5]))
+    req.sampling.temperature = 0
+    req.stopping.max_new_tokens = 20
+    req.constraint.CopyFrom(pb.Constraint(json_schema=json.dumps(schema), strict=True))
+    text, _, done, chunks = generate(server.stub, req)
+    assert text == "[1,3,2]" and done.finish_reason == Finish.EOS
+    assert done.usage.schema_retries == 1
+    assert done.schema_validation.result == V.VALID
+    assert list(done.unenforced_keywords) == ["uniqueItems"]  # not token by token: by resampling
+    # The stream is what the client got: had the duplicate been sent, it would be in `text`.
+    assert "".join(c.text for c in chunks) == text
+    # Without strict the model's duplicate stays, and validation says so.
+    req.constraint.strict = False
+    text, _, done, _ = generate(server.stub, req)
+    assert text == "[1,1,2]" and done.usage.schema_retries == 0
+    assert done.schema_validation.result == V.INVALID
+
+
+def test_strict_refuses_uniqueItems_it_cannot_track(grammar_server: ServerHandle) -> None:
+    # Under anyOf, whether uniqueItems applies depends on the branch: not tracked.
+    schema = {"anyOf": [{"type": "array", "uniqueItems": True}, {"type": "string"}]}
+    err = _error(grammar_server.stub.Generate(constrained("s", json_schema=json.dumps(schema), strict=True),
+                                              timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in err.details()
 
 
 def test_validate_constraint_reports_without_generating(grammar_server: ServerHandle) -> None:

@@ -45,3 +45,33 @@ def chain(tokens: Sequence[int]) -> dict[int, int]:
 
 def scripted(table: Mapping[int, int]):
     return lambda real: ScriptedModel(real, table)
+
+
+class PositionScriptedModel:
+    """Wraps a loaded model; the token it wants depends on the position being
+    sampled: `script[p]` lists the tokens it prefers at position p, best
+    first (each next one is still preferred over every unlisted token). With no
+    entry, or when every listed token is masked, lower ids are preferred."""
+
+    def __init__(self, real, script: Mapping[int, Sequence[int]]):
+        self.real = real
+        self.config = real.config
+        self.device = real.device
+        self.script = {p: list(tokens) for p, tokens in script.items()}
+        vocab = real.config.vocab_size
+        self.base = -torch.arange(vocab, dtype=torch.float32) * 1e-3
+
+    def forward(self, input_ids, positions, attention, meta):
+        self.real.forward(input_ids, positions, attention, meta)
+        return positions.to(torch.float32)[:, None]  # each row remembers its position
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.base.expand(hidden.shape[0], -1).clone()
+        for row, position in enumerate(hidden[:, 0].long().tolist()):
+            for rank, token in enumerate(self.script.get(position + 1, ())):
+                out[row, token] = 10.0 - rank
+        return out
+
+
+def scripted_by_position(script: Mapping[int, Sequence[int]]):
+    return lambda real: PositionScriptedModel(real, script)

@@ -150,3 +150,34 @@ def test_request_that_can_never_fit_ends_with_an_error(make_llm):
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "error"
     assert "does not fit" in (outs[0].error or "")
     assert not eng.has_work()
+
+
+def test_truncate_after_a_rollback_never_rewrites_a_published_page():
+    a = PageAllocator(16, page_size=4)
+    m = KVCacheManager(torch.zeros(16, 2, 1, 4, 1, 2), a)
+    ctx = _ctx([1, 2, 3])
+    m.claim(ctx)
+    for tok in range(10, 20):  # 13 tokens, the first 12 computed: 3 full pages published
+        assert m.reserve(ctx, ctx.end_idx + 1)
+        ctx.update(tok)
+    m.commit(ctx)
+    assert a.num_cached == 3 and m.num_pages_held("r") == 4
+    published = a.num_cached
+    # Back to 6 tokens: position 5 is recomputed, and it lies in page 1 (published).
+    ctx.rollback(7)
+    assert ctx.start_idx == 5
+    m.truncate(ctx)
+    assert ctx.start_idx == 4 and ctx.active_idx == ctx.end_idx == 6  # page 1 is recomputed afresh
+    assert m.num_pages_held("r") == 1
+    assert a.num_cached == published  # the cached pages stay findable, untouched
+    assert m.reserve(ctx, 6) and m.num_pages_held("r") == 2
+    # A rollback inside the unpublished tail keeps the page it lands in.
+    ctx.update(50)
+    ctx.update(51)  # 8 tokens, 7 computed
+    m.reserve(ctx, 8)
+    ctx.rollback(1)
+    m.truncate(ctx)
+    assert ctx.start_idx == 6 and m.num_pages_held("r") == 2
+    m.release(ctx)
+    a.check_consistency()
+    assert a.num_used == 0

@@ -1,0 +1,135 @@
+"""Resampling a JSON value that breaks the schema in a way the grammar cannot see.
+
+A strict JSON-schema request (`Constraint.strict`) whose schema says
+`uniqueItems: true` gets a `Resampler`. After each step the tokens its matcher
+has accepted are read by a `grammar.unique_items.UniqueItemsWatch`; when an
+item of a tracked array completes and equals an earlier item, the postprocess
+rolls the request back to the start of that item (postprocess.py: the
+context's tokens, its matcher, its KV pages, its output stream) and the item
+is generated again, with the token the model chose first inside the item
+masked at that point (a *ban*: it holds only while everything before it, from
+the item's start, is exactly as it was). Forced tokens at the item's start come
+back the same, so the ban lands on the model's own first choice.
+
+Bounds: `MAX_RETRIES_PER_VALUE` rollbacks to the same position and
+`MAX_RETRIES` per request. Past them, or when the whole item was forced by the
+grammar (the model made no choice to mask), the duplicate stays and the
+finished output fails validation as it would without resampling. Every
+rollback counts in `usage.schema_retries`.
+
+Streaming: text that a rollback could take back is never sent. While an item
+of a tracked array is open, the stream holds back from that item's start
+(`stable_tokens`), so a client sees completed values only; see output.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from grammar.unique_items import UniqueItemsWatch
+
+MAX_RETRIES_PER_VALUE = 3
+MAX_RETRIES = 16
+
+
+class Output(Protocol):
+    """What a Resampler reads of a request (a TextContext; a protocol so that
+    context.py can refer to this module without an import cycle)."""
+
+    tokens: np.ndarray
+    prompt_len: int
+    grammar_idx: int
+    forced_positions: set[int]
+
+    @property
+    def num_final_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Where a request goes back to: `position` is the first token dropped."""
+
+    position: int
+
+
+class Resampler:
+    """One strict request's duplicate watch, bans and retry counts (engine thread only)."""
+
+    def __init__(self, watch: UniqueItemsWatch, token_bytes: Callable[[int], bytes]):
+        self.watch = watch
+        self._token_bytes = token_bytes
+        # Byte offset, in what the watch read, after each generated token fed to it.
+        self._ends: list[int] = []
+        # (item start position, tokens from there up to the masked position) -> masked tokens.
+        self._bans: dict[tuple[int, tuple[int, ...]], set[int]] = {}
+        self._tries: dict[int, int] = {}  # rollbacks per item start position
+        self.retries = 0
+
+    @property
+    def stable_tokens(self) -> int:
+        """Generated tokens no rollback can take back (the stream may send them)."""
+        return bisect.bisect_right(self._ends, self.watch.stable)
+
+    def check(self, ctx: Output, floor: int) -> Rollback | None:
+        """Read ctx's newly accepted tokens; the rollback to make now, if any.
+
+        `floor`: generated tokens already sent to the client (never taken back).
+        """
+        first = None
+        for pos in range(ctx.prompt_len + len(self._ends), ctx.grammar_idx):
+            found = self.watch.feed(self._token_bytes(int(ctx.tokens[pos])))
+            self._ends.append(self.watch.size)
+            first = first or found
+        if first is None:
+            return None
+        keep = bisect.bisect_right(self._ends, first.start)
+        position = ctx.prompt_len + keep
+        choice = self._first_choice(ctx, keep, first.end)
+        if (choice is None or keep < floor or self.retries >= MAX_RETRIES
+                or self._tries.get(position, 0) >= MAX_RETRIES_PER_VALUE):
+            return None  # the duplicate stays; validation reports it
+        # Bans and counts past this point described tokens that are going away.
+        self._bans = {k: v for k, v in self._bans.items() if k[0] <= position}
+        self._tries = {k: v for k, v in self._tries.items() if k <= position}
+        prefix = tuple(int(t) for t in ctx.tokens[position:choice])
+        self._bans.setdefault((position, prefix), set()).add(int(ctx.tokens[choice]))
+        self._tries[position] = self._tries.get(position, 0) + 1
+        self.retries += 1
+        del self._ends[keep:]
+        self.watch.truncate(self._ends[-1] if self._ends else 0)
+        return Rollback(position)
+
+    def _first_choice(self, ctx: Output, keep: int, item_end: int) -> int | None:
+        """Position of the first token inside the item that the model chose (not forced)."""
+        for i in range(keep, len(self._ends)):
+            start_byte = self._ends[i - 1] if i else 0
+            if start_byte >= item_end:
+                return None
+            pos = ctx.prompt_len + i
+            if pos not in ctx.forced_positions:
+                return pos
+        return None
+
+    def mask(self, ctx: Output, row: torch.Tensor) -> None:
+        """Clear the banned tokens for ctx's next sample from its bitmask row
+        (int32, CPU), unless nothing the grammar allows would be left."""
+        position = ctx.num_final_tokens  # the placeholder the step samples
+        banned: set[int] = set()
+        for (start, prefix), tokens in self._bans.items():
+            if start + len(prefix) == position and tuple(int(t) for t in ctx.tokens[start:position]) == prefix:
+                banned |= tokens
+        if not banned:
+            return
+        words = row.numpy().view(np.uint32)
+        narrowed = words.copy()
+        for token in banned:
+            narrowed[token >> 5] &= ~np.uint32(1 << (token & 31))
+        if narrowed.any():
+            words[:] = narrowed
+

@@ -1,0 +1,121 @@
+"""Strict JSON outputs: a duplicate item under `uniqueItems` is rolled back and resampled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import SamplingParams
+from engine.presets import ensure_preset
+from engine.tokenizer import Tokenizer
+from grammar import GrammarSpec
+
+from .scripted import scripted_by_position
+
+PROMPT = [9, 5]  # outputs start at position 2
+INTS = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(str(ensure_preset("tiny-llama")))
+
+
+def _script(tok: Tokenizer, text: str, alternatives: dict[int, list[str]] | None = None) -> dict[int, list[int]]:
+    """A position script that writes `text` token by token; `alternatives`
+    (output token index -> texts) adds more choices there, in order."""
+    ids = tok.encode(text, add_special_tokens=False)
+    script = {len(PROMPT) + i: [t] for i, t in enumerate(ids)}
+    for i, texts in (alternatives or {}).items():
+        for alt in texts:
+            [alt_id] = tok.encode(alt, add_special_tokens=False)
+            script[len(PROMPT) + i].append(alt_id)
+    return script
+
+
+def _generate(llm, schema: dict, strict: bool = True, max_new_tokens: int = 40):
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+    return llm.generate([PROMPT], params, constraint=GrammarSpec.json_schema(json.dumps(schema)),
+                        strict=strict)[0]
+
+
+@pytest.mark.parametrize("config", [
+    {"grammar_backend": "llguidance"},
+    {"grammar_backend": "xgrammar"},
+    {"grammar_backend": "llguidance", "overlap": False},
+    {"grammar_backend": "xgrammar", "speculative_constrained": True},
+    # Small pages: the rollback reaches into a page already in the prefix cache.
+    {"grammar_backend": "llguidance", "page_size": 4},
+])
+def test_duplicate_item_is_resampled(make_llm, tok, config):
+    # The model wants [1,1,2]; at the second item its second choice is 3.
+    script = _script(tok, "[1,1,2]", {3: ["3"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), **config)
+    out = _generate(llm, INTS)
+    assert out.text == "[1,3,2]" and out.finish_reason == "eos"
+    assert out.schema_retries == 1
+    assert out.token_ids == llm.tokenizer.encode("[1,3,2]", add_special_tokens=False) + [out.token_ids[-1]]
+
+
+def test_without_strict_the_duplicate_stays(make_llm, tok):
+    script = _script(tok, "[1,1,2]", {3: ["3"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
+    out = _generate(llm, INTS, strict=False)
+    assert out.text == "[1,1,2]" and out.schema_retries == 0
+
+
+def test_retries_per_value_are_bounded(make_llm, tok):
+    # At the fifth item the model tries 1, 2, 3 and 4: three retries, then the
+    # duplicate 4 stays (validation reports it).
+    script = _script(tok, "[1,2,3,4,1]", {9: ["2", "3", "4", "5"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
+    out = _generate(llm, INTS)
+    assert out.text == "[1,2,3,4,4]" and out.schema_retries == 3 and out.finish_reason == "eos"
+
+
+def test_a_forced_duplicate_is_not_retried(make_llm, tok):
+    # Items can only be 1: the grammar forces the second one; no choice to mask.
+    schema = {"type": "array", "items": {"const": 1}, "uniqueItems": True}
+    script = _script(tok, "[1,1]")
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
+    out = _generate(llm, schema)
+    assert out.text == "[1,1]" and out.schema_retries == 0
+
+
+def test_object_items_nested_in_an_object(make_llm, tok):
+    schema = {"type": "object", "properties": {"xs": {
+        "type": "array", "uniqueItems": True,
+        "items": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                  "additionalProperties": False}}},
+        "required": ["xs"], "additionalProperties": False}
+    text = '{"xs":[{"a":1},{"a":1}]}'
+    ids = tok.encode(text, add_special_tokens=False)
+    one = [i for i, t in enumerate(ids) if tok.decode([t]) == "1"]
+    script = _script(tok, text, {one[1]: ["3"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
+    out = _generate(llm, schema, max_new_tokens=60)
+    assert json.loads(out.text) == {"xs": [{"a": 1}, {"a": 3}]} and out.schema_retries == 1
+
+
+def test_the_stream_never_carries_what_a_rollback_takes_back(make_llm, tok):
+    script = _script(tok, "[1,1,2]", {3: ["3"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
+    engine = llm.engine
+    matcher = engine.structured.compile(GrammarSpec.json_schema(json.dumps(INTS)))
+    ctx = engine.make_context(PROMPT, SamplingParams(temperature=0, max_new_tokens=20), matcher=matcher,
+                              strict=True)
+    engine.add_request(ctx)
+    sent, token_ids, finished = [], [], False
+    while not finished:
+        for delta in engine.step():
+            sent.append(delta.text)
+            token_ids += delta.token_ids
+            finished = finished or delta.finished
+    while engine.has_work():
+        engine.step()
+    text = "".join(sent)
+    assert text == "[1,3,2]" and ctx.schema_retries == 1
+    assert tok.decode(token_ids) == text
+    # An item goes out once the `,` or `]` after it shows it complete (and unique).
+    assert [s for s in sent if s] == ["[", "1,", "3,", "2]"]
