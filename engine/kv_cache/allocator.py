@@ -203,12 +203,14 @@ class PageAllocator:
         """Every published page as a PagesStored of its own, each after its parent."""
         out: list[PagesStored] = []
         done: set[int] = set()
-        for page in list(self._page_hash):
+        for start in list(self._page_hash):
             chain = []
+            page: int | None = start
             while page is not None and page not in done:
                 chain.append(page)
                 done.add(page)
                 parent = self._page_parent[page]
+                # Walk up to the first ancestor already listed (or the root).
                 page = self._by_hash.get(parent) if parent is not None else None
             for p in reversed(chain):
                 out.append(PagesStored([self._page_hash[p]], [self._page_tokens[p]],
