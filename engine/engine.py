@@ -286,4 +286,13 @@ class EngineCore:
         outputs += self.postprocessor.outputs(self.scheduler.take_dropped())
         self.last_step = StepStats(time.perf_counter() - start, len(contexts), num_tokens,
                                    self.structured.last_mask_seconds)
+        # What the step did to the prefix cache, to its listeners (a router's index).
+        self.allocator.flush_events()
         return outputs
+
+    def flush_prefix_cache(self) -> int:
+        """Drop the prefix cache's unreferenced pages (those running requests hold
+        stay); returns how many. Its listeners hear of it at once."""
+        dropped = self.allocator.clear_cache()
+        self.allocator.flush_events()
+        return dropped

@@ -78,6 +78,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "'KEY [NAME[:MAX_INFLIGHT]]' (default: $STENCILD_API_KEYS, comma-separated)")
     t.add_argument("--public-reflection", action="store_true",
                    help="serve reflection without an API key (it needs one otherwise)")
+    t.add_argument("--no-vllm-protocol", action="store_true",
+                   help="do not serve vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine, "
+                        "what SMG and llm-d route to) next to stencil.v1")
     t.add_argument("--served-model-name", default=None,
                    help="the model name clients see (default: the checkpoint directory's name)")
     t.add_argument("--health-port", type=int, default=0,
@@ -271,6 +274,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         watchdog_timeout_s=args.watchdog_timeout, validate_output=not args.no_validate_output,
         tls=tls, health_port=args.health_port, health_host=args.health_host,
         api_keys=tuple(api_keys), public_reflection=args.public_reflection,
+        vllm_protocol=not args.no_vllm_protocol,
         telemetry=TelemetryConfig(metrics_host=args.metrics_host or args.host,
                                   metrics_port=args.metrics_port or None,
                                   otlp_endpoint=args.otlp_endpoint,

@@ -40,9 +40,11 @@ from .embeddings import EmbeddingOptions, EmbeddingSlot, EmbeddingsServicer
 from .engine_loop import AdmissionLimits, EngineLoop
 from .gen.stencil.v1 import embed_pb2_grpc, speech_pb2_grpc
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from .gen.vllm import vllm_engine_pb2_grpc
 from .generation import SERVICE_NAME, GenerationServicer, ServingState
 from .health import OVERALL_HEALTH, HealthState
 from .interceptors import UnparsableRequests
+from .kv_events import KvEventHub
 from .loading import LoadedModels, load_models
 from .reflection import enable_reflection
 from .speech import SERVICE_NAME as SPEECH_SERVICE
@@ -50,6 +52,8 @@ from .speech import SpeechOptions, SpeechServicer, SpeechSlot
 from .structured import ConstraintCompiler
 from .telemetry import Telemetry, TelemetryConfig
 from .tls import ServerTLS, TLSConfig
+from .vllm_engine import SERVICE_NAME as VLLM_SERVICE
+from .vllm_engine import VllmEngineServicer
 from .watchdog import Watchdog, Watched
 
 log = logging.getLogger(__name__)
@@ -138,6 +142,9 @@ class ServerConfig:
     public_reflection: bool = False
     # Metrics endpoint and trace export (service/telemetry.py); none by default.
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    # Also serve vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine), so
+    # routers that drive vLLM fleets (SMG, llm-d) can route to this server.
+    vllm_protocol: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -174,7 +181,9 @@ class StencilServer:
         self.state.validate_output = self.config.validate_output
         self.embedding = EmbeddingSlot(embedding)
         self.speech = SpeechSlot(speech)
-        self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE])
+        self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE]
+                                  + ([VLLM_SERVICE] if self.config.vllm_protocol else []))
+        self.kv_events = KvEventHub()
         self.telemetry = Telemetry(self.config.telemetry)
         self.telemetry.embedding_model = embedding.model_name if embedding is not None else ""
         self.models: LoadedModels | None = None
@@ -216,9 +225,14 @@ class StencilServer:
         embed_pb2_grpc.add_EmbeddingsServicer_to_server(EmbeddingsServicer(self.state, self.embedding),
                                                         server)
         speech_pb2_grpc.add_SpeechServicer_to_server(SpeechServicer(self.state, self.speech), server)
+        services = [SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE, HEALTH_SERVICE]
+        if self.config.vllm_protocol:
+            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+                VllmEngineServicer(self.state, self.embedding, self.kv_events), server)
+            services.append(VLLM_SERVICE)
         self.health.add_to_server(server)
         await self.health.not_serving()
-        enable_reflection([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE, HEALTH_SERVICE], server)
+        enable_reflection(services, server)
         port = _bind(server, self.config.host, self.config.port,
                      self._tls.credentials if self._tls is not None else None)
         await server.start()
@@ -294,11 +308,15 @@ class StencilServer:
                                                         cfg.admission.max_pending_requests,
                                                         warm=cfg.warmup and cfg.warmup_grammar)
             self.state.engine_loop = loop
+            if self.config.vllm_protocol:
+                # Numbering starts with the engine, before anyone subscribes.
+                await self.kv_events.attach(loop)
             log.info("ready: %s (%s, %s)", self.state.model_name, engine.model_config.architecture,
                      engine.config.torch_device)
         self._start_speech(models)
         self.embedding.runtime = models.embeddings
         served = [name for name, on in ((SERVICE_NAME, engine is not None),
+                                        (VLLM_SERVICE, engine is not None and self.config.vllm_protocol),
                                         (EMBEDDINGS_SERVICE, models.embeddings is not None),
                                         (SPEECH_SERVICE, self.speech.loop is not None)) if on]
         await self.health.serving(served)
@@ -314,6 +332,7 @@ class StencilServer:
         shared_speech = self.speech.loop is not None and self.speech.loop is self.state.engine_loop
         if self.state.engine_loop is not None:
             out.append(Watched(self.state.engine_loop, (OVERALL_HEALTH, SERVICE_NAME)
+                               + ((VLLM_SERVICE,) if self.config.vllm_protocol else ())
                                + ((SPEECH_SERVICE,) if shared_speech else ())))
         if self.state.speech_loop is not None:
             out.append(Watched(self.state.speech_loop, (SPEECH_SERVICE,)))

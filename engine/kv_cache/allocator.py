@@ -10,13 +10,28 @@ hit, so a hash collision can never hand out the wrong keys and values.
 Pages nobody references but that are published stay cached, ordered by last
 use; they are evicted (least recently used first) only when the free list is
 empty.
+
+Listeners (`add_listener`) hear what happens to the cache (events.py): stored,
+removed, cleared. Events are recorded only while someone listens and handed
+over in one list by `flush_events`, which the engine calls at the end of each
+step; like everything here, on the engine thread, with no lock held.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import numpy as np
+
+from .events import CacheCleared, KVEvent, PagesRemoved, PagesStored
+
+log = logging.getLogger(__name__)
+# The parent of a sequence's first page. A constant, not None: hash(None)
+# differs from process to process, and a page must hash the same in every
+# engine of a fleet (a router's index compares them).
+_ROOT = 0
 
 
 class OutOfPages(RuntimeError):
@@ -24,8 +39,12 @@ class OutOfPages(RuntimeError):
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full page given its parent page's hash (None for the first page)."""
-    return hash((parent, tokens))
+    """Hash of a full page given its parent page's hash (None for the first page).
+
+    Deterministic: the same tokens hash the same in every process (ints and
+    tuples of ints are not salted by PYTHONHASHSEED).
+    """
+    return hash((_ROOT if parent is None else parent, tokens))
 
 
 class PageAllocator:
@@ -42,10 +61,13 @@ class PageAllocator:
         self._by_hash: dict[int, int] = {}
         self._page_hash: dict[int, int] = {}
         self._page_tokens: dict[int, tuple[int, ...]] = {}
+        self._page_parent: dict[int, int | None] = {}
         # Published pages with refcount 0, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.hits = 0
         self.evictions = 0
+        self._listeners: list[Callable[[list[KVEvent]], None]] = []
+        self._events: list[KVEvent] = []
 
     # -- accounting -------------------------------------------------------
     @property
@@ -114,8 +136,10 @@ class PageAllocator:
             return None
         return page
 
-    def publish(self, page: int, page_hash: int, tokens: tuple[int, ...]) -> None:
-        """Make a full, final page findable by later requests."""
+    def publish(self, page: int, page_hash: int, tokens: tuple[int, ...],
+                parent: int | None = None) -> None:
+        """Make a full, final page findable by later requests (`parent`: the
+        hash of the page before it, None for a sequence's first page)."""
         if not self.enable_prefix_caching or page in self._page_hash:
             return
         if page_hash in self._by_hash:
@@ -123,16 +147,83 @@ class PageAllocator:
         self._by_hash[page_hash] = page
         self._page_hash[page] = page_hash
         self._page_tokens[page] = tokens
+        self._page_parent[page] = parent
+        if self._listeners:
+            last = self._events[-1] if self._events else None
+            if isinstance(last, PagesStored) and last.hashes and last.hashes[-1] == parent:
+                last.hashes.append(page_hash)  # the chain goes on: one event
+                last.tokens.append(tokens)
+            else:
+                self._events.append(PagesStored([page_hash], [tokens], parent))
 
-    def _unpublish(self, page: int) -> None:
+    def _unpublish(self, page: int, record: bool = True) -> None:
         page_hash = self._page_hash.pop(page)
         self._page_tokens.pop(page, None)
+        self._page_parent.pop(page, None)
         if self._by_hash.get(page_hash) == page:
             del self._by_hash[page_hash]
+        if record and self._listeners:
+            last = self._events[-1] if self._events else None
+            if isinstance(last, PagesRemoved):
+                last.hashes.append(page_hash)
+            else:
+                self._events.append(PagesRemoved([page_hash]))
 
-    def clear_cache(self) -> None:
-        """Drop every unreferenced cached page back to the free list."""
+    def clear_cache(self) -> int:
+        """Drop every unreferenced cached page back to the free list; returns how many.
+
+        Pages that running requests hold stay published. When none does, the
+        listeners hear one CacheCleared instead of a removal per page.
+        """
+        everything = len(self._evictable) == len(self._page_hash)
+        dropped = len(self._evictable)
         while self._evictable:
             page, _ = self._evictable.popitem(last=False)
-            self._unpublish(page)
+            self._unpublish(page, record=not everything)
             self._free.append(page)
+        if everything and dropped and self._listeners:
+            self._events.append(CacheCleared())
+        return dropped
+
+    # -- listeners --------------------------------------------------------
+    def add_listener(self, listener: Callable[[list[KVEvent]], None]) -> list[PagesStored]:
+        """Call `listener` with each batch of events from now on; returns what the
+        cache holds now (one PagesStored per page, parents first), so a listener
+        that starts late knows everything without a gap or a repeat."""
+        self._listeners.append(listener)
+        return self.snapshot()
+
+    def remove_listener(self, listener: Callable[[list[KVEvent]], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+        if not self._listeners:
+            self._events.clear()
+
+    def snapshot(self) -> list[PagesStored]:
+        """Every published page as a PagesStored of its own, each after its parent."""
+        out: list[PagesStored] = []
+        done: set[int] = set()
+        for start in list(self._page_hash):
+            chain = []
+            page: int | None = start
+            while page is not None and page not in done:
+                chain.append(page)
+                done.add(page)
+                parent = self._page_parent[page]
+                # Walk up to the first ancestor already listed (or the root).
+                page = self._by_hash.get(parent) if parent is not None else None
+            for p in reversed(chain):
+                out.append(PagesStored([self._page_hash[p]], [self._page_tokens[p]],
+                                       self._page_parent[p]))
+        return out
+
+    def flush_events(self) -> None:
+        """Hand the events recorded since the last flush to every listener."""
+        if not self._events:
+            return
+        events, self._events = self._events, []
+        for listener in list(self._listeners):
+            try:
+                listener(events)
+            except Exception:  # a listener's fault must never stop the engine
+                log.exception("a KV cache event listener failed")

@@ -126,9 +126,10 @@ class KVCacheManager:
         parent = state.hashes[-1] if state.hashes else None
         for i in range(len(state.hashes), full):
             page_tokens = tuple(ctx.tokens[i * p:(i + 1) * p].tolist())
-            parent = chain_hash(parent, page_tokens)
-            state.hashes.append(parent)
-            self.allocator.publish(state.pages[i], parent, page_tokens)
+            page_hash = chain_hash(parent, page_tokens)
+            state.hashes.append(page_hash)
+            self.allocator.publish(state.pages[i], page_hash, page_tokens, parent)
+            parent = page_hash
         ctx.committed_idx = max(ctx.committed_idx, full * p)
 
     def truncate(self, ctx: TextContext) -> None:
@@ -159,7 +160,10 @@ class KVCacheManager:
         state = self._seqs.pop(ctx.request_id, None)
         if state is None:
             return
-        for page in state.pages:
+        # Last page first: cached pages are evicted least recently released
+        # first, so a sequence's tail goes before its head, and what stays
+        # cached is always a prefix that a later request can reuse.
+        for page in reversed(state.pages):
             self.allocator.release(page)
 
     # -- step inputs ------------------------------------------------------

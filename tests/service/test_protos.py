@@ -139,3 +139,34 @@ def test_buf_lints_and_compiles_the_protos(tmp_path: Path) -> None:
     for args in (["lint"], ["build", "-o", str(tmp_path / "image.binpb")]):
         run = subprocess.run([str(BUF), *args], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, f"buf {args[0]}: {run.stdout}{run.stderr}"
+
+
+# SHA-256 of the files as published in the smg-grpc-proto 0.4.28 wheel (its RECORD).
+VLLM_PROTO_SHA256 = {
+    "common.proto": "44d0c85739af339ab225378bd946d8a1051b9d2836a088b5214ec52fab5eda8a",
+    "vllm_engine.proto": "5ed16a0fdd76ae14da0e61ccd7c5cd3d789d05554443c865df6535dca1bcba80",
+}
+
+
+def test_vendored_vllm_protos_are_the_published_ones() -> None:
+    import hashlib
+
+    root = protogen.PROTO_ROOT / "vllm"
+    found = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in root.glob("*.proto")}
+    assert found == VLLM_PROTO_SHA256, "protos/vllm must stay byte for byte as published"
+    assert (root / "LICENSE").read_text().startswith("Apache License")
+    # They are compiled from their own root, never as part of ours.
+    assert not [p for p in protogen.proto_files() if p.is_relative_to(root)]
+
+
+def test_vllm_stubs_import_as_a_package() -> None:
+    from service.gen.vllm import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    text = (protogen.GEN_ROOT / "vllm/vllm_engine_pb2_grpc.py").read_text()
+    assert "from service.gen.vllm import common_pb2" in text
+    service = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
+    assert service.full_name == "vllm.grpc.engine.VllmEngine"
+    assert {"Generate", "Embed", "HealthCheck", "Abort", "GetModelInfo", "GetServerInfo", "GetLoads",
+            "GetTokenizer", "SubscribeKvEvents", "FlushCache"} <= set(service.methods_by_name)
+    assert vllm_engine_pb2_grpc.VllmEngineServicer is not None
+    assert common_pb2.KvEventBatch.DESCRIPTOR.full_name == "smg.grpc.common.KvEventBatch"

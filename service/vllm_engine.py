@@ -1,0 +1,307 @@
+"""The `vllm.grpc.engine.VllmEngine` servicer: vLLM's gRPC engine protocol.
+
+Routers that drive fleets of gRPC engines (the Shepherd Model Gateway, the
+llm-d endpoint picker) speak this protocol to their workers; serving it on the
+same port and engine as `stencil.v1` puts stencild in such a fleet with no
+code of ours in the router. Everything goes through the same machinery as
+`stencil.v1.Generation`: the same EngineLoop (admission limits, abort on
+cancel), the same validation (INVALID_ARGUMENT + BadRequest, fields named in
+this proto's terms, service/vllm_convert.py) and the same constraint compiler.
+
+`n` > 1 runs n sequences: the first one alone until its prompt is computed
+(its full pages are then in the prefix cache), then the others, which find the
+prompt's pages there and compute only its last, partial page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from grammar import Matcher
+
+from . import convert, vllm_convert, vllm_info
+from .auth import scoped_request_id
+from .embeddings import EmbeddingRuntime, EmbeddingSlot
+from .engine_loop import RequestStream
+from .errors import (
+    REQUEST_ID_METADATA,
+    Reason,
+    current_request_id,
+    failed_precondition,
+    invalid_argument,
+    resource_exhausted,
+    rpc_guard,
+    unavailable,
+)
+from .gen.vllm import common_pb2 as cpb
+from .gen.vllm import vllm_engine_pb2 as vpb
+from .gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+from .generation import ServingState, next_outputs, run_maybe_off_loop
+from .kv_events import KvEventHub, SubscriberGone
+from .request_log import note_refusal
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+
+
+class _Sequence:
+    """One of a request's n sequences: its engine stream and what it produced."""
+
+    def __init__(self, index: int, engine_id: str, stream: RequestStream, state: vllm_convert.SequenceState):
+        self.index = index
+        self.engine_id = engine_id
+        self.stream = stream
+        self.state = state
+
+
+class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
+    """VllmEngine over the server's EngineLoop, embedding model and KV event hub.
+
+    StartProfile and StopProfile are left UNIMPLEMENTED.
+    """
+
+    def __init__(self, state: ServingState, embedding: EmbeddingSlot, kv_events: KvEventHub):
+        self.state = state
+        self.embedding = embedding
+        self.kv_events = kv_events
+        self.started_at = time.monotonic()
+        self.last_receive = 0.0
+
+    # -- Generate ---------------------------------------------------------------
+    @rpc_guard
+    async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        rid = convert.check_request_id(request.request_id)
+        current_request_id.set(rid)
+        self.last_receive = time.time()
+        loop = self.state.require_engine()
+        prepared = await run_maybe_off_loop(request.ByteSize(), vllm_convert.prepare_generate,
+                                             request, loop.engine, scoped_request_id(rid))
+        matchers: list[Matcher | None] = [None] * len(prepared.specs)
+        if prepared.constraint is not None:
+            compiler = self.state.constraints
+            assert compiler is not None
+            # One matcher per sequence (matchers hold state); after the first,
+            # each is a cache hit.
+            for i in range(len(matchers)):
+                matchers[i] = await compiler.compile(prepared.constraint)
+            if not loop.alive:
+                raise unavailable("the engine is not running", Reason.ENGINE_STOPPED)
+        if self.state.draining:
+            raise unavailable("the server is shutting down", Reason.DRAINING)
+        field = prepared.constraint.field if prepared.constraint is not None else None
+        sequences: list[_Sequence] = []
+        merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        pumps: list[asyncio.Task[None]] = []
+
+        def start(i: int) -> None:
+            spec = prepared.specs[i]
+            ctx = loop.engine.context(spec, matchers[i])
+            stream = loop.submit(ctx)
+            seq = _Sequence(i, ctx.request_id, stream,
+                            vllm_convert.SequenceState.start(i, [int(t) for t in spec.prompt]))
+            sequences.append(seq)
+            pumps.append(asyncio.ensure_future(self._pump(seq, field, merged)))
+
+        start(0)
+        self.state.call_started()
+        try:
+            await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
+            running = 1
+            others_started = len(prepared.specs) == 1
+            while running:
+                i, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise item
+                outputs, final = item
+                if not others_started:
+                    # The first sequence's prompt is computed and its pages
+                    # published: the others reuse them from the prefix cache.
+                    others_started = True
+                    for j in range(1, len(prepared.specs)):
+                        start(j)
+                        running += 1
+                seq = sequences[i]
+                new_ids, new_lps = seq.state.add(outputs)
+                if request.stream:
+                    msg = vllm_convert.chunk(seq.state, new_ids, new_lps, prepared, final is not None)
+                    if msg is not None:
+                        await context.write(msg)
+                if final is not None:
+                    running -= 1
+                    await context.write(vllm_convert.complete(seq.state, final, prepared, request.stream,
+                                                              new_ids, new_lps))
+        finally:
+            for task in pumps:
+                task.cancel()
+            # Cancelled, deadline passed, client gone, or a failure: the engine
+            # stops every sequence still running and frees its pages now.
+            for seq in sequences:
+                if not seq.stream.finished:
+                    loop.abort(seq.engine_id)
+            self.state.call_finished()
+
+    @staticmethod
+    async def _pump(seq: _Sequence, field: str | None, merged: asyncio.Queue[tuple[int, Any]]) -> None:
+        """Move one sequence's outputs onto the call's merged queue (errors too)."""
+        try:
+            while True:
+                outputs, final = await next_outputs(seq.stream, field)
+                merged.put_nowait((seq.index, (outputs, final)))
+                if final is not None:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the call, which ends with it
+            merged.put_nowait((seq.index, exc))
+
+    # -- Abort ------------------------------------------------------------------
+    @rpc_guard
+    async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
+        """Idempotent: ids that are unknown or already finished are fine."""
+        loop = self.state.engine_loop
+        if loop is None:
+            return vpb.AbortResponse()
+        for rid in request.request_ids:
+            engine_id = scoped_request_id(rid)
+            loop.abort(engine_id)
+            for i in range(1, vllm_convert.MAX_N):  # the other sequences of an n > 1 request
+                loop.abort(f"{engine_id}/{i}")
+        return vpb.AbortResponse()
+
+    # -- Embed ------------------------------------------------------------------
+    @rpc_guard
+    async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext) -> vpb.EmbedResponse:
+        """The embedding model's vector of the input's text.
+
+        The router tokenizes with the generation model's tokenizer, and the
+        embedding model has a vocabulary of its own, so the input's text is
+        embedded: `original_text` when given, else the ids decoded with the
+        generation model's tokenizer.
+        """
+        if request.request_id:
+            current_request_id.set(convert.check_request_id(request.request_id))
+        runtime = self._embedding_runtime()
+        text = request.tokenized.original_text
+        if not text:
+            ids = list(request.tokenized.input_ids)
+            if not ids:
+                raise invalid_argument("tokenized.input_ids", "the input is empty")
+            loop = self.state.engine_loop
+            if loop is None:
+                raise invalid_argument("tokenized.original_text", "required on a server without a generation "
+                                                                  "model (token ids cannot be decoded)")
+            engine = loop.engine
+            if any(not 0 <= t < engine.vocab_size for t in ids):
+                bad = next(i for i, t in enumerate(ids) if not 0 <= t < engine.vocab_size)
+                raise invalid_argument(f"tokenized.input_ids[{bad}]", "outside the vocabulary")
+            text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+        from engine.embedding import BatcherClosed, BatcherOverloaded
+        from engine.errors import InvalidRequest
+
+        self.state.call_started()
+        try:
+            vectors, tokens = await runtime.batcher.embed([text], True, None, False)
+        except InvalidRequest as err:
+            raise invalid_argument("tokenized", err.description) from None
+        except BatcherOverloaded as err:
+            note_refusal("embedding_max_pending_tokens")
+            raise resource_exhausted(f"the embedding queue is full ({err}); retry later",
+                                     Reason.EMBEDDING_QUEUE_FULL) from None
+        except BatcherClosed:
+            raise unavailable("the server is shutting down", Reason.DRAINING) from None
+        finally:
+            self.state.call_finished()
+        values = [float(v) for v in vectors[0]]
+        return vpb.EmbedResponse(embedding=values, prompt_tokens=tokens, embedding_dim=len(values))
+
+    def _embedding_runtime(self) -> EmbeddingRuntime:
+        return self.state.require_ready(
+            self.embedding.runtime, lambda runtime: runtime.alive, served=self.embedding.enabled,
+            not_served="this server serves no embedding model (start it without --no-embedding-model)",
+            not_served_reason=Reason.NO_EMBEDDING_MODEL, loading="the embedding model is still loading",
+            stopped="the embedding model is not running")
+
+    # -- health and info --------------------------------------------------------
+    @rpc_guard
+    async def HealthCheck(self, request: vpb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext) -> vpb.HealthCheckResponse:
+        loop = self.state.engine_loop
+        if self.state.draining:
+            return vpb.HealthCheckResponse(healthy=False, message="the server is shutting down")
+        if loop is None:
+            return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
+        if not loop.alive:
+            return vpb.HealthCheckResponse(healthy=False, message="the engine is not running")
+        return vpb.HealthCheckResponse(healthy=True, message="serving")
+
+    @rpc_guard
+    async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> vpb.GetModelInfoResponse:
+        loop = self.state.require_engine()
+        return vllm_info.model_info(loop.engine, self.state.model_name)
+
+    @rpc_guard
+    async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
+        loop = self.state.require_engine()
+        return vllm_info.server_info(loop, self.state.draining, self.last_receive,
+                                     time.monotonic() - self.started_at)
+
+    @rpc_guard
+    async def GetLoads(self, request: vpb.GetLoadsRequest,
+                       context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            raise invalid_argument("dp_rank", "this server has one data-parallel rank (0)")
+        loop = self.state.require_engine()
+        return vllm_info.loads(loop, self.state.server_version)
+
+    @rpc_guard
+    async def GetTokenizer(self, request: cpb.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext) -> None:
+        """The tokenizer's files as one zip, in chunks; the last carries its SHA-256."""
+        loop = self.state.require_engine()
+        data, digest = await asyncio.to_thread(vllm_info.tokenizer_zip, Path(loop.engine.config.model))
+        size = vllm_info.TOKENIZER_CHUNK_BYTES
+        for start in range(0, len(data), size):
+            last = start + size >= len(data)
+            await context.write(cpb.GetTokenizerChunk(data=data[start:start + size], sha256=digest if last else ""))
+
+    # -- the prefix cache ---------------------------------------------------------
+    @rpc_guard
+    async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> None:
+        """The prefix cache's current state, then what each step does to it (kv_events.py)."""
+        loop = self.state.require_engine()
+        if not self.kv_events.attached:
+            raise unavailable("the model is still loading", Reason.MODEL_LOADING)
+        if not loop.engine.config.enable_prefix_caching:
+            raise failed_precondition("prefix caching is off on this server (--no-prefix-caching)",
+                                      Reason.NO_GENERATION_MODEL)
+        await context.send_initial_metadata(())
+        events = self.kv_events.subscribe()
+        try:
+            async for batch in events:
+                await context.write(batch)
+        except SubscriberGone:
+            raise unavailable("this subscriber fell behind; subscribe again", Reason.QUEUE_FULL) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await events.aclose()
+
+    @rpc_guard
+    async def FlushCache(self, request: cpb.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> cpb.FlushCacheResponse:
+        """Drop the prefix cache's unreferenced pages. Pages that running requests
+        hold stay, so this never disturbs them and needs no wait for idleness
+        (`timeout_s` is accepted and not needed)."""
+        loop = self.state.require_engine()
+        dropped = await loop.call(lambda engine: engine.flush_prefix_cache())
+        return cpb.FlushCacheResponse(success=True, message=f"dropped {dropped} cached pages")

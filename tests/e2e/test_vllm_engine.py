@@ -1,0 +1,194 @@
+"""vllm.grpc.engine.VllmEngine on the same server as stencil.v1: generate, validation,
+n > 1, abort on cancel, KV events, flush, info RPCs, tokenizer bundle, health."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+import zipfile
+
+import grpc
+import jsonschema
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.errors import bad_request_violations
+from service.gen.vllm import common_pb2 as cpb
+from service.gen.vllm import vllm_engine_pb2 as vpb
+from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+
+from .helpers import TIMEOUT, engine_factory
+
+
+@pytest.fixture(scope="module")
+def vllm(make_server):  # type: ignore[no-untyped-def]
+    handle = make_server(engine_factory(page_size=4))
+    return handle, vpb_grpc.VllmEngineStub(handle.channel)
+
+
+def _req(rid: str, ids: list[int], max_tokens: int = 6, stream: bool = False, **params) -> vpb.GenerateRequest:  # type: ignore[no-untyped-def]
+    req = vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids), stream=stream)
+    req.sampling_params.max_tokens = max_tokens
+    req.sampling_params.temperature = params.pop("temperature", 0.0)
+    for name, value in params.items():
+        if name == "choice":
+            req.sampling_params.choice.choices.extend(value)
+        elif isinstance(value, list):
+            getattr(req.sampling_params, name).extend(value)
+        else:
+            setattr(req.sampling_params, name, value)
+    return req
+
+
+def test_generate_stream_and_unary_agree(vllm) -> None:  # type: ignore[no-untyped-def]
+    _, stub = vllm
+    prompt = list(range(5, 30))
+    streamed = list(stub.Generate(_req("s1", prompt, stream=True), timeout=TIMEOUT))
+    chunks = [m.chunk for m in streamed if m.HasField("chunk")]
+    done = streamed[-1].complete
+    assert streamed[-1].HasField("complete") and done.finish_reason == "length"
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert len(tokens) == 6 and all(c.prompt_tokens == len(prompt) for c in chunks)
+    unary = list(stub.Generate(_req("u1", prompt), timeout=TIMEOUT))
+    assert len(unary) == 1 and list(unary[0].complete.output_ids) == tokens
+    assert unary[0].complete.completion_tokens == 6 and unary[0].complete.prompt_tokens == len(prompt)
+
+
+def test_text_input_stop_token_and_logprobs(vllm) -> None:  # type: ignore[no-untyped-def]
+    _, stub = vllm
+    first = list(stub.Generate(_req("t0", [7, 8, 9], max_tokens=3), timeout=TIMEOUT))[0].complete
+    stop_at = first.output_ids[1]
+    req = _req("t1", [7, 8, 9], max_tokens=3, stop_token_ids=[stop_at], logprobs=2, prompt_logprobs=1)
+    done = list(stub.Generate(req, timeout=TIMEOUT))[0].complete
+    assert done.finish_reason == "stop" and done.WhichOneof("matched_stop") == "matched_token_id"
+    assert done.matched_token_id == stop_at
+    assert list(done.output_logprobs.token_ids) == list(done.output_ids)
+    assert all(len(top.token_ids) == 2 for top in done.output_logprobs.top_logprobs)
+    assert not done.input_logprobs.token_logprobs[0].HasField("value")  # the first prompt token has none
+    assert len(done.input_logprobs.token_ids) == 3
+    text = vpb.GenerateRequest(request_id="t2", text="Hello there", stream=False)
+    text.sampling_params.max_tokens = 2
+    assert list(stub.Generate(text, timeout=TIMEOUT))[0].complete.prompt_tokens > 0
+
+
+def test_n_sequences_share_the_prompt(vllm) -> None:  # type: ignore[no-untyped-def]
+    handle, stub = vllm
+    prompt = list(range(40, 61))  # 5 full pages of 4 and one more token
+    req = _req("n1", prompt, max_tokens=4, temperature=1.0, seed=11, n=3)
+    out = [m.complete for m in stub.Generate(req, timeout=TIMEOUT)]
+    assert sorted(c.index for c in out) == [0, 1, 2]
+    assert len({tuple(c.output_ids) for c in out}) > 1, "seeded samples differ per sequence"
+    later = [c for c in out if c.index > 0]
+    assert all(c.cached_tokens >= 20 for c in later), "the later sequences reuse the prompt's pages"
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda r: setattr(r.sampling_params, "top_p", 1.5), "sampling_params.top_p"),
+    (lambda r: setattr(r.sampling_params, "logprobs", -1), "sampling_params.logprobs"),
+    (lambda r: setattr(r.sampling_params, "max_tokens", 10**6), "sampling_params.max_tokens"),
+    (lambda r: r.tokenized.input_ids.append(10**6), "tokenized.input_ids[3]"),
+    (lambda r: setattr(r.sampling_params, "structural_tag", "{}"), "sampling_params.structural_tag"),
+    (lambda r: setattr(r.sampling_params, "json_schema", "{not json"), "sampling_params.json_schema"),
+    (lambda r: setattr(r.sampling_params, "n", 1000), "sampling_params.n"),
+    (lambda r: setattr(r, "data_parallel_rank", 2), "data_parallel_rank"),
+])
+def test_bad_requests_name_the_field(vllm, mutate, field) -> None:  # type: ignore[no-untyped-def]
+    _, stub = vllm
+    req = _req("bad", [5, 6, 7])
+    mutate(req)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, timeout=TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == [field]
+
+
+def test_constraints_go_through_the_grammar_path(vllm) -> None:  # type: ignore[no-untyped-def]
+    _, stub = vllm
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    handle, _ = vllm
+    tok = handle.server.state.engine_loop.engine.tokenizer
+    cases = [("json_schema", json.dumps(schema)), ("regex", "[a-c]{3}"), ("choice", ["yes", "no"]),
+             ("grammar", 'root ::= "x" | "y"'), ("json_object", True)]
+    for kind, value in cases:
+        req = _req(f"c-{kind}", [5, 6, 7], max_tokens=40, **{kind: value})
+        done = list(stub.Generate(req, timeout=TIMEOUT))[0].complete
+        text = tok.decode(list(done.output_ids), skip_special_tokens=True)
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(text), schema)
+        elif kind == "regex":
+            assert len(text) == 3 and set(text) <= set("abc")
+        elif kind == "choice":
+            assert text in ("yes", "no")
+        elif kind == "grammar":
+            assert text in ("x", "y")
+        elif done.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+def test_cancel_aborts_and_abort_is_idempotent(vllm) -> None:  # type: ignore[no-untyped-def]
+    handle, stub = vllm
+    call = stub.Generate(_req("c1", [5, 6, 7], max_tokens=500, stream=True, ignore_eos=True), timeout=TIMEOUT)
+    next(call)
+    call.cancel()
+    assert handle.wait_no_pages() == (0, 0)
+    stub.Abort(vpb.AbortRequest(request_ids=["c1", "never-seen"]), timeout=TIMEOUT)
+    # Abort ends a running request with finish_reason "abort".
+    call = stub.Generate(_req("c2", [5, 6, 7], max_tokens=500, stream=True, ignore_eos=True), timeout=TIMEOUT)
+    next(call)
+    threading.Timer(0.05, lambda: stub.Abort(vpb.AbortRequest(request_ids=["c2"]), timeout=TIMEOUT)).start()
+    last = list(call)[-1]
+    assert last.complete.finish_reason == "abort"
+
+
+def test_kv_events_snapshot_then_live_then_flush(vllm) -> None:  # type: ignore[no-untyped-def]
+    handle, stub = vllm
+    stub.FlushCache(cpb.FlushCacheRequest(), timeout=TIMEOUT)
+    events = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=TIMEOUT)
+    prompt = list(range(100, 113))  # 3 full pages of 4
+    list(stub.Generate(_req("kv1", prompt, max_tokens=1), timeout=TIMEOUT))
+    stored: dict[int, list[int]] = {}
+    seqs = []
+    for batch in events:
+        seqs.append(batch.sequence_number)
+        for ev in batch.events:
+            if ev.HasField("stored"):
+                stored.update({b.block_hash: list(b.token_ids) for b in ev.stored.blocks})
+            elif ev.HasField("cleared"):
+                stored.clear()
+        if [prompt[0:4], prompt[4:8], prompt[8:12]] == [t for t in stored.values()][:3]:
+            break
+    assert seqs == sorted(seqs)
+    flushed = stub.FlushCache(cpb.FlushCacheRequest(), timeout=TIMEOUT)
+    assert flushed.success
+    for batch in events:
+        if any(ev.HasField("cleared") or ev.HasField("removed") for ev in batch.events):
+            break
+    events.cancel()
+    assert handle.engine_call(lambda e: e.allocator.num_cached) == 0
+
+
+def test_info_loads_tokenizer_and_health(vllm) -> None:  # type: ignore[no-untyped-def]
+    handle, stub = vllm
+    info = stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=TIMEOUT)
+    engine = handle.server.state.engine_loop.engine
+    assert info.served_model_name == "tiny-llama" and info.max_context_length == engine.max_model_len
+    assert list(info.eos_token_ids) == sorted(engine.eos_token_ids) and info.tokenizer_path
+    loads = stub.GetLoads(vpb.GetLoadsRequest(), timeout=TIMEOUT)
+    assert loads.dp_rank_count == 1 and loads.loads[0].max_running_requests == engine.config.max_num_seqs
+    assert 0.0 <= loads.loads[0].token_usage <= 1.0
+    server = stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=TIMEOUT)
+    assert server.block_size == 4 and server.uptime_seconds > 0
+    chunks = list(stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=TIMEOUT))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and not any(c.sha256 for c in chunks[:-1])
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(zipfile.ZipFile(io.BytesIO(data)).namelist())
+    assert stub.HealthCheck(vpb.HealthCheckRequest(), timeout=TIMEOUT).healthy
+    health = health_pb2_grpc.HealthStub(handle.channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="vllm.grpc.engine.VllmEngine"), timeout=TIMEOUT)
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        stub.StartProfile(cpb.StartProfileRequest(), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -1,0 +1,118 @@
+"""The prefix cache's events: what a router's KV index is told, and in which order."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from engine import SamplingParams
+from engine.kv_cache import CacheCleared, PageAllocator, PagesRemoved, PagesStored, chain_hash
+
+from ..conftest import REPO_ROOT
+
+
+def _replay(events: list, state: dict[int, tuple[int | None, tuple[int, ...]]]) -> None:
+    """Apply events to a map hash -> (parent, tokens), as a router's index would."""
+    for ev in events:
+        if isinstance(ev, PagesStored):
+            parent = ev.parent
+            for h, toks in zip(ev.hashes, ev.tokens, strict=True):
+                state[h] = (parent, toks)
+                parent = h
+        elif isinstance(ev, PagesRemoved):
+            for h in ev.hashes:
+                del state[h]  # a removal always names a page that was stored
+        else:
+            assert isinstance(ev, CacheCleared)
+            state.clear()
+
+
+def _published(a: PageAllocator) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+    state: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+    _replay(a.snapshot(), state)
+    return state
+
+
+def test_chain_hash_is_the_same_in_every_process():
+    code = "from engine.kv_cache import chain_hash; print(chain_hash(chain_hash(None, (1, 2)), (3, 4)))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=REPO_ROOT).stdout
+    assert other == f"{chain_hash(chain_hash(None, (1, 2)), (3, 4))}\n"
+
+
+def test_events_only_while_listened_to_and_coalesced_by_chain():
+    a = PageAllocator(8, page_size=2)
+    p = a.allocate(4)
+    h0 = chain_hash(None, (1, 2))
+    a.publish(p[0], h0, (1, 2))  # nobody listens: nothing recorded
+    got: list = []
+    snap = a.add_listener(got.extend)
+    assert [(s.hashes, s.parent) for s in snap] == [([h0], None)]
+    h1 = chain_hash(h0, (3, 4))
+    h2 = chain_hash(h1, (5, 6))
+    a.publish(p[1], h1, (3, 4), h0)
+    a.publish(p[2], h2, (5, 6), h1)
+    a.publish(p[3], chain_hash(None, (7, 8)), (7, 8))  # another sequence: a new event
+    assert got == []  # nothing until the flush
+    a.flush_events()
+    assert got == [PagesStored([h1, h2], [(3, 4), (5, 6)], h0),
+                   PagesStored([chain_hash(None, (7, 8))], [(7, 8)], None)]
+    a.remove_listener(got.extend)
+    a.publish(a.allocate(1)[0], chain_hash(None, (9, 9)), (9, 9))
+    a.flush_events()
+    assert len(got) == 2
+
+
+def test_replayed_events_always_equal_what_the_cache_holds():
+    a = PageAllocator(6, page_size=2)
+    state: dict = {}
+    _replay(a.add_listener(lambda evs: _replay(evs, state)), state)
+    parent = None
+    pages = a.allocate(5)
+    for i, page in enumerate(pages):
+        toks = (i, i)
+        h = chain_hash(parent, toks)
+        a.publish(page, h, toks, parent)
+        parent = h
+    a.flush_events()
+    assert state == _published(a) and len(state) == 5
+    for page in reversed(pages):  # the tail is released first, as a finished request does
+        a.release(page)
+    a.allocate(3)  # one free page, then two cached ones evicted: the tail of the chain
+    a.flush_events()
+    assert state == _published(a) and len(state) == 3
+    assert all(parent is None or parent in state for parent, _ in state.values()), "no orphan pages"
+    # A flush with a page still in use removes the others one by one ...
+    held = a.allocate(1)[0]  # evicts one more cached page (the free list is empty)
+    a.publish(held, chain_hash(None, (42, 42)), (42, 42))
+    a.flush_events()
+    assert state == _published(a) and len(state) == 3
+    assert a.clear_cache() == 2
+    a.flush_events()
+    assert state == _published(a) and list(state) == [chain_hash(None, (42, 42))]
+    # ... and one that empties the cache is a single CacheCleared.
+    a.release(held)
+    events: list = []
+    a.add_listener(events.extend)
+    assert a.clear_cache() == 1
+    a.flush_events()
+    assert events == [CacheCleared()] and state == {}
+    a.check_consistency()
+
+
+def test_engine_steps_publish_prompt_pages_and_flush_drops_them(make_llm):
+    llm = make_llm("tiny-llama", page_size=4)
+    engine = llm.engine
+    state: dict = {}
+    _replay(engine.allocator.add_listener(lambda evs: _replay(evs, state)), state)
+    prompt = list(range(3, 3 + 13))  # 3 full pages of 4, and one more token
+    llm.generate([prompt], SamplingParams(temperature=0, max_new_tokens=2))
+    assert state == _published(engine.allocator)
+    chain = [chain_hash(None, tuple(prompt[0:4]))]
+    chain.append(chain_hash(chain[0], tuple(prompt[4:8])))
+    chain.append(chain_hash(chain[1], tuple(prompt[8:12])))
+    assert set(chain) <= set(state), "the prompt's full pages are stored under their chain hashes"
+    assert state[chain[1]] == (chain[0], tuple(prompt[4:8]))
+    held = len(state)
+    assert held > 0 and engine.flush_prefix_cache() == held
+    assert state == {} and engine.allocator.num_cached == 0
