@@ -18,6 +18,25 @@ from engine.presets import ensure_preset  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs `stencild serve` in-process configures the root logger
+    (service.request_log.configure_logging): undo it, so the servers of later
+    tests do not print every request line into the test output."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def preset() -> Callable[[str], Path]:
     return ensure_preset

@@ -156,7 +156,9 @@ def test_constrained_requests_and_compiles(msrv: ServerHandle) -> None:
     req = greedy("Answer:", max_new_tokens=16)
     req.constraint.choice.choices.extend(["yes, certainly", "no, never"])
     outs = [generate(msrv.stub, req) for _ in range(2)]  # the second is a compile cache hit
-    after = scrape(msrv)
+    # A call is counted as it ends on the server, maybe just after the client saw it end.
+    after = wait_for(msrv, lambda s: delta(before, s, "stencil_grammar_compile_cache_hits_total",
+                                           kind="choice") == 1)
     forced = sum(o[2].usage.forced_tokens for o in outs)
     assert forced > 0
     assert outs[0][2].grammar_backend == "llguidance"
@@ -173,7 +175,8 @@ def test_constrained_requests_and_compiles(msrv: ServerHandle) -> None:
     bad.constraint.regex = "(unclosed"
     with pytest.raises(grpc.RpcError):
         generate(msrv.stub, bad)
-    failed = scrape(msrv)
+    failed = wait_for(msrv, lambda s: delta(after, s, "stencil_grammar_compile_failures_total",
+                                            kind="regex", reason="invalid") >= 1)
     assert delta(after, failed, "stencil_grammar_compile_failures_total", kind="regex", reason="invalid") == 1
 
 
@@ -211,8 +214,8 @@ def test_embed_and_speech_metrics(make_server: Callable[..., ServerHandle]) -> N
     stub = embed_pb2_grpc.EmbeddingsStub(handle.channel)
     stub.Embed(embed_pb2.EmbedRequest(inputs=["a cat", "a kitten", "stock prices"]), timeout=TIMEOUT)
     chunks, _ = synthesize(handle.speech_stub, speech_pb2.SynthesizeRequest(input="Hello.", max_audio_seconds=0.5))
-    after = scrape(handle)
     embed = {"model_name": "all-MiniLM-L6-v2"}
+    after = wait_for(handle, lambda s: delta(before, s, "stencil_embed_requests_total", **embed) >= 1)
     assert delta(before, after, "stencil_embed_requests_total", **embed) == 1
     assert delta(before, after, "stencil_embed_inputs_total", **embed) == 3
     assert delta(before, after, "stencil_embed_latency_seconds_count", **embed) == 1

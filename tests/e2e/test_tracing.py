@@ -7,6 +7,7 @@ are read from the `stencild.requests` logger.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,18 @@ def lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     return [r.fields for r in caplog.records if r.name == "stencild.requests"]  # type: ignore[attr-defined]
 
 
+def wait_lines(caplog: pytest.LogCaptureFixture, **match: Any) -> list[dict[str, Any]]:
+    """The request lines with these fields, once there is one: a call's line is
+    written as it ends on the server, which may be just after its client saw
+    the status."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = [f for f in lines(caplog) if all(f.get(k) == v for k, v in match.items())]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
 def test_a_request_is_a_span_with_its_stages(traced: ServerHandle, exporter: InMemorySpanExporter,
                                              caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="stencild.requests")
@@ -63,7 +76,7 @@ def test_a_request_is_a_span_with_its_stages(traced: ServerHandle, exporter: InM
     assert compile_.end_time <= queue.start_time + 1_000_000  # clocks agree within a millisecond
     assert queue.end_time <= prefill.start_time + 1_000_000 and prefill.end_time <= decode.start_time + 1_000_000
     # The log line names the same trace and request.
-    [line] = [f for f in lines(caplog) if f["method"] == "Generate"]
+    [line] = wait_lines(caplog, method="Generate")
     assert line["trace_id"] == TRACE_ID and line["status"] == "OK"
     assert line["request_id"] == rid
     assert line["completion_tokens"] == complete.usage.completion_tokens
@@ -80,7 +93,7 @@ def test_without_traceparent_a_new_trace_starts(traced: ServerHandle, exporter: 
     generate(traced.stub, greedy("Hello", max_new_tokens=3))
     [root] = [s for s in exporter.get_finished_spans() if s.name.endswith("/Generate")]
     assert root.parent is None
-    [line] = [f for f in lines(caplog) if f["method"] == "Generate"]
+    [line] = wait_lines(caplog, method="Generate")
     assert line["trace_id"] == f"{root.context.trace_id:032x}"
 
 
@@ -91,7 +104,7 @@ def test_an_unsampled_trace_exports_nothing_but_is_logged(traced: ServerHandle, 
     metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-00"),)
     generate_with(traced, greedy("Hello", max_new_tokens=3), metadata)
     assert exporter.get_finished_spans() == ()
-    [line] = [f for f in lines(caplog) if f["method"] == "Generate"]
+    [line] = wait_lines(caplog, method="Generate")
     assert line["trace_id"] == TRACE_ID
 
 
@@ -109,8 +122,8 @@ def test_a_failure_before_streaming_carries_and_logs_its_request_id(
         rid = trailing["x-request-id"]
         assert rid == given or (not given and len(rid) == 32)
         assert "grpc-status-details-bin" in trailing  # the BadRequest is still there
-        line = lines(caplog)[-1]
-        assert line["request_id"] == rid and line["status"] == "INVALID_ARGUMENT"
+        [line] = wait_lines(caplog, request_id=rid)
+        assert line["status"] == "INVALID_ARGUMENT"
         assert "completion_tokens" not in line  # it never reached the engine
     errors = [s for s in exporter.get_finished_spans() if s.name.endswith("/Generate")]
     assert len(errors) == 2 and all(s.status.status_code is StatusCode.ERROR for s in errors)
@@ -121,7 +134,7 @@ def test_a_gateway_request_id_is_used(traced: ServerHandle, caplog: pytest.LogCa
     responses = list(traced.stub.Generate(greedy("Hi", max_new_tokens=2),
                                           metadata=(("x-request-id", "from-the-gateway"),)))
     assert responses[-1].request_id == "from-the-gateway"
-    assert lines(caplog)[-1]["request_id"] == "from-the-gateway"
+    assert wait_lines(caplog, request_id="from-the-gateway")
 
 
 def generate_with(handle: ServerHandle, req: Any, metadata: Any) -> tuple[str, Any]:
