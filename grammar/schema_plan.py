@@ -27,6 +27,10 @@ from .validation import SchemaValidator
 
 log = logging.getLogger(__name__)
 
+# Schemas larger than this get their validator built on first use (see
+# SchemaValidator.lazy).
+LAZY_VALIDATOR_CHARS = 64 * 1024
+
 
 @dataclass(frozen=True)
 class SchemaPlan:
@@ -74,6 +78,9 @@ def with_validator(spec: GrammarSpec, views: dict[str, GrammarSpec],
                    unenforced: dict[str, tuple[str, ...]],
                    unique: UniqueItemsPlan | None) -> SchemaPlan:
     """The plan of `spec` from its prepared views, with the full schema's validator."""
+    if spec.kind == "json_schema" and spec.source_size > LAZY_VALIDATOR_CHARS:
+        validator = SchemaValidator.lazy(str(spec.source))
+        return SchemaPlan(views, unenforced, validator, unique_items=unique)
     schema: Any = {"type": "object"} if spec.kind == "json_object" else json.loads(str(spec.source))
     try:
         return SchemaPlan(views, unenforced, SchemaValidator(schema), unique_items=unique)
@@ -90,7 +97,12 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
         schema: Any = {"type": "object"}
     elif spec.kind == "json_schema":
         assert isinstance(spec.source, str)
-        schema = json.loads(spec.source)
+        try:
+            schema = json.loads(spec.source)  # large ones were not parsed at the edge
+        except (ValueError, RecursionError) as e:
+            raise GrammarError(f"JSON schema is not valid JSON: {str(e)[:200]}") from None
+        if not isinstance(schema, dict | bool):
+            raise GrammarError("JSON schema must be a JSON object or a boolean")
     else:
         return None
     try:

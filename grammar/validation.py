@@ -15,6 +15,7 @@ anyway).
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ class ValidationResult:
     instance_path: str = ""
     keyword: str = ""
     message: str = ""
+    checked: bool = True  # False: the validator could not read the schema (`message` says why)
 
 
 VALID = ValidationResult(True)
@@ -48,13 +50,43 @@ class SchemaValidator:
 
     Raises ValueError when the validator cannot read the schema (the grammar
     compiler then reports outputs as not checked rather than failing them).
+    A `lazy` one (`SchemaValidator.lazy(source)`, for large schemas) is built
+    on its first use instead: building holds the GIL for a while (hundreds of
+    milliseconds for a schema of several hundred KB), which a constraint that
+    never completes (a slow-to-compile "bomb") should not cost the server;
+    its failure to read the schema is then a result with `checked` False.
     """
 
     def __init__(self, schema: Any) -> None:
+        self._source: str | None = None
+        self._lock = threading.Lock()
+        self._validator = self._build(schema)
+
+    @classmethod
+    def lazy(cls, source: str) -> SchemaValidator:
+        """A validator of the schema in `source`, built when first used."""
+        self = cls.__new__(cls)
+        self._source, self._lock, self._validator = source, threading.Lock(), None
+        return self
+
+    @property
+    def built(self) -> bool:
+        return self._validator is not None
+
+    @staticmethod
+    def _build(schema: Any) -> Any:
         try:
-            self._validator = jsonschema_rs.validator_for(schema, offline=True)
+            return jsonschema_rs.validator_for(schema, offline=True)
         except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as e:
             raise ValueError(f"the validator cannot read this schema: {_short(str(e))}") from None
+
+    def _ready(self) -> Any:
+        if self._validator is None:
+            with self._lock:
+                if self._validator is None:
+                    assert self._source is not None
+                    self._validator = self._build(json.loads(self._source))
+        return self._validator
 
     def validate_text(self, text: str) -> ValidationResult:
         """Parse `text` as JSON and validate it; never raises."""
@@ -67,7 +99,11 @@ class SchemaValidator:
     def validate(self, instance: Any) -> ValidationResult:
         """Validate a parsed instance: VALID or the first error; never raises."""
         try:
-            error = next(iter(self._validator.iter_errors(instance)), None)
+            validator = self._ready()
+        except ValueError as e:
+            return ValidationResult(False, "", "", str(e), checked=False)
+        try:
+            error = next(iter(validator.iter_errors(instance)), None)
         except Exception as e:  # noqa: BLE001 - a validator fault must not fail the request
             return ValidationResult(False, "", "", f"validator failed: {_short(str(e))}")
         if error is None:

@@ -48,11 +48,13 @@ async def check_output(matcher: Matcher, text: str, final: RequestOutput,
     else:
         validator = matcher.validator
         outcome: ValidationResult
-        if len(text) > OFF_LOOP_CHARS:
+        if len(text) > OFF_LOOP_CHARS or not validator.built:  # a first use builds it
             outcome = await asyncio.to_thread(validator.validate_text, text)
         else:
             outcome = validator.validate_text(text)
-        if outcome.valid:
+        if not outcome.checked:
+            result = R(result=R.NOT_CHECKED, message=outcome.message)
+        elif outcome.valid:
             result = R(result=R.VALID)
         else:
             result = R(result=R.INVALID, instance_path=outcome.instance_path,

@@ -232,3 +232,26 @@ def test_counted_repetitions_above_the_limit_are_refused():
         with pytest.raises(GrammarError, match="above the limit"):
             GrammarSpec.regex(pattern)
     GrammarSpec.regex(r"a\{1000000\}")  # escaped braces are text
+
+
+def test_a_large_schema_that_is_not_json_is_refused_when_planned(compiler):
+    # Past EDGE_PARSE_CHARS the JSON is parsed in the compile worker, not at the edge.
+    from grammar.spec import EDGE_PARSE_CHARS
+
+    source = '{"type": "object", "description": "' + "x" * EDGE_PARSE_CHARS + '"'  # unterminated
+    spec = GrammarSpec.json_schema(source)
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        compiler.compile(spec)
+
+
+def test_a_lazy_validator_is_built_on_first_use_and_reports_an_unreadable_schema():
+    from grammar.validation import SchemaValidator
+
+    lazy = SchemaValidator.lazy('{"type": "integer", "minimum": 3}')
+    assert not lazy.built
+    assert lazy.validate_text("5").valid and lazy.built
+    result = lazy.validate_text("2")
+    assert result.checked and not result.valid and result.keyword == "minimum"
+    broken = SchemaValidator.lazy('{"type": 12}')
+    outcome = broken.validate_text("1")
+    assert not outcome.checked and "cannot read" in outcome.message
