@@ -70,6 +70,32 @@ class CompileContext:
         self._xgr_compiler: Any = None
         self._llg_tokenizer: Any = init.get("llg_tokenizer")
 
+    def prepare(self) -> None:
+        """Build both libraries' tokenizer objects now, not in the first compile:
+        a worker reports ready only once it can compile at full speed, so a
+        fresh worker's set-up is never charged to a spec's compile timeout."""
+        self._xgrammar_compiler()
+        self._llguidance_tokenizer()
+
+    def _xgrammar_compiler(self) -> Any:
+        from . import _xgr
+
+        if self._xgr_compiler is None:
+            info = self._init.get("xgr_info")
+            if info is None:
+                info = _xgr.tokenizer_info_from_json(self._init["xgr_info_json"])
+            self._xgr_compiler = _xgr.new_compiler(info)
+        return self._xgr_compiler
+
+    def _llguidance_tokenizer(self) -> Any:
+        from . import _llg
+
+        if self._llg_tokenizer is None:
+            self._llg_tokenizer = _llg.build_tokenizer(
+                self._init["tokenizer_json"], self._init["vocab_size"], self._init["eos_token_ids"]
+            )
+        return self._llg_tokenizer
+
     def compile(self, backend: str, spec: GrammarSpec, max_compiled_bytes: int) -> dict[str, Any]:
         if backend == PLAN_JOB:
             return _plan(spec)
@@ -82,12 +108,7 @@ class CompileContext:
     def _compile_xgrammar(self, spec: GrammarSpec, max_bytes: int) -> dict[str, Any]:
         from . import _xgr
 
-        if self._xgr_compiler is None:
-            info = self._init.get("xgr_info")
-            if info is None:
-                info = _xgr.tokenizer_info_from_json(self._init["xgr_info_json"])
-            self._xgr_compiler = _xgr.new_compiler(info)
-        compiled = _xgr.compile_native(self._xgr_compiler, spec)
+        compiled = _xgr.compile_native(self._xgrammar_compiler(), spec)
         size = int(compiled.memory_size_bytes)
         if size > max_bytes:
             raise GrammarError(
@@ -102,15 +123,12 @@ class CompileContext:
     def _compile_llguidance(self, spec: GrammarSpec, max_bytes: int) -> dict[str, Any]:
         from . import _llg
 
-        if self._llg_tokenizer is None:
-            self._llg_tokenizer = _llg.build_tokenizer(
-                self._init["tokenizer_json"], self._init["vocab_size"], self._init["eos_token_ids"]
-            )
+        tokenizer = self._llguidance_tokenizer()
         grammar = _llg.grammar_text(spec)
         if len(grammar) > max_bytes:
             raise GrammarError("grammar is too large", reason="too_large", backend="llguidance")
         _check_accepts_something(spec)
-        _llg.check(self._llg_tokenizer, spec, grammar)
+        _llg.check(tokenizer, spec, grammar)
         return {"grammar": grammar, "size": len(grammar)}
 
 
@@ -191,6 +209,7 @@ def main(read_fd: int, write_fd: int, parent_pid: int) -> None:
     import xgrammar  # noqa: F401
 
     ctx = CompileContext(init)
+    ctx.prepare()
     _limit_memory(init.get("memory_limit_bytes"))
     # A compile is background work: the engine's steps come first on a busy CPU.
     with contextlib.suppress(OSError):
