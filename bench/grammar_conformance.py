@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SUITE = ROOT.parent / "shared/data/json-schema-test-suite"
+DEFAULT_SUITE = ROOT / "tests/data/json-schema-test-suite"
 TOKENIZER_DIR = ROOT / "engine/presets/tokenizer"
 BACKENDS = ("xgrammar", "llguidance", "auto")
 MODEL_VOCAB = 8320  # a padded model vocabulary, as tiny-qwen2 has

@@ -16,7 +16,7 @@ from grammar import GrammarCompiler
 
 from .conftest import MODEL_VOCAB, REPO, STOP_IDS
 
-SUITE = REPO.parent / "shared/data/json-schema-test-suite"
+SUITE = REPO / "tests/data/json-schema-test-suite"
 
 
 def _runner():
