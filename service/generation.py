@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine import GenerationStatus, RequestOutput
+from grammar import Matcher
 
 from . import convert
 from .auth import scoped_request_id
@@ -26,7 +27,7 @@ from .errors import (
 from .gen.stencil.v1 import generate_pb2 as pb
 from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from .schema_check import check_output, wants_validation
-from .structured import ConstraintCompiler, constraint_spec
+from .structured import ConstraintCompiler, ConstraintSpec, constraint_spec
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Requests larger than this are tokenized on a worker thread, so one long prompt
@@ -121,6 +122,22 @@ class ServingState:
             not_served="this server serves no generation model (embeddings only)",
             not_served_reason=Reason.NO_GENERATION_MODEL, loading="the model is still loading", stopped="the engine is not running")
 
+    async def compile_constraint(self, constraint: ConstraintSpec | None,
+                                 copies: int = 1) -> list[Matcher | None]:
+        """`copies` matchers of a request's constraint (None without one; a
+        matcher holds its sequence's state, so each sequence needs its own:
+        after the first each is a cache hit), then the engine checked again: a
+        drain or an engine failure may have begun while the request was
+        tokenized or compiled. Nothing is registered yet, so a call cancelled
+        here leaves nothing behind."""
+        matchers: list[Matcher | None] = [None] * copies
+        if constraint is not None:
+            assert self.constraints is not None
+            for i in range(copies):
+                matchers[i] = await self.constraints.compile(constraint)
+        self.require_engine()
+        return matchers
+
     @property
     def engine_loops(self) -> list[EngineLoop]:
         """Every running engine loop (generation first)."""
@@ -157,18 +174,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # 1. Check the request and tokenize its prompt (a long one off the loop).
         prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
                                              request, loop.engine, scoped_request_id(rid))
-        matcher = None
-        if prepared.constraint is not None:
-            # 2. Compile its constraint before the engine sees it (a cache hit
-            # returns at once); a failure ends only this call. Nothing is
-            # registered yet, so a call cancelled here leaves nothing behind.
-            compiler = self.state.constraints
-            assert compiler is not None
-            matcher = await compiler.compile(prepared.constraint)
-            if not loop.alive:
-                raise unavailable("the engine is not running", Reason.ENGINE_STOPPED)
-        if self.state.draining:  # the drain began while the prompt was tokenized or compiled
-            raise unavailable("the server is shutting down", Reason.DRAINING)
+        # 2. Compile its constraint before the engine sees it (a cache hit
+        # returns at once); a failure ends only this call.
+        [matcher] = await self.state.compile_constraint(prepared.constraint)
         # 3. Build its context, once, and hand it to the engine thread.
         strict = prepared.constraint is not None and prepared.constraint.strict
         ctx = loop.engine.context(prepared.spec, matcher, strict)

@@ -24,8 +24,6 @@ from typing import Any
 
 import grpc
 
-from grammar import Matcher
-
 from . import convert, vllm_convert, vllm_info
 from .auth import scoped_request_id
 from .embeddings import EmbeddingRuntime, EmbeddingSlot
@@ -84,18 +82,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         loop = self.state.require_engine()
         prepared = await run_maybe_off_loop(request.ByteSize(), vllm_convert.prepare_generate,
                                              request, loop.engine, scoped_request_id(rid))
-        matchers: list[Matcher | None] = [None] * len(prepared.specs)
-        if prepared.constraint is not None:
-            compiler = self.state.constraints
-            assert compiler is not None
-            # One matcher per sequence (matchers hold state); after the first,
-            # each is a cache hit.
-            for i in range(len(matchers)):
-                matchers[i] = await compiler.compile(prepared.constraint)
-            if not loop.alive:
-                raise unavailable("the engine is not running", Reason.ENGINE_STOPPED)
-        if self.state.draining:
-            raise unavailable("the server is shutting down", Reason.DRAINING)
+        matchers = await self.state.compile_constraint(prepared.constraint, len(prepared.specs))
         field = prepared.constraint.field if prepared.constraint is not None else None
         sequences: list[_Sequence] = []
         merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
