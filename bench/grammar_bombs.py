@@ -80,11 +80,18 @@ def main() -> None:
             idle = stream_gaps(stub, pb, args.tokens)
             answers: list[tuple[float, str]] = []
 
-            def bomb(i: int) -> None:
+            # Built before the live stream starts: this client's own GIL must not
+            # stall the stream it measures while it serializes 725 KB schemas.
+            requests = []
+            for i in range(args.bombs):
                 req = pb.GenerateRequest(text="JSON:")
                 req.stopping.max_new_tokens = 8
                 req.constraint.json_schema = json.dumps(nested_any_of(args.depth, f"b{i}_{time.time_ns()}"))
                 req.constraint.backend = pb.Constraint.BACKEND_XGRAMMAR
+                requests.append(req)
+
+            def bomb(i: int) -> None:
+                req = requests[i]
                 start = time.perf_counter()
                 try:
                     list(stub.Generate(req, timeout=120))
