@@ -2,11 +2,18 @@
 
 For every schema group in the suite and every backend (xgrammar, llguidance,
 auto): compile the schema; feed each `valid: true` instance - serialized with
-`json.dumps(x, separators=(",", ":"))`, tokenized with the demo tokenizer - token
+`json.dumps(x, separators=(",", ":"), ensure_ascii=False)`, compact UTF-8 as a
+model writes JSON, tokenized with the demo tokenizer - token
 by token (each token must be inside the filled bitmask and accepted, and a stop
 token must be allowed at the end); count the `valid: false` instances that are
 rejected somewhere (or cannot terminate). A schema that fails to compile (or
 times out) accepts none of its valid instances and rejects all invalid ones.
+The `checked` column is `auto` plus the value checks of strict requests
+(grammar/value_watch.py): an instance the grammar accepts is also read by a
+`ValueWatch`, and counts as rejected when a completed value (or the whole
+output, at its stop token) breaks a keyword the grammar left unenforced; what
+strict mode does with the schemas it accepts (`strict refuses` counts the
+schemas it refuses up front instead).
 
     .venv/bin/python bench/grammar_conformance.py [--suite DIR] [--timeout S] [--json OUT]
 
@@ -28,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SUITE = ROOT / "tests/data/json-schema-test-suite"
 TOKENIZER_DIR = ROOT / "engine/presets/tokenizer"
-BACKENDS = ("xgrammar", "llguidance", "auto")
+BACKENDS = ("xgrammar", "llguidance", "auto", "checked")
 MODEL_VOCAB = 8320  # a padded model vocabulary, as tiny-qwen2 has
 STOP_IDS = (1, 3)
 # Run as a script, this directory comes first on sys.path and its grammar.py
@@ -51,6 +58,8 @@ class Tally:
     invalid_missed_when_enforced: int = 0
     groups: int = 0
     compiled: int = 0
+    # `checked` only: schemas strict mode refuses (a keyword it cannot check on its own value).
+    strict_refused: int = 0
 
     def add(self, other: Tally) -> None:
         for name in self.__dataclass_fields__:
@@ -89,14 +98,29 @@ def run_instance(matcher: Any, tokens: list[int], bitmask: Any, stop_id: int) ->
     return _allowed(bitmask, stop_id) and matcher.can_terminate()
 
 
+def watch_rejects(matcher: Any, tokens: list[int], token_bytes: Any) -> bool:
+    """Whether the value checks of a strict request reject this output."""
+    from grammar.value_watch import ValueWatch
+
+    if matcher.watch_plan is None or not matcher.unenforced_keywords:
+        return False
+    watch = ValueWatch(matcher.watch_plan, matcher.unenforced_keywords, matcher.validator)
+    for tok in tokens:
+        if watch.feed(token_bytes(tok)) is not None:
+            return True
+    return watch.finish() is not None
+
+
 def evaluate(
     compiler: Any,
     suite: dict[str, list[dict[str, Any]]],
     backends: Iterable[str] = BACKENDS,
 ) -> Report:
     from grammar import GrammarError, GrammarSpec
+    from grammar.vocab import token_bytes
 
     tok = compiler.tokenizer_data
+    read = token_bytes(tok)
     stop_id = tok.eos_token_ids[0]
     bitmask = compiler.allocate_bitmask(1)
     report = Report()
@@ -107,20 +131,25 @@ def evaluate(
         for group in groups:
             spec = GrammarSpec("json_schema", json.dumps(group["schema"]))
             cases = [
-                (t["valid"], tok.encode(json.dumps(t["data"], separators=(",", ":"))))
+                (t["valid"], tok.encode(json.dumps(t["data"], separators=(",", ":"), ensure_ascii=False)))
                 for t in group["tests"]
             ]
             for backend in backends:
                 tally = tallies[backend]
                 tally.groups += 1
+                checked = backend == "checked"
                 try:
-                    matcher = compiler.compile(spec, backend=backend)
+                    matcher = compiler.compile(spec, backend="auto" if checked else backend)
                     tally.compiled += 1
                 except GrammarError:
                     matcher = None
+                if checked and matcher is not None:
+                    tally.strict_refused += set(matcher.unenforced_keywords) != set(matcher.resampled_keywords)
                 validator = getattr(matcher, "validator", None)
                 for (valid, tokens), test in zip(cases, group["tests"], strict=True):
                     ok = matcher is not None and run_instance(matcher, tokens, bitmask, stop_id)
+                    if ok and checked:
+                        ok = not watch_rejects(matcher, tokens, read)
                     if valid:
                         tally.valid += 1
                         tally.valid_accepted += ok
@@ -169,6 +198,9 @@ def markdown(report: Report, backends: Iterable[str] = BACKENDS) -> str:
                  + " | ".join(flagged) + " |")
     compiled = " | ".join(f"{totals[b].compiled}/{totals[b].groups} | " for b in backends)
     lines.append(f"| schemas compiled | {compiled}|")
+    if "checked" in totals:
+        cells = " | ".join(f"{totals[b].strict_refused} | " if b == "checked" else " | " for b in backends)
+        lines.append(f"| schemas strict refuses | {cells}|")
     return "\n".join(lines)
 
 

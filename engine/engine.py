@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grammar.unique_items import UniqueItemsWatch
+from grammar.value_watch import ValueWatch
 from grammar.vocab import token_bytes
 
 from .attention import make_attention
@@ -184,14 +184,16 @@ class EngineCore:
     def context(self, spec: RequestSpec, matcher: Matcher | None = None, strict: bool = False) -> TextContext:
         """The context of a checked request; `matcher` is its compiled grammar, if constrained.
 
-        `strict` (JSON schemas): a duplicate item where the schema says
-        `uniqueItems` is rolled back and resampled (resample.py).
+        `strict` (JSON schemas): a value that breaks a keyword the grammar does
+        not enforce is rolled back and resampled (resample.py).
         """
         kwargs: dict[str, Any] = {"request_id": spec.request_id} if spec.request_id else {}
         ctx = TextContext(tokens=spec.prompt, max_length=spec.max_length, sampling_params=spec.params,
                           eos_token_ids=self.eos_token_ids, seed=spec.seed, matcher=matcher, **kwargs)
-        if strict and matcher is not None and matcher.unique_items is not None:
-            ctx.resampler = Resampler(UniqueItemsWatch(matcher.unique_items), token_bytes(matcher.tokenizer))
+        plan = matcher.watch_plan if strict and matcher is not None else None
+        if plan is not None and matcher is not None and matcher.unenforced_keywords:
+            watch = ValueWatch(plan, matcher.unenforced_keywords, matcher.validator)
+            ctx.resampler = Resampler(watch, token_bytes(matcher.tokenizer))
         return ctx
 
     def make_context(self, prompt: Sequence[int], params: SamplingParams | None = None,

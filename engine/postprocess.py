@@ -143,6 +143,9 @@ class Postprocessor:
             if verdict is None and forced:
                 last = ctx.end_idx - 1
                 verdict = token_verdict(ctx, int(ctx.tokens[last]), last, self.max_seq_len)
+            if verdict is GenerationStatus.END_OF_SEQUENCE and ctx.resampler is not None \
+                    and self._resample(ctx, at_end=True):
+                verdict = None  # the output broke its schema: rolled back instead
             if verdict is not None:
                 ctx.end(verdict)
         if ctx.resampler is not None and not ctx.is_done:
@@ -150,16 +153,20 @@ class Postprocessor:
         if ctx.is_done:
             ctx.drop_futures()
 
-    def _resample(self, ctx: TextContext) -> None:
+    def _resample(self, ctx: TextContext, at_end: bool = False) -> bool:
         """Roll ctx back to the start of a value that broke its schema, if one
-        just completed and retries remain (see resample.py)."""
+        just completed (`at_end`: the grammar accepted a stop token) and
+        retries remain (see resample.py). Whether it rolled back."""
         assert ctx.resampler is not None
         stream = self._streams.get(ctx.request_id)
-        to = ctx.resampler.check(ctx, floor=stream.sent_tokens if stream is not None else 0)
+        floor = stream.sent_tokens if stream is not None else 0
+        to = ctx.resampler.check_end(ctx, floor) if at_end else ctx.resampler.check(ctx, floor)
         if to is None:
-            return
-        log.debug("request %s: duplicate array item; resampling from token %d (retry %d)",
-                  ctx.request_id, to.position - ctx.prompt_len, ctx.resampler.retries)
+            return False
+        last = ctx.resampler.last
+        log.debug("request %s: a value breaks %s; resampling from token %d (retry %d)",
+                  ctx.request_id, last.keyword if last is not None else "the schema",
+                  to.position - ctx.prompt_len, ctx.resampler.retries)
         matcher = ctx.matcher
         assert matcher is not None
         matcher.rollback(ctx.grammar_idx - to.position)
@@ -171,6 +178,7 @@ class Postprocessor:
         self.kv.truncate(ctx)
         if stream is not None:
             stream.rolled_back()
+        return True
 
     @staticmethod
     def _store_prompt_logprobs(ctx: TextContext, item: PromptLogprobs | None, first: int | None) -> None:

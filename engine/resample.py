@@ -1,25 +1,30 @@
 """Resampling a JSON value that breaks the schema in a way the grammar cannot see.
 
-A strict JSON-schema request (`Constraint.strict`) whose schema says
-`uniqueItems: true` gets a `Resampler`. After each step the tokens its matcher
-has accepted are read by a `grammar.unique_items.UniqueItemsWatch`; when an
-item of a tracked array completes and equals an earlier item, the postprocess
-rolls the request back to the start of that item (postprocess.py: the
-context's tokens, its matcher, its KV pages, its output stream) and the item
-is generated again, with the token the model chose first inside the item
+A strict JSON-schema request (`Constraint.strict`) whose grammar leaves a
+keyword unenforced (or whose schema says `uniqueItems`) gets a `Resampler`.
+After each step the tokens its matcher has accepted are read by a
+`grammar.value_watch.ValueWatch`; when a value completes that breaks the
+schema (an item equal to an earlier one under `uniqueItems`, a value that
+`not`, `if`/`then`/`else`, `dependentRequired`, ... reject), the postprocess
+rolls the request back to the start of that value (postprocess.py: the
+context's tokens, its matcher, its KV pages, its output stream) and the value
+is generated again, with the token the model chose first inside the value
 masked at that point (a *ban*: it holds only while everything before it, from
-the item's start, is exactly as it was). Forced tokens at the item's start come
-back the same, so the ban lands on the model's own first choice.
+the value's start, is exactly as it was). Forced tokens at the value's start
+come back the same, so the ban lands on the model's own first choice. A stop
+token after a top-level scalar that breaks the schema is handled the same way
+(`check_end`).
 
 Bounds: `MAX_RETRIES_PER_VALUE` rollbacks to the same position and
-`MAX_RETRIES` per request. Past them, or when the whole item was forced by the
-grammar (the model made no choice to mask), the duplicate stays and the
-finished output fails validation as it would without resampling. Every
+`MAX_RETRIES` per request. Past them, or when the whole value was forced by the
+grammar (the model made no choice to mask), the value stays and the
+finished output fails validation (strict: `SCHEMA_VIOLATION`). Every
 rollback counts in `usage.schema_retries`.
 
-Streaming: text that a rollback could take back is never sent. While an item
-of a tracked array is open, the stream holds back from that item's start
-(`stable_tokens`), so a client sees completed values only; see output.py.
+Streaming: text that a rollback could take back is never sent. While a
+checked value is open, the stream holds back from that value's start
+(`stable_tokens`), so a client sees checked values only once they pass; see
+output.py.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from grammar.unique_items import UniqueItemsWatch
+from grammar.value_watch import ValueWatch, Violation
 
 MAX_RETRIES_PER_VALUE = 3
 MAX_RETRIES = 16
@@ -59,17 +64,18 @@ class Rollback:
 
 
 class Resampler:
-    """One strict request's duplicate watch, bans and retry counts (engine thread only)."""
+    """One strict request's value watch, bans and retry counts (engine thread only)."""
 
-    def __init__(self, watch: UniqueItemsWatch, token_bytes: Callable[[int], bytes]):
+    def __init__(self, watch: ValueWatch, token_bytes: Callable[[int], bytes]):
         self.watch = watch
         self._token_bytes = token_bytes
         # Byte offset, in what the watch read, after each generated token fed to it.
         self._ends: list[int] = []
-        # (item start position, tokens from there up to the masked position) -> masked tokens.
+        # (value start position, tokens from there up to the masked position) -> masked tokens.
         self._bans: dict[tuple[int, tuple[int, ...]], set[int]] = {}
-        self._tries: dict[int, int] = {}  # rollbacks per item start position
+        self._tries: dict[int, int] = {}  # rollbacks per value start position
         self.retries = 0
+        self.last: Violation | None = None  # the latest violation found (for the log)
 
     @property
     def stable_tokens(self) -> int:
@@ -86,14 +92,25 @@ class Resampler:
             found = self.watch.feed(self._token_bytes(int(ctx.tokens[pos])))
             self._ends.append(self.watch.size)
             first = first or found
+        return self._roll_back(ctx, first, floor)
+
+    def check_end(self, ctx: Output, floor: int) -> Rollback | None:
+        """ctx sampled a stop token: the rollback to make instead of finishing,
+        if the whole output breaks the schema and retries remain."""
+        found = self.check(ctx, floor)
+        return found if found is not None else self._roll_back(ctx, self.watch.finish(), floor)
+
+    def _roll_back(self, ctx: Output, first: Violation | None, floor: int) -> Rollback | None:
         if first is None:
             return None
+        self.last = first
         keep = bisect.bisect_right(self._ends, first.start)
         position = ctx.prompt_len + keep
         choice = self._first_choice(ctx, keep, first.end)
         if (choice is None or keep < floor or self.retries >= MAX_RETRIES
                 or self._tries.get(position, 0) >= MAX_RETRIES_PER_VALUE):
-            return None  # the duplicate stays; validation reports it
+            self.watch.give_up()
+            return None  # the value stays; validation reports it
         # Bans and counts past this point described tokens that are going away.
         self._bans = {k: v for k, v in self._bans.items() if k[0] <= position}
         self._tries = {k: v for k, v in self._tries.items() if k <= position}
@@ -105,11 +122,11 @@ class Resampler:
         self.watch.truncate(self._ends[-1] if self._ends else 0)
         return Rollback(position)
 
-    def _first_choice(self, ctx: Output, keep: int, item_end: int) -> int | None:
-        """Position of the first token inside the item that the model chose (not forced)."""
+    def _first_choice(self, ctx: Output, keep: int, value_end: int) -> int | None:
+        """Position of the first token inside the value that the model chose (not forced)."""
         for i in range(keep, len(self._ends)):
             start_byte = self._ends[i - 1] if i else 0
-            if start_byte >= item_end:
+            if start_byte >= value_end:
                 return None
             pos = ctx.prompt_len + i
             if pos not in ctx.forced_positions:

@@ -188,8 +188,8 @@ def _plan(spec: GrammarSpec) -> dict[str, Any]:
 
     prepared = prepare_views(spec, BACKENDS)
     assert prepared is not None, "only JSON specs are planned"
-    views, unenforced, unique = prepared
-    return {"views": views, "unenforced": unenforced, "unique_items": unique,
+    views, unenforced, watch = prepared
+    return {"views": views, "unenforced": unenforced, "watch": watch,
             "size": sum(v.source_size for v in views.values())}
 
 

@@ -84,7 +84,7 @@ class _Artifact:
     unenforced: tuple[str, ...] = ()
     validator: Any = None  # grammar.validation.SchemaValidator
     validator_error: str | None = None
-    unique_items: Any = None  # grammar.unique_items.UniqueItemsPlan
+    watch: Any = None  # grammar.value_watch.WatchPlan
     compile_seconds: float = 0.0
 
 
@@ -295,8 +295,8 @@ class GrammarCompiler:
                 self._cache.put(key, e, 512)
             raise
         assert plan is not None
-        if plan.unique_items is not None:
-            # Strict requests read their output's bytes (unique_items.token_bytes):
+        if plan.watch is not None:
+            # Strict requests read their output's bytes (vocab.token_bytes):
             # build the table here, off the engine thread and the event loop.
             _xgr.vocab_index(self.tokenizer_data)
         self._cache.put(key, plan, plan.size_bytes)
@@ -310,7 +310,7 @@ class GrammarCompiler:
         status, _, payload, detail = self._pool.run(PLAN_JOB, spec, self.config.max_compiled_bytes, deadline)
         if status == "error":
             raise GrammarError(payload, reason=detail, backend=PLAN_JOB)
-        return with_validator(spec, payload["views"], payload["unenforced"], payload["unique_items"])
+        return with_validator(spec, payload["views"], payload["unenforced"], payload["watch"])
 
     def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float) -> _Artifact:
         if spec.kind not in JSON_KINDS:
@@ -382,7 +382,7 @@ class GrammarCompiler:
                     artifact = dataclasses.replace(
                         artifact, spec=spec, unenforced=plan.unenforced[b],
                         validator=plan.validator, validator_error=plan.validator_error,
-                        unique_items=plan.unique_items)
+                        watch=plan.watch)
                 artifact = dataclasses.replace(artifact, compile_seconds=time.monotonic() - started)
             except GrammarError as e:
                 if e.reason == "timeout":
@@ -451,7 +451,7 @@ class GrammarCompiler:
         matcher.unenforced_keywords = artifact.unenforced
         matcher.validator = artifact.validator
         matcher.validator_error = artifact.validator_error
-        matcher.unique_items = artifact.unique_items
+        matcher.watch_plan = artifact.watch
         matcher.compile_seconds = artifact.compile_seconds
         return matcher
 

@@ -26,8 +26,8 @@ import torch
 if TYPE_CHECKING:
     from .spec import GrammarSpec
     from .tokenizer import TokenizerData
-    from .unique_items import UniqueItemsPlan
     from .validation import SchemaValidator
+    from .value_watch import WatchPlan
 
 
 class Matcher(ABC):
@@ -42,9 +42,10 @@ class Matcher(ABC):
     validator: SchemaValidator | None = None
     validator_error: str | None = None
     compile_seconds: float = 0.0
-    # Where `uniqueItems` applies (None: nowhere); a strict request resamples
-    # duplicate items there (engine/resample.py).
-    unique_items: UniqueItemsPlan | None = None
+    # Where each schema node applies (None: not a JSON schema); a strict
+    # request resamples values that break an unenforced keyword
+    # (engine/resample.py).
+    watch_plan: WatchPlan | None = None
 
     def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData) -> None:
         self.spec = spec
@@ -59,11 +60,19 @@ class Matcher(ABC):
     @property
     def resampled_keywords(self) -> tuple[str, ...]:
         """Unenforced keywords that a strict request enforces by resampling
-        instead: `uniqueItems`, when every occurrence of it is tracked."""
-        plan = self.unique_items
-        if plan is not None and plan.covers_all and "uniqueItems" in self.unenforced_keywords:
-            return ("uniqueItems",)
-        return ()
+        instead: those whose every occurrence the value watch checks on the
+        very value it constrains (grammar/value_watch.py). Parses the schema
+        and builds its node validators on first use (callers run it off the
+        event loop)."""
+        plan = self.watch_plan
+        if plan is None or not self.unenforced_keywords:
+            return ()
+        located = plan.located(self.unenforced_keywords)
+        if self.validator is None:
+            # The validator cannot read this schema: only duplicates are found.
+            return tuple(k for k in located if k == "uniqueItems")
+        plan.checks_nodes  # noqa: B018 - builds the node validators now, before the request runs
+        return located
 
     @property
     def num_accepted(self) -> int:

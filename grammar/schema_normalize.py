@@ -16,8 +16,9 @@ instances the same (draft 2020-12 semantics), rule by rule:
   lives in the root `$defs` and is referred to as `#/$defs/<name>`;
 - `allOf` whose members can be merged key by key (properties, required, type,
   bounds, ...) becomes one schema;
-- a single-item `enum` becomes `const`; integral floats in count keywords
-  (`maxLength: 2.0`) become integers;
+- a single-item `enum` becomes `const`; an integral number `const` becomes
+  the range [n, n] (so `1.0` matches `const: 1`, as JSON Schema says);
+  integral floats in count keywords (`maxLength: 2.0`) become integers;
 - draft-04/07: `exclusiveMinimum: true` (with `minimum`), `dependencies`,
   array-form `items` with `additionalItems`, `definitions`, `id`;
 - size: inlining is bounded (`MAX_NODES`), so a schema whose references expand
@@ -195,6 +196,7 @@ class _Normalizer:
         enum = out.get("enum")
         if isinstance(enum, list) and len(enum) == 1 and "const" not in out:
             out["const"] = out.pop("enum")[0]
+        _numbers_by_value(out)
         if isinstance(out.get("allOf"), list):
             out = merge_all_of(out)
         if isinstance(out, dict) and not any(k in out for k in _APPLICATORS):
@@ -346,3 +348,30 @@ def _merge_key(key: str, a: Any, b: Any) -> Any:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integral(value: Any) -> int | None:
+    """An integral JSON number as an int (1 and 1.0 alike); None otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not (value.is_integer() and abs(value) <= 2 ** 53):
+        return None
+    return int(value)
+
+
+def _numbers_by_value(out: dict[str, Any]) -> None:
+    """An integral `const` number matches by value: `const: 1` accepts `1.0`
+    too. Libraries match a literal's text, so it becomes the range [n, n]
+    (`{"type": "number", "minimum": n, "maximum": n}`; xgrammar then accepts
+    `1.0`, llguidance still only `1`). An `enum` of several values is left as
+    written: a range per number would cost more grammar than it gains."""
+    n = _integral(out.get("const")) if "const" in out else None
+    if n is None:
+        return
+    del out["const"]
+    literal = _number_range(n)
+    out["allOf"] = [*out["allOf"], literal] if isinstance(out.get("allOf"), list) else [literal]
+
+
+def _number_range(n: int) -> dict[str, Any]:
+    return {"type": "number", "minimum": n, "maximum": n}

@@ -22,8 +22,8 @@ from .errors import GrammarError
 from .schema_keywords import backend_view
 from .schema_normalize import Unresolved, normalize_schema
 from .spec import GrammarSpec
-from .unique_items import UniqueItemsPlan
 from .validation import SchemaValidator
+from .value_watch import WatchPlan
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,15 @@ class SchemaPlan:
     unenforced: per backend, the schema keywords it leaves to the validator.
     validator: the full schema's validator; None when it cannot read the schema
         (`validator_error` says why), and outputs are then not checked.
-    unique_items: where `uniqueItems` applies, for resampling duplicates in
-        strict requests (None: the schema has no `uniqueItems`).
+    watch: where each node of the (normalized) schema applies, for the value
+        checks of strict requests (engine/resample.py); None for json_object.
     """
 
     views: dict[str, GrammarSpec]
     unenforced: dict[str, tuple[str, ...]]
     validator: SchemaValidator | None
     validator_error: str | None = None
-    unique_items: UniqueItemsPlan | None = None
+    watch: WatchPlan | None = None
 
     def order(self, preferred: tuple[str, ...]) -> tuple[str, ...]:
         """`preferred` re-ordered so the backend leaving fewer keywords
@@ -76,22 +76,22 @@ def plan_for(spec: GrammarSpec, backends: tuple[str, ...]) -> SchemaPlan | None:
 
 def with_validator(spec: GrammarSpec, views: dict[str, GrammarSpec],
                    unenforced: dict[str, tuple[str, ...]],
-                   unique: UniqueItemsPlan | None) -> SchemaPlan:
+                   watch: WatchPlan | None) -> SchemaPlan:
     """The plan of `spec` from its prepared views, with the full schema's validator."""
     if spec.kind == "json_schema" and spec.source_size > LAZY_VALIDATOR_CHARS:
         validator = SchemaValidator.lazy(str(spec.source))
-        return SchemaPlan(views, unenforced, validator, unique_items=unique)
+        return SchemaPlan(views, unenforced, validator, watch=watch)
     schema: Any = {"type": "object"} if spec.kind == "json_object" else json.loads(str(spec.source))
     try:
-        return SchemaPlan(views, unenforced, SchemaValidator(schema), unique_items=unique)
+        return SchemaPlan(views, unenforced, SchemaValidator(schema), watch=watch)
     except ValueError as e:
-        return SchemaPlan(views, unenforced, None, str(e), unique_items=unique)
+        return SchemaPlan(views, unenforced, None, str(e), watch=watch)
 
 
 def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
-                  ) -> tuple[dict[str, GrammarSpec], dict[str, tuple[str, ...]], UniqueItemsPlan | None] | None:
+                  ) -> tuple[dict[str, GrammarSpec], dict[str, tuple[str, ...]], WatchPlan | None] | None:
     """Each backend's view of a JSON spec, the keywords it leaves unenforced
-    and where `uniqueItems` applies (None for other kinds). Pure Python over the whole schema: the
+    and the plan of strict requests' value checks (None for other kinds). Pure Python over the whole schema: the
     compiler runs it in a compile worker, away from the server's GIL."""
     if spec.kind == "json_object":
         schema: Any = {"type": "object"}
@@ -126,5 +126,5 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
         else:
             views[backend] = GrammarSpec("json_schema", json.dumps(view, ensure_ascii=False),
                                          spec.options)
-    unique = UniqueItemsPlan.for_schema(normalized) if spec.kind == "json_schema" else None
-    return views, unenforced, unique
+    watch = WatchPlan.for_schema(normalized) if spec.kind == "json_schema" else None
+    return views, unenforced, watch

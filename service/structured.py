@@ -167,17 +167,21 @@ class ConstraintCompiler:
             note_compile(kind, err.backend, start, err.reason, cached)
             raise _compile_error(err, constraint.field) from None
         note_compile(kind, getattr(matcher, "backend", None), start, "compiled", cached)
-        refused = [k for k in matcher.unenforced_keywords
-                   if k not in matcher.resampled_keywords] if constraint.strict else []
+        refused: list[str] = []
+        if constraint.strict and matcher.unenforced_keywords:
+            # Off the event loop: the first call parses and walks the schema.
+            resampled = await asyncio.to_thread(lambda: matcher.resampled_keywords)
+            refused = [k for k in matcher.unenforced_keywords if k not in resampled]
         if refused:
-            # Strict promises that the grammar keeps the output inside the
-            # schema (token by token, or by resampling a value that breaks
-            # `uniqueItems`); refuse before any token is spent.
+            # Strict promises that the output stays inside the schema (token
+            # by token, or by resampling a value that breaks a keyword the
+            # grammar leaves out); refuse before any token is spent.
             names = ", ".join(refused)
             raise invalid_argument(
                 constraint.field,
-                f"strict: the {matcher.backend} grammar cannot enforce {names} token by token; "
-                "drop strict to have them checked on the finished output instead",
+                f"strict: the {matcher.backend} grammar cannot enforce {names} token by token, "
+                "and where they sit (inside a branch the value chooses) no value can be resampled "
+                "for them; drop strict to have them checked on the finished output instead",
                 Reason.SCHEMA_NOT_ENFORCEABLE)
         return matcher, cached
 

@@ -284,8 +284,10 @@ def test_outputs_are_validated_against_the_whole_schema(grammar_server: ServerHa
 
 def test_strict_refuses_what_the_grammar_cannot_enforce(grammar_server: ServerHandle) -> None:
     stub = grammar_server.stub
-    req = constrained("s", json_schema=json.dumps({"type": "object", "not": {"required": ["a"]}}),
-                      strict=True)
+    # `not` inside an anyOf branch: which branch applies depends on the value,
+    # so no check sees the value `not` constrains on its own.
+    schema = {"anyOf": [{"type": "object", "not": {"required": ["a"]}}, {"type": "string"}]}
+    req = constrained("s", json_schema=json.dumps(schema), strict=True)
     err = _error(stub.Generate(req, timeout=TIMEOUT))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not" in err.details() and "strict" in err.details()
@@ -324,6 +326,28 @@ def test_strict_resamples_a_duplicate_item(make_server) -> None:  # type: ignore
     text, _, done, _ = generate(server.stub, req)
     assert text == "[1,1,2]" and done.usage.schema_retries == 0
     assert done.schema_validation.result == V.INVALID
+
+
+def test_strict_ends_schema_violation_when_resampling_cannot_help(make_server) -> None:  # type: ignore[no-untyped-def]
+    """Items can only be 1 and must be unique: the grammar forces the second 1
+    (no choice to resample), so the output breaks the schema and says so."""
+    path = ensure_preset("tiny-llama")
+    tok = Tokenizer(str(path))
+    ids = tok.encode("[1,1]", add_special_tokens=False)
+    script = {2 + i: [t] for i, t in enumerate(ids)}
+    server = make_server(lambda: EngineCore(EngineConfig(model=str(path), kv_cache_gib=0.05),
+                                            wrap_model=scripted_by_position(script)))
+    schema = {"type": "array", "items": {"const": 1}, "uniqueItems": True}
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[9, 5]))
+    req.sampling.temperature = 0
+    req.stopping.max_new_tokens = 20
+    req.constraint.CopyFrom(pb.Constraint(json_schema=json.dumps(schema), strict=True))
+    text, _, done, _ = generate(server.stub, req)
+    assert text == "[1,1]" and done.finish_reason == Finish.SCHEMA_VIOLATION
+    assert done.schema_validation.result == V.INVALID and done.schema_validation.keyword == "uniqueItems"
+    req.constraint.strict = False  # without strict: EOS, with the same verdict
+    text, _, done, _ = generate(server.stub, req)
+    assert done.finish_reason == Finish.EOS and done.schema_validation.result == V.INVALID
 
 
 def test_strict_refuses_uniqueItems_it_cannot_track(grammar_server: ServerHandle) -> None:

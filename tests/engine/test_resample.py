@@ -1,4 +1,6 @@
-"""Strict JSON outputs: a duplicate item under `uniqueItems` is rolled back and resampled."""
+"""Strict JSON outputs: a value that breaks a keyword the grammar does not
+enforce (a duplicate item under `uniqueItems`, a value `not` rejects, ...) is
+rolled back and resampled."""
 
 from __future__ import annotations
 
@@ -119,3 +121,28 @@ def test_the_stream_never_carries_what_a_rollback_takes_back(make_llm, tok):
     assert tok.decode(token_ids) == text
     # An item goes out once the `,` or `]` after it shows it complete (and unique).
     assert [s for s in sent if s] == ["[", "1,", "3,", "2]"]
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_value_that_not_rejects_is_resampled(make_llm, tok, backend):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 1}}},
+              "required": ["n"], "additionalProperties": False}
+    text = '{"n":1}'
+    ids = tok.encode(text, add_special_tokens=False)
+    [one] = [i for i, t in enumerate(ids) if tok.decode([t]) == "1"]
+    script = _script(tok, text, {one: ["2"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), grammar_backend=backend)
+    out = _generate(llm, schema)
+    assert json.loads(out.text) == {"n": 2} and out.schema_retries == 1 and out.finish_reason == "eos"
+    out = _generate(llm, schema, strict=False)
+    assert json.loads(out.text) == {"n": 1} and out.schema_retries == 0
+
+
+def test_a_top_level_scalar_is_resampled_at_its_stop_token(make_llm, tok):
+    # The model wants 7 and then to stop; `not: {const: 7}` is seen only when
+    # the stop token arrives (7 could have become 70).
+    schema = {"type": "integer", "not": {"const": 7}}
+    script = _script(tok, "7", {0: ["8"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
+    out = _generate(llm, schema)
+    assert out.text == "8" and out.schema_retries == 1 and out.finish_reason == "eos"

@@ -76,6 +76,17 @@ def test_single_enum_becomes_const():
     assert normalize_schema({"enum": [1, 2]}) == {"enum": [1, 2]}
 
 
+def test_an_integral_const_matches_by_value():
+    one = {"type": "number", "minimum": 1, "maximum": 1}
+    assert normalize_schema({"const": 1}) == one
+    assert normalize_schema({"enum": [1.0]}) == one
+    assert normalize_schema({"type": "integer", "const": -2.0}) == {
+        "type": "integer", "minimum": -2, "maximum": -2}
+    # Not numbers, or not integral: literals as written.
+    assert normalize_schema({"const": True}) == {"const": True}
+    assert normalize_schema({"const": 0.5}) == {"const": 0.5}
+
+
 def test_draft_04_07_spellings():
     assert normalize_schema({"minimum": 1, "exclusiveMinimum": True}) == {"exclusiveMinimum": 1}
     assert normalize_schema({"maximum": 5, "exclusiveMaximum": False}) == {"maximum": 5}

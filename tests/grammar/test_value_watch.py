@@ -1,0 +1,158 @@
+"""Values that break their schema (duplicates under `uniqueItems`, keywords the
+grammar does not enforce), found while a JSON output is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from grammar.validation import SchemaValidator
+from grammar.value_watch import ValueWatch, Violation, WatchPlan
+
+INTS = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+
+
+def _first_duplicate(schema: dict, text: str) -> Violation | None:
+    return _first_violation(schema, text, ())
+
+
+def _first_violation(schema: dict, text: str, keywords: tuple[str, ...]) -> Violation | None:
+    """Feeds `text` a byte at a time, then ends it: the first violation."""
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None
+    watch = ValueWatch(plan, keywords, SchemaValidator(schema))
+    found = [watch.feed(bytes([b])) for b in text.encode()] + [watch.finish()]
+    return next((d for d in found if d is not None), None)
+
+
+def test_a_duplicate_is_found_when_its_item_completes():
+    plan = WatchPlan.for_schema(INTS)
+    assert plan is not None and plan.located(("uniqueItems",)) == ("uniqueItems",)
+    watch = ValueWatch(plan, ("uniqueItems",))
+    assert watch.feed(b"[1,1") is None  # 1 could still become 10
+    assert watch.stable == 3  # the open item starts after the comma
+    assert watch.feed(b",") == Violation(3, 4, "uniqueItems")
+    watch.truncate(3)
+    assert watch.size == 3 and watch.feed(b"12,2]") is None and watch.stable == watch.size
+
+
+@pytest.mark.parametrize("items, duplicate", [
+    ("1,1.0", True),  # JSON Schema equality: numbers by value
+    ("true,1", False),  # a boolean is not a number
+    ('{"a":1,"b":[2]},{"b":[2],"a":1}', True),  # key order does not matter
+    ('"a,]\\"","a,]\\""', True),  # structure inside strings is text
+    ('"x","y",[1],[1]', True),
+    ("null,0,false,\"\"", False),
+])
+def test_equality_is_json_schemas(items, duplicate):
+    schema = {"type": "array", "uniqueItems": True}
+    assert (_first_duplicate(schema, f"[{items}]") is not None) == duplicate
+
+
+def test_arrays_are_followed_through_properties_refs_and_items():
+    schema = {"type": "object", "properties": {
+        "t": {"$ref": "#/$defs/tags"},
+        "free": {"type": "array"},
+        "rows": {"type": "array", "items": {"$ref": "#/$defs/tags"}}},
+        "$defs": {"tags": {"type": "array", "uniqueItems": True}}}
+    assert _first_duplicate(schema, '{"free":[1,1],"t":[2,3]}') is None
+    dup = _first_duplicate(schema, '{"free":[1,1],"rows":[[4],[5,6,5]]}')
+    assert dup is not None
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None and plan.located(("uniqueItems",)) == ("uniqueItems",)
+
+
+def test_branches_chosen_by_the_value_are_not_tracked():
+    schema = {"type": "object", "properties": {
+        "a": {"anyOf": [{"type": "array", "uniqueItems": True}, {"type": "string"}]}}}
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None and plan.located(("uniqueItems",)) == ()  # strict refuses it
+    assert _first_duplicate(schema, '{"a":[1,1]}') is None  # no duplicate check there
+    # ... but the node holding the branch is validated whole when it completes.
+    found = _first_violation(schema, '{"a":[1,1]}', ("uniqueItems",))
+    assert found is not None and found.start == len('{"a":')
+    assert WatchPlan.for_schema(True) is None
+
+
+def test_a_value_breaking_an_unenforced_keyword_is_found_when_it_completes():
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer", "not": {"const": 5}},
+        "tags": {"type": "array", "items": {"type": "string", "not": {"pattern": "^x"}}}}}
+    assert _first_violation(schema, '{"n":6,"tags":["a","b"]}', ("not",)) is None
+    found = _first_violation(schema, '{"n":5,"tags":[]}', ("not",))
+    assert found == Violation(len('{"n":'), len('{"n":5'), "not")
+    found = _first_violation(schema, '{"n":1,"tags":["a","xy","b"]}', ("not",))
+    assert found is not None and found.start == len('{"n":1,"tags":["a",')
+    # Without the keyword in the unenforced list, nothing is checked.
+    assert _first_violation(schema, '{"n":5}', ()) is None
+
+
+def test_the_whole_output_is_checked_when_its_top_level_node_holds_a_keyword():
+    schema = {"type": "object", "dependentRequired": {"a": ["b"]},
+              "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None
+    watch = ValueWatch(plan, ("dependentRequired",), SchemaValidator(schema))
+    assert watch.feed(b'{"a":1') is None and watch.stable == 0  # nothing may be sent yet
+    assert watch.feed(b"}") == Violation(0, len('{"a":1}'), "dependentRequired")
+    assert _first_violation(schema, '{"a":1,"b":2}', ("dependentRequired",)) is None
+
+
+def test_a_top_level_scalar_is_checked_when_the_output_ends():
+    schema = {"type": "integer", "not": {"multipleOf": 3}}
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None
+    watch = ValueWatch(plan, ("not",), SchemaValidator(schema))
+    assert watch.feed(b"12") is None  # 12 could still become 124
+    assert watch.finish() == Violation(0, 2, "not")
+    watch.truncate(0)
+    assert watch.feed(b"10") is None and watch.finish() is None
+
+
+def test_only_checked_values_are_held_back_from_the_stream():
+    schema = {"type": "object", "properties": {
+        "free": {"type": "string"},
+        "n": {"type": "integer", "not": {"const": 5}}}}
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None
+    watch = ValueWatch(plan, ("not",), SchemaValidator(schema))
+    watch.feed(b'{"free":"abc')
+    assert watch.stable == watch.size  # an unchecked value streams as it comes
+    watch.feed(b'","n":4')
+    assert watch.stable == len(b'{"free":"abc","n":')
+    watch.feed(b"}")
+    assert watch.stable == watch.size
+
+
+def test_if_then_else_and_keywords_in_branches():
+    schema = {"type": "object", "properties": {"p": {
+        "if": {"properties": {"k": {"const": "num"}}},
+        "then": {"properties": {"v": {"type": "number"}}},
+        "else": {"properties": {"v": {"type": "string"}}}}}}
+    keywords = ("else", "if", "then")
+    assert _first_violation(schema, '{"p":{"k":"num","v":1}}', keywords) is None
+    assert _first_violation(schema, '{"p":{"k":"str","v":"x"}}', keywords) is None
+    found = _first_violation(schema, '{"p":{"k":"num","v":"x"}}', keywords)
+    assert found is not None and found.start == len('{"p":')
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None and plan.located(keywords) == keywords
+    hidden = {"anyOf": [{"type": "integer", "not": {"const": 1}}, {"type": "string"}]}
+    plan = WatchPlan.for_schema(hidden)
+    assert plan is not None and plan.located(("not",)) == ()
+    assert _first_violation(hidden, "1", ("not",)) == Violation(0, 1, "anyOf")
+
+
+def test_scoped_references_leave_only_the_whole_output_checked():
+    schema = {"$id": "https://example.com/s", "type": "object",
+              "properties": {"n": {"type": "integer", "not": {"const": 5}}}}
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None and not plan.checks_nodes
+    found = _first_violation(schema, '{"n":5}', ("not",))
+    assert found is not None and found.start == 0  # caught, at the top level
+
+
+def test_a_plan_pickles_as_text_and_parses_on_first_use():
+    import pickle
+
+    plan = WatchPlan.for_schema(INTS)
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy._root is None and copy.root == INTS
