@@ -46,6 +46,8 @@ class PendingMask:
     engine thread). A Lock may be released by a thread that did not acquire it.
     """
 
+    __slots__ = ("_latch", "_set", "_bitmask", "_rows", "failed")
+
     def __init__(self) -> None:
         self._latch = threading.Lock()
         self._latch.acquire()
@@ -94,6 +96,7 @@ class StructuredOutput:
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
         self._compiler: GrammarCompiler | None = None
+        self._fill_row: Callable[[Matcher, torch.Tensor, int], None] | None = None  # the compiler's
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
         self._views: dict[int, torch.Tensor] = {}
@@ -111,6 +114,7 @@ class StructuredOutput:
                                                  vocab_size=self.vocab_size,
                                                  eos_token_ids=self.eos_token_ids,
                                                  compile_timeout_s=self.compile_timeout_s)
+                self._fill_row = self._compiler.filler.fill_row
             return self._compiler
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:
@@ -129,6 +133,7 @@ class StructuredOutput:
             if self._compiler is not None:
                 self._compiler.close()
                 self._compiler = None
+                self._fill_row = None
 
     # -- per step -------------------------------------------------------------
     def fill(self, mask: PendingMask, contexts: Sequence[TextContext | None]) -> None:
@@ -145,6 +150,16 @@ class StructuredOutput:
         """
         start = time.perf_counter()
         try:
+            ctx = contexts[0] if len(contexts) == 1 else None
+            if ctx is not None and ctx.matcher is not None and ctx.forced_next is None \
+                    and ctx.resampler is None and self._fill_row is not None and 1 in self._views:
+                # One constrained request sampling freely (a lone client): its
+                # row without the batch bookkeeping below.
+                bitmask = self._views[1]
+                self._fill_row(ctx.matcher, bitmask, 0)
+                mask.set(bitmask, [0])
+                self.last_mask_seconds = time.perf_counter() - start
+                return
             rows: list[int] = []
             free: list[int] = []
             matchers: list[Matcher] = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -300,6 +301,18 @@ def load(payload: dict[str, Any], data: TokenizerData) -> tuple[xgr.CompiledGram
     return compiled, int(compiled.memory_size_bytes)
 
 
+def direct_target(bitmask: torch.Tensor) -> Any | None:
+    """`bitmask` as xgrammar's native handle takes it without a conversion per
+    call (a tvm_ffi tensor over the same memory); None where this xgrammar has
+    no tvm_ffi (the public call is used then)."""
+    try:
+        import tvm_ffi
+
+        return tvm_ffi.from_dlpack(bitmask)
+    except Exception:  # noqa: BLE001 - an older xgrammar
+        return None
+
+
 class XGrammarMatcher(Matcher):
     """Matcher over an xgrammar CompiledGrammar."""
 
@@ -308,6 +321,15 @@ class XGrammarMatcher(Matcher):
     def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData, compiled: Any) -> None:
         super().__init__(spec, tokenizer)
         self._m = xgr.GrammarMatcher(compiled, override_stop_tokens=list(tokenizer.eos_token_ids))
+        # xgrammar's Python methods only forward to this native handle.
+        self._h: Any = getattr(self._m, "_handle", self._m)
+        # fill_direct(target, row, False): fill row `row` of a bitmask given as
+        # `direct_target` made it, straight into native code (no Python frame,
+        # no per-call tensor conversion: about half the library's own call).
+        # It raises once the matcher is terminated (the library refuses; the
+        # caller then uses `fill_bitmask`, which writes the stop-only row): not
+        # checked first, as that costs a native call on every step.
+        self.fill_direct: Callable[[Any, int, bool], Any] = self._h.fill_next_token_bitmask
         self._scratch: torch.Tensor | None = None
         self._vocab: VocabIndex | None = None  # looked up once, on first hold-back check
 
@@ -316,7 +338,7 @@ class XGrammarMatcher(Matcher):
         return self._m
 
     def batch_native(self) -> Any | None:
-        return None if self._m.is_terminated() else self._m
+        return None if self._h.is_terminated() else self._m
 
     def accept_token(self, token_id: int) -> bool:
         token_id = int(token_id)  # numpy / 0-d tensor ids too

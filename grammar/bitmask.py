@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _xgr
+
 if TYPE_CHECKING:
     from .matcher import Matcher
     from .tokenizer import TokenizerData
@@ -111,12 +113,36 @@ class BitmaskFiller:
         self._num_threads = num_threads
         self._xgr_batch: Any = None  # created on first use: each owns native threads
         self._llg_exec: Any = None
-        # The last bitmask that passed `check_bitmask`, and its base address.
-        # The engine passes the same tensor object step after step, so the
-        # check (microseconds of tensor attribute reads) runs once per buffer;
-        # holding the reference keeps that identity meaningful.
+        # The last bitmask that passed `check_bitmask`, its base address, rows
+        # and xgrammar's direct view of it (`_xgr.direct_target`). The engine
+        # passes the same tensor object step after step, so these (microseconds
+        # of tensor attribute reads) are made once per buffer; holding the
+        # reference keeps that identity meaningful.
         self._checked: torch.Tensor | None = None
         self._base = 0
+        self._batch = 0
+        self._xgr_target: Any = None
+
+    def _check(self, bitmask: torch.Tensor) -> None:
+        if bitmask is not self._checked:
+            check_bitmask(bitmask, self._tok.bitmask_words)
+            self._checked, self._base, self._batch = bitmask, bitmask.data_ptr(), bitmask.shape[0]
+            self._xgr_target = _xgr.direct_target(bitmask)
+
+    def fill_row(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> None:
+        """Fill `bitmask[row]` for one matcher: what `fill` does for one row,
+        with an xgrammar matcher going straight to its native handle (a step
+        with one constrained request, where every microsecond is per token)."""
+        if bitmask is self._checked and self._xgr_target is not None \
+                and type(matcher) is _xgr.XGrammarMatcher and 0 <= row < self._batch:
+            try:
+                matcher.fill_direct(self._xgr_target, row, False)
+                return
+            except TypeError:  # this xgrammar's handle takes other arguments
+                self._xgr_target = None
+            except Exception:  # noqa: BLE001 - terminated (or failing): the general path says
+                pass
+        self.fill((matcher,), bitmask, (row,))
 
     def fill(
         self,
@@ -128,11 +154,9 @@ class BitmaskFiller:
         rows = range(len(matchers)) if rows is None else rows
         if len(rows) != len(matchers):
             raise ValueError("rows and matchers differ in length")
+        self._check(bitmask)
+        batch = self._batch
         row_bytes = self._tok.bitmask_words * 4
-        if bitmask is not self._checked:
-            check_bitmask(bitmask, self._tok.bitmask_words)
-            self._checked, self._base = bitmask, bitmask.data_ptr()
-        batch = bitmask.shape[0]
         xgr_m, xgr_rows, llg_pairs = [], [], []
         for matcher, row in zip(matchers, rows, strict=True):
             if not 0 <= row < batch:

@@ -473,6 +473,12 @@ class GrammarCompiler:
         """
         self._filler.fill(matchers, bitmask, rows)
 
+    @property
+    def filler(self) -> BitmaskFiller:
+        """The bitmask filler behind `fill_bitmasks` (its `fill_row` is the
+        shortest path for one matcher; the engine calls it once per step)."""
+        return self._filler
+
 
     # ---- housekeeping ------------------------------------------------------
 

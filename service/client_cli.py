@@ -44,6 +44,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                        help="grammar library (default: the server's)")
     shape.add_argument("--whitespace", choices=_WHITESPACE, default=None,
                        help="JSON layout (default: compact)")
+    shape.add_argument("--strict", action="store_true",
+                       help="with --json-schema: resample values that break a keyword the grammar "
+                            "cannot enforce, and end SCHEMA_VIOLATION if the output still breaks it")
 
 
 def add_embed(sub: argparse._SubParsersAction) -> None:
@@ -78,13 +81,35 @@ def _constraint(args: argparse.Namespace, pb: Any) -> Any | None:
         c.ebnf = _read(args.ebnf)
     elif args.lark is not None:
         c.lark = _read(args.lark)
-    elif args.grammar_backend is None and args.whitespace is None:
+    elif args.grammar_backend is None and args.whitespace is None and not args.strict:
         return None
     if args.grammar_backend is not None:
         c.backend = pb.Constraint.Backend.Value(f"BACKEND_{args.grammar_backend.upper()}")
     if args.whitespace is not None:
         c.whitespace = pb.Constraint.Whitespace.Value(f"WHITESPACE_{args.whitespace.upper()}")
+    c.strict = args.strict
     return c
+
+
+def _print_usage(done: Any, pb: Any, constrained: bool) -> None:
+    """The finish reason and token counts, and for JSON outputs how the schema
+    fared: `[EOS] prompt 5 tokens, completion 20 tokens, 12 forced, 1 resampled;
+    schema VALID; not enforced token by token: uniqueItems`."""
+    reason = pb.GenerateComplete.FinishReason.Name(done.finish_reason)
+    line = f"[{reason}] prompt {done.usage.prompt_tokens} tokens, completion {done.usage.completion_tokens} tokens"
+    if constrained:
+        line += f", {done.usage.forced_tokens} forced"
+    if done.usage.schema_retries:
+        line += f", {done.usage.schema_retries} resampled"
+    result = done.schema_validation.result
+    if result:
+        line += f"; schema {pb.SchemaValidation.Result.Name(result)}"
+        if result == pb.SchemaValidation.INVALID:
+            v = done.schema_validation
+            line += f" at '{v.instance_path}' ({v.keyword}): {v.message}"
+    if done.unenforced_keywords:
+        line += "; not enforced token by token: " + ", ".join(done.unenforced_keywords)
+    print(line, file=sys.stderr)
 
 
 def _error(err: Any) -> int:
@@ -130,10 +155,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     done = msg.complete
                     sys.stdout.write("\n")
                     if args.usage:
-                        reason = pb.GenerateComplete.FinishReason.Name(done.finish_reason)
-                        forced = f", {done.usage.forced_tokens} forced" if constraint is not None else ""
-                        print(f"[{reason}] prompt {done.usage.prompt_tokens} tokens, completion "
-                              f"{done.usage.completion_tokens} tokens{forced}", file=sys.stderr)
+                        _print_usage(done, pb, constrained=constraint is not None)
         except KeyboardInterrupt:
             call.cancel()
             sys.stdout.write("\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,22 @@ def test_generate_streams_text(server: ServerHandle, capsys: pytest.CaptureFixtu
     assert "[LENGTH]" in err or "[EOS]" in err
     rc = main(["generate", "Hi", "--chat", "--port", str(server.port), "--max-new-tokens", "4"])
     assert rc == 0
+
+
+def test_generate_strict_json_reports_how_the_schema_fared(server: ServerHandle, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "array", "items": {"type": "integer"}, "uniqueItems": true, "maxItems": 3}')
+    rc = main(["generate", "Numbers:", "--port", str(server.port), "--max-new-tokens", "48",
+               "--temperature", "0", "--json-schema", str(schema), "--strict", "--usage"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "; schema " in err and "not enforced token by token: uniqueItems" in err
+    if "[EOS]" in err:
+        assert "schema VALID" in err and len(set(json.loads(out))) == len(json.loads(out))
+    # --strict with a regex: the server names the field.
+    rc = main(["generate", "x", "--port", str(server.port), "--regex", "a+", "--strict"])
+    assert rc == 1 and "constraint.strict" in capsys.readouterr().err
 
 
 def test_generate_reports_status_errors(server: ServerHandle, capsys: pytest.CaptureFixture[str]) -> None:

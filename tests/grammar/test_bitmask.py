@@ -118,3 +118,31 @@ def test_batch_fill_matches_single_fills(compiler):
         compiler.fill_bitmasks([matchers[0]], bitmask, [7])
     with pytest.raises(ValueError):
         compiler.fill_bitmasks(matchers[:1], torch.zeros((1, 10), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_one_row_fill_matches_the_matchers_own(compiler, backend):
+    # `fill_row` (the engine's path for a step with one constrained request)
+    # takes xgrammar's native handle directly; its rows must equal the
+    # matcher's own, and a terminated matcher still gets its stop-only row.
+    tok = compiler.tokenizer_data
+    m = compiler.compile(GrammarSpec.regex("[a-z]+@[a-z]+"), backend=backend)
+    bitmask = compiler.allocate_bitmask(4)
+    single = compiler.allocate_bitmask(1)
+    filler = compiler.filler
+    for prefix in ["", "ab", "ab@", "ab@c"]:
+        m.reset()
+        m.accept_tokens(tok.encode(prefix))
+        bitmask.zero_()
+        filler.fill_row(m, bitmask, 2)
+        filler.fill_row(m, bitmask, 2)  # the second call takes the direct path
+        m.fill_bitmask(single, 0)
+        assert torch.equal(bitmask[2], single[0]), prefix
+        assert bool((bitmask[1] == 0).all())
+    if backend == "xgrammar":  # this xgrammar has tvm_ffi: the direct path was the one tested
+        assert filler._xgr_target is not None
+    assert m.accept_token(STOP_IDS[0])
+    filler.fill_row(m, bitmask, 3)
+    assert allowed(bitmask, 3) == set(STOP_IDS)
+    with pytest.raises(IndexError):
+        filler.fill_row(m, bitmask, 4)
