@@ -146,3 +146,34 @@ def test_a_top_level_scalar_is_resampled_at_its_stop_token(make_llm, tok):
     llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
     out = _generate(llm, schema)
     assert out.text == "8" and out.schema_retries == 1 and out.finish_reason == "eos"
+
+
+def test_a_checked_value_streams_only_once_it_passes(make_llm, tok):
+    # `free` is not checked and streams as it comes; `n` is held back until
+    # its value completes and passes `not` (the first try, 1, never goes out).
+    schema = {"type": "object", "properties": {
+        "free": {"type": "string", "maxLength": 3},
+        "n": {"type": "integer", "not": {"const": 1}}},
+        "required": ["free", "n"], "additionalProperties": False}
+    text = '{"free":"ab","n":1}'
+    ids = tok.encode(text, add_special_tokens=False)
+    [one] = [i for i, t in enumerate(ids) if tok.decode([t]) == "1"]
+    script = _script(tok, text, {one: ["2"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), grammar_backend="llguidance")
+    engine = llm.engine
+    matcher = engine.structured.compile(GrammarSpec.json_schema(json.dumps(schema)))
+    assert "not" in matcher.unenforced_keywords
+    ctx = engine.make_context(PROMPT, SamplingParams(temperature=0, max_new_tokens=40), matcher=matcher,
+                              strict=True)
+    engine.add_request(ctx)
+    sent, finished = [], False
+    while not finished:
+        for delta in engine.step():
+            sent.append(delta.text)
+            finished = finished or delta.finished
+    while engine.has_work():
+        engine.step()
+    assert "".join(sent) == '{"free":"ab","n":2}' and ctx.schema_retries == 1
+    # Everything before `n`'s value went out before the value completed.
+    pieces = [s for s in sent if s]
+    assert "".join(pieces[:-1]) == '{"free":"ab","n":' and pieces[-1] == "2}"
