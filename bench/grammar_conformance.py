@@ -60,6 +60,9 @@ class Tally:
     compiled: int = 0
     # `checked` only: schemas strict mode refuses (a keyword it cannot check on its own value).
     strict_refused: int = 0
+    # Valid instances of schemas that need no remote document (see `needs_remote`).
+    valid_local: int = 0
+    valid_local_accepted: int = 0
 
     def add(self, other: Tally) -> None:
         for name in self.__dataclass_fields__:
@@ -98,6 +101,34 @@ def run_instance(matcher: Any, tokens: list[int], bitmask: Any, stop_id: int) ->
     return _allowed(bitmask, stop_id) and matcher.can_terminate()
 
 
+def needs_remote(schema: Any) -> bool:
+    """Whether a schema refers to a document outside itself: a `$ref` or
+    `$dynamicRef` whose absolute URI (resolved against the `$id`s on its way)
+    is no `$id` of the schema. The suite serves those from localhost:1234 (and
+    the metaschemas from json-schema.org); stencild never fetches anything."""
+    from urllib.parse import urldefrag, urljoin
+
+    ids: set[str] = set()
+    refs: list[str] = []
+
+    def walk(node: Any, base: str) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$id"), str):
+                base = urljoin(base, node["$id"])
+                ids.add(urldefrag(base)[0])
+            for key in ("$ref", "$dynamicRef"):
+                if isinstance(node.get(key), str):
+                    refs.append(urldefrag(urljoin(base, node[key]))[0])
+            for value in node.values():
+                walk(value, base)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, base)
+
+    walk(schema, "")
+    return any(r.startswith(("http://", "https://", "urn:")) and r not in ids for r in refs)
+
+
 def watch_rejects(matcher: Any, tokens: list[int], token_bytes: Any) -> bool:
     """Whether the value checks of a strict request reject this output."""
     from grammar.value_watch import ValueWatch
@@ -130,6 +161,7 @@ def evaluate(
         report.per_keyword[keyword] = tallies
         for group in groups:
             spec = GrammarSpec("json_schema", json.dumps(group["schema"]))
+            local = not needs_remote(group["schema"])
             cases = [
                 (t["valid"], tok.encode(json.dumps(t["data"], separators=(",", ":"), ensure_ascii=False)))
                 for t in group["tests"]
@@ -153,6 +185,8 @@ def evaluate(
                     if valid:
                         tally.valid += 1
                         tally.valid_accepted += ok
+                        tally.valid_local += local
+                        tally.valid_local_accepted += ok and local
                     else:
                         tally.invalid += 1
                         tally.invalid_rejected += not ok
@@ -189,6 +223,12 @@ def markdown(report: Report, backends: Iterable[str] = BACKENDS) -> str:
         pct.append(f"{100 * t.valid_accepted / max(t.valid, 1):.1f}%")
         pct.append(f"{100 * t.invalid_rejected / max(t.invalid, 1):.1f}%")
     lines.append("| **rate** | " + " | ".join(pct) + " |")
+    local = []
+    for b in backends:
+        t = totals[b]
+        local += [f"{t.valid_local_accepted}/{t.valid_local} "
+                  f"({100 * t.valid_local_accepted / max(t.valid_local, 1):.1f}%)", ""]
+    lines.append("| **valid accepted, schemas with no remote `$ref`** | " + " | ".join(local) + " |")
     flagged = []
     for b in backends:
         t = totals[b]

@@ -54,6 +54,9 @@ def test_auto_is_at_least_as_good_as_either_backend(report):
     # Floors a little under what was measured (92.5% / 66.3%), to catch regressions.
     assert auto.valid_accepted / auto.valid >= 0.89
     assert auto.invalid_rejected / auto.invalid >= 0.63
+    # Schemas that need no remote document (95.4% measured; the 95% target).
+    assert auto.valid_local_accepted / auto.valid_local >= 0.95
+    assert auto.valid - auto.valid_local == 23  # the suite's valid instances behind a remote $ref
 
 
 def test_strict_backend_never_accepts_what_it_cannot_enforce(report):
