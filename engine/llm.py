@@ -98,8 +98,8 @@ class LLM:
 
         `constraint` is a `grammar.GrammarSpec` for all prompts, or a list with
         one spec (or None) per prompt. An invalid spec raises GrammarError.
-        `strict`: JSON-schema outputs resample duplicate `uniqueItems` items
-        (see engine/resample.py).
+        `strict`: JSON-schema outputs resample a value that breaks a keyword
+        the grammar does not enforce (see engine/resample.py).
         """
         if isinstance(prompts, str):
             prompts = [prompts]

@@ -1,7 +1,7 @@
 """Resampling a JSON value that breaks the schema in a way the grammar cannot see.
 
 A strict JSON-schema request (`Constraint.strict`) whose grammar leaves a
-keyword unenforced (or whose schema says `uniqueItems`) gets a `Resampler`.
+keyword unenforced gets a `Resampler`.
 After each step the tokens its matcher has accepted are read by a
 `grammar.value_watch.ValueWatch`; when a value completes that breaks the
 schema (an item equal to an earlier one under `uniqueItems`, a value that

@@ -13,6 +13,6 @@ def token_bytes(data: TokenizerData) -> Callable[[int], bytes]:
     """Token id -> its raw bytes (b"" for stop and special tokens) in `data`'s vocabulary.
 
     The table is built once per tokenizer (the compiler builds it while
-    planning a schema with `uniqueItems`, off the engine thread).
+    planning a JSON schema, off the engine thread).
     """
     return vocab_index(data).token_bytes

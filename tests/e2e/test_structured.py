@@ -299,21 +299,29 @@ def test_strict_refuses_what_the_grammar_cannot_enforce(grammar_server: ServerHa
     assert done.finish_reason == Finish.EOS and done.schema_validation.result == V.VALID
 
 
-def test_strict_resamples_a_duplicate_item(make_server) -> None:  # type: ignore[no-untyped-def]
-    """A scripted model that wants [1,1,2]: the second 1 is rolled back and
-    resampled (its second choice, 3); the stream never carried the duplicate."""
+def _scripted_strict(make_server, text: str, alternatives: dict[int, str], schema: dict):  # type: ignore[no-untyped-def]
+    """A server whose model writes `text` (with `alternatives`: output token
+    index -> its next choice there) and a strict request for `schema`."""
     path = ensure_preset("tiny-llama")
     tok = Tokenizer(str(path))
-    ids = tok.encode("[1,1,2]", add_special_tokens=False)
+    ids = tok.encode(text, add_special_tokens=False)
     script = {2 + i: [t] for i, t in enumerate(ids)}  # the prompt is 2 tokens
-    script[5] += tok.encode("3", add_special_tokens=False)
+    for i, alt in alternatives.items():
+        script[2 + i] += tok.encode(alt, add_special_tokens=False)
     server = make_server(lambda: EngineCore(EngineConfig(model=str(path), kv_cache_gib=0.05),
                                             wrap_model=scripted_by_position(script)))
-    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[9, 5]))
     req.sampling.temperature = 0
     req.stopping.max_new_tokens = 20
     req.constraint.CopyFrom(pb.Constraint(json_schema=json.dumps(schema), strict=True))
+    return server, req
+
+
+def test_strict_resamples_a_duplicate_item(make_server) -> None:  # type: ignore[no-untyped-def]
+    """A scripted model that wants [1,1,2]: the second 1 is rolled back and
+    resampled (its second choice, 3); the stream never carried the duplicate."""
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    server, req = _scripted_strict(make_server, "[1,1,2]", {3: "3"}, schema)
     text, _, done, chunks = generate(server.stub, req)
     assert text == "[1,3,2]" and done.finish_reason == Finish.EOS
     assert done.usage.schema_retries == 1
@@ -331,17 +339,8 @@ def test_strict_resamples_a_duplicate_item(make_server) -> None:  # type: ignore
 def test_strict_ends_schema_violation_when_resampling_cannot_help(make_server) -> None:  # type: ignore[no-untyped-def]
     """Items can only be 1 and must be unique: the grammar forces the second 1
     (no choice to resample), so the output breaks the schema and says so."""
-    path = ensure_preset("tiny-llama")
-    tok = Tokenizer(str(path))
-    ids = tok.encode("[1,1]", add_special_tokens=False)
-    script = {2 + i: [t] for i, t in enumerate(ids)}
-    server = make_server(lambda: EngineCore(EngineConfig(model=str(path), kv_cache_gib=0.05),
-                                            wrap_model=scripted_by_position(script)))
     schema = {"type": "array", "items": {"const": 1}, "uniqueItems": True}
-    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[9, 5]))
-    req.sampling.temperature = 0
-    req.stopping.max_new_tokens = 20
-    req.constraint.CopyFrom(pb.Constraint(json_schema=json.dumps(schema), strict=True))
+    server, req = _scripted_strict(make_server, "[1,1]", {}, schema)
     text, _, done, _ = generate(server.stub, req)
     assert text == "[1,1]" and done.finish_reason == Finish.SCHEMA_VIOLATION
     assert done.schema_validation.result == V.INVALID and done.schema_validation.keyword == "uniqueItems"
