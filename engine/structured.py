@@ -46,31 +46,27 @@ class PendingMask:
     engine thread). A Lock may be released by a thread that did not acquire it.
     """
 
-    __slots__ = ("_latch", "_set", "_bitmask", "_rows", "failed")
+    __slots__ = ("_latch", "is_set", "_bitmask", "_rows", "failed")
 
     def __init__(self) -> None:
         self._latch = threading.Lock()
         self._latch.acquire()
-        self._set = False
+        self.is_set = False  # read on every step: an attribute, not a property
         self._bitmask: torch.Tensor | None = None
         self._rows: list[int] = []
         self.failed: dict[int, Failure] = {}
 
     def set(self, bitmask: torch.Tensor | None, rows: list[int]) -> None:
         """Publish the mask (once; a second call is ignored) and wake the device thread."""
-        if self._set:
+        if self.is_set:
             return
         self._bitmask, self._rows = bitmask, rows
-        self._set = True
+        self.is_set = True
         self._latch.release()
-
-    @property
-    def is_set(self) -> bool:
-        return self._set
 
     def wait(self) -> float:
         """Block until the mask is set; returns the seconds spent blocked (0.0 if it was)."""
-        if self._set:
+        if self.is_set:
             return 0.0
         start = time.perf_counter()
         with self._latch:  # acquired only once `set` released it
