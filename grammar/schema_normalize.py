@@ -38,6 +38,7 @@ import re
 from typing import Any
 
 from .errors import GrammarError
+from .json_values import same
 
 # Keywords that constrain instances (draft 2020-12 plus older spellings that
 # are rewritten below). Anything else is an annotation or unknown: dropped.
@@ -320,7 +321,7 @@ _CONFLICT = object()
 
 
 def _merge_key(key: str, a: Any, b: Any) -> Any:
-    if a == b:
+    if same(a, b):  # JSON equality: `true` is not `1`
         return a
     if key == "required" and isinstance(a, list) and isinstance(b, list):
         return list(dict.fromkeys(a + b))
@@ -340,7 +341,7 @@ def _merge_key(key: str, a: Any, b: Any) -> Any:
                             or ("number" in ta and "integer" in tb) else set())
         return sorted(both) if len(both) != 1 else both.pop()
     if key == "enum" and isinstance(a, list) and isinstance(b, list):
-        return [x for x in a if x in b]
+        return [x for x in a if any(same(x, y) for y in b)]
     if key in ("anyOf", "oneOf", "not"):
         return _CONFLICT  # two of these cannot share one key; keep the allOf
     return _CONFLICT

@@ -126,5 +126,5 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
         else:
             views[backend] = GrammarSpec("json_schema", json.dumps(view, ensure_ascii=False),
                                          spec.options)
-    watch = WatchPlan.for_schema(normalized) if spec.kind == "json_schema" else None
+    watch = WatchPlan.for_schema(normalized, schema) if spec.kind == "json_schema" else None
     return views, unenforced, watch

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import jsonschema_rs
 
+from .json_values import canonical
 from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
 
 if TYPE_CHECKING:
@@ -91,24 +92,33 @@ class WatchPlan:
     node validators only when a strict request first needs them.
     """
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, whole_only: bool = False):
         self.source = source
+        # Nodes are validated as draft 2020-12 (what the normalizer writes);
+        # a schema written for another draft is checked whole, by the validator
+        # of the schema as written, which reads its `$schema`.
+        self.whole_only = whole_only
         self._lock = threading.Lock()
         self._root: Any = None
         self._pointers: dict[int, str] = {}
         self._validators: Any = None
         self._located: dict[frozenset[str], tuple[str, ...]] = {}
+        self._needs: dict[tuple[frozenset[str], int], bool] = {}
 
     @staticmethod
-    def for_schema(schema: Any) -> WatchPlan | None:
-        """The plan of a (normalized) schema; None for a boolean schema."""
-        return WatchPlan(json.dumps(schema)) if isinstance(schema, dict) else None
+    def for_schema(schema: Any, as_written: Any = None) -> WatchPlan | None:
+        """The plan of a (normalized) schema; None for a boolean schema.
+        `as_written`: the client's schema, when it declares its draft."""
+        if not isinstance(schema, dict):
+            return None
+        declared = as_written.get("$schema") if isinstance(as_written, dict) else None
+        return WatchPlan(json.dumps(schema), whole_only=declared is not None and "2020-12" not in str(declared))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"source": self.source}
+        return {"source": self.source, "whole_only": self.whole_only}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["source"])  # type: ignore[misc]
+        self.__init__(state["source"], state["whole_only"])  # type: ignore[misc]
 
     @property
     def root(self) -> Any:
@@ -167,7 +177,7 @@ class WatchPlan:
     def _build_validators(self, root: Any) -> Any:
         scoped = any(isinstance(node, dict) and _SCOPED_REFERENCES & node.keys()
                      for node in self._all_nodes(root))
-        if scoped:
+        if scoped or self.whole_only:
             return False
         try:
             return jsonschema_rs.validator_map_for(root, offline=True)
@@ -286,7 +296,14 @@ class WatchPlan:
         """Whether values at `node` are validated against it: it holds one of
         `keywords` itself or inside a branch (not inside a followed child,
         which is checked on its own). A `uniqueItems` of the node itself is
-        checked per item instead."""
+        checked per item instead. Cached per plan: every strict request of
+        the schema asks the same."""
+        known = self._needs.get((keywords, id(node)))
+        if known is None:
+            known = self._needs[(keywords, id(node))] = self._needs_check(node, keywords)
+        return known
+
+    def _needs_check(self, node: Any, keywords: frozenset[str]) -> bool:
         if (keywords - {"uniqueItems"}) & node.keys():
             return True
         followed = set(_FOLLOWED)
@@ -354,9 +371,10 @@ class ValueWatch:
     def __init__(self, plan: WatchPlan, keywords: tuple[str, ...] = (),
                  full: SchemaValidator | None = None):
         self.plan = plan
-        self._keywords = frozenset(keywords)
+        # Without the full schema's validator nothing can be validated (the
+        # schema is unreadable to it): duplicates are still found.
+        self._keywords = frozenset(keywords) if full is not None else frozenset()
         self._nodes_checked = bool(self._keywords) and plan.checks_nodes
-        self._needs: dict[int, bool] = {}
         self._root = plan.expand((plan.root,))
         # The whole output is validated when the top-level value holds a
         # keyword itself, or when no node can be checked on its own.
@@ -492,10 +510,7 @@ class ValueWatch:
         return any(self._needs_check(node) for node in self._slot_nodes(frame))
 
     def _needs_check(self, node: Any) -> bool:
-        known = self._needs.get(id(node))
-        if known is None:
-            known = self._needs[id(node)] = self.plan.needs_check(node, self._keywords)
-        return known
+        return self.plan.needs_check(node, self._keywords)
 
     def _string_done(self) -> None:
         if not self._stack:
@@ -518,9 +533,12 @@ class ValueWatch:
         if not (frame.unique or checked):
             return None
         try:
-            value = json.loads(raw.decode("utf-8"))
-        except ValueError:
-            return None  # not JSON after all: nothing to check (the validator will say)
+            return self._check_slot(frame, json.loads(raw.decode("utf-8")), checked)
+        except Exception:  # noqa: BLE001 - not JSON, too deep, odd to the validator: the final check says
+            log.debug("a value could not be checked while generating", exc_info=True)
+            return None
+
+    def _check_slot(self, frame: _Frame, value: Any, checked: bool) -> Violation | None:
         if frame.unique:
             key = canonical(value)
             if key in frame.seen:
@@ -550,18 +568,3 @@ def _first_keyword(validator: Any, value: Any) -> str:
     if error is None:
         return ""
     return next((str(p) for p in reversed(error.schema_path) if isinstance(p, str)), "")
-
-
-def canonical(value: Any) -> Any:
-    """A hashable form of a JSON value under JSON Schema equality."""
-    if isinstance(value, bool):
-        return ("b", value)
-    if isinstance(value, int | float):
-        return ("n", value)  # 1 == 1.0, with equal hashes
-    if isinstance(value, str):
-        return ("s", value)
-    if value is None:
-        return ("z",)
-    if isinstance(value, list):
-        return ("a", tuple(canonical(v) for v in value))
-    return ("o", frozenset((k, canonical(v)) for k, v in value.items()))

@@ -3,6 +3,7 @@ keyword tables (schema_keywords.py) and the output validator (validation.py)."""
 
 from __future__ import annotations
 
+import jsonschema_rs
 import pytest
 
 from grammar import GrammarError, GrammarSpec
@@ -74,6 +75,13 @@ def test_all_of_of_objects_is_merged():
 def test_single_enum_becomes_const():
     assert normalize_schema({"enum": ["only"]}) == {"const": "only"}
     assert normalize_schema({"enum": [1, 2]}) == {"enum": [1, 2]}
+
+
+def test_merging_allOf_compares_values_as_json():
+    # `true` is not `1` (Python's `==` says it is).
+    assert normalize_schema({"allOf": [{"enum": [True, "x"]}, {"enum": [1, "x"]}]}) == {"enum": ["x"]}
+    nothing = jsonschema_rs.validator_for(normalize_schema({"allOf": [{"const": True}, {"const": 1}]}))
+    assert not nothing.is_valid(True) and not nothing.is_valid(1)
 
 
 def test_an_integral_const_matches_by_value():

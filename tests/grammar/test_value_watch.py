@@ -156,3 +156,29 @@ def test_a_plan_pickles_as_text_and_parses_on_first_use():
     plan = WatchPlan.for_schema(INTS)
     copy = pickle.loads(pickle.dumps(plan))
     assert copy._root is None and copy.root == INTS
+
+
+def test_a_schema_for_another_draft_is_checked_whole():
+    # Draft-07 has no dependentRequired: the keyword constrains nothing there.
+    # Nodes are validated as 2020-12, so such a schema is only checked whole,
+    # by the validator of the schema as written.
+    from grammar.schema_normalize import normalize_schema
+
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#",
+              "properties": {"a": {"dependentRequired": {"x": ["y"]}}}}
+    plan = WatchPlan.for_schema(normalize_schema(schema), schema)
+    assert plan is not None and plan.whole_only and not plan.checks_nodes
+    watch = ValueWatch(plan, ("dependentRequired",), SchemaValidator(schema))
+    assert watch.feed(b'{"a": {"x": 1}}') is None and watch.finish() is None
+
+
+@pytest.mark.parametrize("text", [
+    '{"n":"\\ud800"}',  # a lone surrogate: the validator cannot take it
+    '{"n":' + "[" * 3000 + "]" * 3000 + "}",  # deeper than Python's recursion limit
+])
+def test_a_value_that_cannot_be_checked_is_left_to_the_final_validator(text):
+    schema = {"type": "object", "properties": {"n": {"not": {"const": 5}}}}
+    plan = WatchPlan.for_schema(schema)
+    assert plan is not None
+    watch = ValueWatch(plan, ("not",), SchemaValidator(schema))
+    watch.feed(text.encode())  # never raises

@@ -1,0 +1,34 @@
+"""Equality of JSON values as JSON Schema defines it.
+
+`1` equals `1.0`, `true` is not `1`, objects ignore key order. Python's own
+`==` gets the second wrong (`True == 1`), so schema rewriting and output
+checks compare `canonical` forms instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def canonical(value: Any) -> Any:
+    """A hashable form of a JSON value under JSON Schema equality (RecursionError
+    for values nested past Python's recursion limit)."""
+    if isinstance(value, bool):
+        return ("b", value)
+    if isinstance(value, int | float):
+        return ("n", value)  # 1 == 1.0, with equal hashes
+    if isinstance(value, str):
+        return ("s", value)
+    if value is None:
+        return ("z",)
+    if isinstance(value, list):
+        return ("a", tuple(canonical(v) for v in value))
+    return ("o", frozenset((k, canonical(v)) for k, v in value.items()))
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two JSON values are equal under JSON Schema (False when too deep to tell)."""
+    try:
+        return bool(canonical(a) == canonical(b))
+    except RecursionError:
+        return False
