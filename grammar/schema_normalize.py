@@ -98,6 +98,9 @@ class _Normalizer:
         self.anchors: dict[str, Any] = {}
         self.ids: dict[str, Any] = {}
         self._index(root)
+        # The schema resource being walked: the innermost node with an `$id`
+        # (a bundled schema), against which a `#...` pointer resolves.
+        self.resource: dict[str, Any] = root
         self.defs: dict[str, Any] = {}  # name -> normalized body of a recursive target
         self.def_names: dict[str, str] = {}  # ref string -> name in the root $defs
         self.nodes = 0
@@ -118,20 +121,35 @@ class _Normalizer:
                     if key not in ("const", "enum", "default", "examples"):
                         stack.append(value)
 
-    def _target(self, ref: str) -> Any:
-        if ref in self.ids:
-            return self.ids[ref]
-        if not ref.startswith("#"):
-            # A URI: relative to some `$id`, or remote. Resolving URIs is the
-            # libraries' business (llguidance has a resolver): the schema goes
-            # to them as written.
-            raise Unresolved(ref)
-        frag = ref[1:]
+    def _ref_key(self, ref: str) -> str:
+        """`ref` made unique across resources: `#/$defs/a` in two bundled
+        schemas are two different targets."""
+        if not ref.startswith("#") or self.resource is self.root:
+            return ref
+        return f"{self.resource.get('$id', '')}{ref}"
+
+    def _target(self, ref: str) -> tuple[Any, dict[str, Any]]:
+        """The node `ref` names, and the resource its own pointers resolve in."""
+        base, _, frag = ref.partition("#")
+        if base:
+            if base not in self.ids:
+                # A URI relative to some `$id`, or remote. Resolving URIs is the
+                # libraries' business (llguidance has a resolver): the schema
+                # goes to them as written.
+                raise Unresolved(ref)
+            resource = self.ids[base]
+            if not frag:
+                return resource, resource
+        else:
+            resource = self.resource
+        return self._in_resource(resource, ref, frag), resource
+
+    def _in_resource(self, resource: dict[str, Any], ref: str, frag: str) -> Any:
         if frag and not frag.startswith("/"):
             if frag in self.anchors:
                 return self.anchors[frag]
             raise GrammarError(f"cannot compile JSON schema: $ref {ref[:80]!r} names no $anchor")
-        node: Any = self.root
+        node: Any = resource
         for raw in frag.split("/")[1:]:
             part = _unescape(raw)
             if isinstance(node, dict) and part in node:
@@ -157,6 +175,15 @@ class _Normalizer:
 
     def node(self, schema: Any, active: tuple[str, ...]) -> Any:
         """Normalize one subschema; `active` are the refs being inlined above it."""
+        if not (isinstance(schema, dict) and isinstance(schema.get("$id"), str)) or schema is self.root:
+            return self._node(schema, active)
+        outer, self.resource = self.resource, schema  # a bundled schema: its own pointers
+        try:
+            return self._node(schema, active)
+        finally:
+            self.resource = outer
+
+    def _node(self, schema: Any, active: tuple[str, ...]) -> Any:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise GrammarError("JSON schema is too large once its $refs are expanded",
@@ -207,12 +234,18 @@ class _Normalizer:
     def _inline(self, ref: str, active: tuple[str, ...]) -> Any:
         """The normalized target of `ref`: inlined, or `{"$ref": "#/$defs/name"}` when
         it refers to itself (directly or through others)."""
-        if ref in active or ref in self.def_names:
-            return {"$ref": f"#/$defs/{self._def_name(ref)}"}
-        body = self.node(self._target(ref), (*active, ref))
-        if ref in self.def_names:  # recursion found below: it lives in $defs
-            self.defs[self.def_names[ref]] = body
-            return {"$ref": f"#/$defs/{self.def_names[ref]}"}
+        key = self._ref_key(ref)
+        if key in active or key in self.def_names:
+            return {"$ref": f"#/$defs/{self._def_name(key)}"}
+        target, resource = self._target(ref)
+        outer, self.resource = self.resource, resource
+        try:
+            body = self.node(target, (*active, key))
+        finally:
+            self.resource = outer
+        if key in self.def_names:  # recursion found below: it lives in $defs
+            self.defs[self.def_names[key]] = body
+            return {"$ref": f"#/$defs/{self.def_names[key]}"}
         return body
 
     def _def_name(self, ref: str) -> str:

@@ -77,6 +77,19 @@ def test_single_enum_becomes_const():
     assert normalize_schema({"enum": [1, 2]}) == {"enum": [1, 2]}
 
 
+def test_pointers_resolve_in_their_own_bundled_schema():
+    # A `#/...` pointer inside a subschema with an `$id` names a node of that
+    # subschema (a bundled resource), not of the document root.
+    inner = {"$id": "urn:example:inner", "$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}
+    outer = {"$defs": {"x": {"type": "string"}}, "type": "object",
+             "properties": {"a": inner, "b": {"$ref": "#/$defs/x"},
+                            "c": {"$ref": "urn:example:inner#/$defs/x"}}}
+    props = normalize_schema(outer)["properties"]
+    assert props["a"] == {"type": "integer"}
+    assert props["b"] == {"type": "string"}
+    assert props["c"] == {"type": "integer"}
+
+
 def test_merging_allOf_compares_values_as_json():
     # `true` is not `1` (Python's `==` says it is).
     assert normalize_schema({"allOf": [{"enum": [True, "x"]}, {"enum": [1, "x"]}]}) == {"enum": ["x"]}
