@@ -113,33 +113,44 @@ class BitmaskFiller:
         self._num_threads = num_threads
         self._xgr_batch: Any = None  # created on first use: each owns native threads
         self._llg_exec: Any = None
-        # The last bitmask that passed `check_bitmask`, its base address, rows
-        # and xgrammar's direct view of it (`_xgr.direct_target`). The engine
-        # passes the same tensor object step after step, so these (microseconds
-        # of tensor attribute reads) are made once per buffer; holding the
-        # reference keeps that identity meaningful.
+        # Per bitmask that passed `check_bitmask`: its base address, rows and
+        # xgrammar's direct view of it (`_xgr.direct_target`), and those of the
+        # last one used. The engine passes the same few tensor objects (a view
+        # per batch size) step after step, so these (microseconds of tensor
+        # attribute reads and a conversion) are made once per buffer; holding
+        # the references keeps their identities meaningful.
+        self._known: dict[int, tuple[torch.Tensor, int, int, Any]] = {}
         self._checked: torch.Tensor | None = None
         self._base = 0
         self._batch = 0
         self._xgr_target: Any = None
+        self._direct = True  # False once this xgrammar refused the direct call
 
     def _check(self, bitmask: torch.Tensor) -> None:
-        if bitmask is not self._checked:
+        if bitmask is self._checked:
+            return
+        known = self._known.get(id(bitmask))
+        if known is None or known[0] is not bitmask:
             check_bitmask(bitmask, self._tok.bitmask_words)
-            self._checked, self._base, self._batch = bitmask, bitmask.data_ptr(), bitmask.shape[0]
-            self._xgr_target = _xgr.direct_target(bitmask)
+            if len(self._known) >= 16:  # a caller making new tensors each time
+                self._known.clear()
+            target = _xgr.direct_target(bitmask) if self._direct else None
+            known = self._known[id(bitmask)] = (bitmask, bitmask.data_ptr(), bitmask.shape[0], target)
+        self._checked, self._base, self._batch, self._xgr_target = known
 
     def fill_row(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> None:
         """Fill `bitmask[row]` for one matcher: what `fill` does for one row,
         with an xgrammar matcher going straight to its native handle (a step
         with one constrained request, where every microsecond is per token)."""
-        if bitmask is self._checked and self._xgr_target is not None \
-                and type(matcher) is _xgr.XGrammarMatcher and 0 <= row < self._batch:
+        if bitmask is not self._checked:
+            self._check(bitmask)
+        if self._xgr_target is not None and type(matcher) is _xgr.XGrammarMatcher and 0 <= row < self._batch:
             try:
                 matcher.fill_direct(self._xgr_target, row, False)
                 return
             except TypeError:  # this xgrammar's handle takes other arguments
-                self._xgr_target = None
+                self._direct, self._xgr_target = False, None
+                self._known.clear()
             except Exception:  # noqa: BLE001 - terminated (or failing): the general path says
                 pass
         self.fill((matcher,), bitmask, (row,))
