@@ -11,8 +11,11 @@ context's tokens, its matcher, its KV pages, its output stream) and the value
 is generated again, with the token the model chose first inside the value
 masked at that point (a *ban*: it holds only while everything before it, from
 the value's start, is exactly as it was). Forced tokens at the value's start
-come back the same, so the ban lands on the model's own first choice. A stop
-token after a top-level scalar that breaks the schema is handled the same way
+come back the same, so the ban lands on the model's own first choice. When
+more properties or items could mend the value (`Violation.close`: a missing
+`dependentRequired` property, too few `contains` matches, ...), only its
+closing bracket is taken back first and banned there. A stop token after a
+top-level scalar that breaks the schema is handled like a completed value
 (`check_end`).
 
 Bounds: `MAX_RETRIES_PER_VALUE` rollbacks to the same position and
@@ -104,13 +107,26 @@ class Resampler:
         if first is None:
             return None
         self.last = first
+        if first.close is not None:
+            # More properties or items could mend the value: first take back
+            # only its closing bracket, and ban it there.
+            keep = bisect.bisect_right(self._ends, first.close)
+            rolled = self._ban(ctx, keep, ctx.prompt_len + keep, floor)
+            if rolled is not None:
+                return rolled
         keep = bisect.bisect_right(self._ends, first.start)
+        rolled = self._ban(ctx, keep, self._first_choice(ctx, keep, first.end), floor)
+        if rolled is None:
+            self.watch.give_up()  # the value stays; validation reports it
+        return rolled
+
+    def _ban(self, ctx: Output, keep: int, choice: int | None, floor: int) -> Rollback | None:
+        """Roll back to generated token `keep` and ban the token at `choice`
+        (at or after it), if retries remain; None otherwise."""
         position = ctx.prompt_len + keep
-        choice = self._first_choice(ctx, keep, first.end)
-        if (choice is None or keep < floor or self.retries >= MAX_RETRIES
-                or self._tries.get(position, 0) >= MAX_RETRIES_PER_VALUE):
-            self.watch.give_up()
-            return None  # the value stays; validation reports it
+        if (choice is None or choice in ctx.forced_positions or keep < floor
+                or self.retries >= MAX_RETRIES or self._tries.get(position, 0) >= MAX_RETRIES_PER_VALUE):
+            return None
         # Bans and counts past this point described tokens that are going away.
         self._bans = {k: v for k, v in self._bans.items() if k[0] <= position}
         self._tries = {k: v for k, v in self._tries.items() if k <= position}

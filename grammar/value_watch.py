@@ -58,6 +58,9 @@ Nodes = tuple[Any, ...]
 _FOLLOWED = ("properties", "additionalProperties", "items", "prefixItems", "additionalItems", "allOf")
 # Definitions are reached through `$ref`, not by walking into them.
 _DEFS = ("$defs", "definitions")
+# Keywords a container can still satisfy by going on (more properties or items).
+_EXTENDABLE = frozenset({"required", "dependentRequired", "minProperties",
+                         "contains", "minContains", "minItems"})
 # With these anywhere, a node validated apart from the root could resolve a
 # reference differently: only the whole output is checked.
 _SCOPED_REFERENCES = frozenset({"$id", "id", "$anchor", "$dynamicRef", "$dynamicAnchor",
@@ -343,6 +346,10 @@ class Violation:
     start: int
     end: int
     keyword: str = "uniqueItems"
+    # The offset of the value's closing bracket when more properties or items
+    # before it could mend the value (`keyword` asks for more: see
+    # _EXTENDABLE); a resampler may first take back only that bracket.
+    close: int | None = None
 
 
 @dataclass
@@ -549,8 +556,20 @@ class ValueWatch:
                 if self._needs_check(node):
                     validator = self.plan.validator(node)
                     if validator is not None and not validator.is_valid(value):
-                        return Violation(frame.item_start, self._pos, _first_keyword(validator, value))
+                        keyword, path = _first_error(validator, value)
+                        return Violation(frame.item_start, self._pos, keyword,
+                                         self._close(self._pos, keyword, path))
         return None
+
+    def _close(self, end: int, keyword: str, path: str) -> int | None:
+        """Where the container ending before byte `end` closes, when its own
+        failing `keyword` asks for more content (see Violation.close)."""
+        if keyword not in _EXTENDABLE or path:
+            return None
+        close = end - 1
+        while close >= 0 and self._data[close] in b" \t\r\n":
+            close -= 1
+        return close if close >= 0 and self._data[close] in b"]}" else None
 
     def _check_whole(self, end: int) -> Violation | None:
         """The output's last container closed (or it ended): validate it whole."""
@@ -560,11 +579,14 @@ class ValueWatch:
         result = self._full.validate_text(bytes(self._data[:end]).decode("utf-8", "replace"))
         if result.valid or not result.checked:
             return None
-        return Violation(self._root_start, end, result.keyword)
+        return Violation(self._root_start, end, result.keyword,
+                         self._close(end, result.keyword, result.instance_path))
 
 
-def _first_keyword(validator: Any, value: Any) -> str:
+def _first_error(validator: Any, value: Any) -> tuple[str, str]:
+    """(schema keyword, instance path) of the first error `validator` finds in `value`."""
     error = next(iter(validator.iter_errors(value)), None)
     if error is None:
-        return ""
-    return next((str(p) for p in reversed(error.schema_path) if isinstance(p, str)), "")
+        return "", ""
+    keyword = next((str(p) for p in reversed(error.schema_path) if isinstance(p, str)), "")
+    return keyword, "".join(f"/{p}" for p in error.instance_path)

@@ -177,3 +177,21 @@ def test_a_checked_value_streams_only_once_it_passes(make_llm, tok):
     # Everything before `n`'s value went out before the value completed.
     pieces = [s for s in sent if s]
     assert "".join(pieces[:-1]) == '{"free":"ab","n":' and pieces[-1] == "2}"
+
+
+def test_a_missing_dependent_property_is_added_by_taking_back_the_brace(make_llm, tok):
+    # The model closes {"a":1} although `a` requires `b`: only the `}` is
+    # taken back and banned there, and the model goes on with its next choice.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "dependentRequired": {"a": ["b"]}, "additionalProperties": False}
+    text = '{"a":1,"b":2}'
+    ids = tok.encode(text, add_special_tokens=False)
+    [comma] = [i for i, t in enumerate(ids) if tok.decode([t]).startswith(",")]
+    script = _script(tok, text)
+    [brace] = tok.encode("}", add_special_tokens=False)
+    script[len(PROMPT) + comma].insert(0, brace)  # it would rather stop there
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), grammar_backend="llguidance")
+    out = _generate(llm, schema)
+    assert json.loads(out.text) == {"a": 1, "b": 2} and out.schema_retries == 1 and out.finish_reason == "eos"
+    out = _generate(llm, schema, strict=False)
+    assert out.text == '{"a":1}'

@@ -93,7 +93,8 @@ def test_the_whole_output_is_checked_when_its_top_level_node_holds_a_keyword():
     assert plan is not None
     watch = ValueWatch(plan, ("dependentRequired",), SchemaValidator(schema))
     assert watch.feed(b'{"a":1') is None and watch.stable == 0  # nothing may be sent yet
-    assert watch.feed(b"}") == Violation(0, len('{"a":1}'), "dependentRequired")
+    # More properties could mend it: `close` says where its `}` is.
+    assert watch.feed(b"}") == Violation(0, len('{"a":1}'), "dependentRequired", close=6)
     assert _first_violation(schema, '{"a":1,"b":2}', ("dependentRequired",)) is None
 
 
@@ -182,3 +183,14 @@ def test_a_value_that_cannot_be_checked_is_left_to_the_final_validator(text):
     assert plan is not None
     watch = ValueWatch(plan, ("not",), SchemaValidator(schema))
     watch.feed(text.encode())  # never raises
+
+
+def test_a_violation_more_items_could_mend_says_where_its_bracket_is():
+    schema = {"type": "object", "properties": {"p": {"type": "array", "contains": {"const": 5}},
+                                               "q": {"type": "array", "not": {"contains": {"const": 1}}}}}
+    text = '{"p":[1, 2 ] ,"q":[1]}'
+    found = _first_violation(schema, text, ("contains", "not"))
+    assert found == Violation(len('{"p":'), len('{"p":[1, 2 ] '), "contains", close=text.index("]"))
+    # `not` is not mended by more items: the whole value is resampled.
+    found = _first_violation(schema, '{"q":[1]}', ("contains", "not"))
+    assert found is not None and found.keyword == "not" and found.close is None
