@@ -17,6 +17,7 @@ rejects fails the request: the engine never falls back to unconstrained output.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -81,6 +82,10 @@ class PendingMask:
             apply_mask(logits, self._bitmask, self._rows)
 
 
+def _nothing() -> None:
+    return None
+
+
 class StructuredOutput:
     """The engine's grammar runtime: a lazily started compiler and per-step masking."""
 
@@ -92,7 +97,11 @@ class StructuredOutput:
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
         self._compiler: GrammarCompiler | None = None
-        self._fill_row: Callable[[Matcher, torch.Tensor, int], None] | None = None  # the compiler's
+        # The one-row step's fill of the last matcher seen there, and its
+        # bitmask (see `fill`).
+        self._one_row_for: Matcher | None = None
+        self._one_row_fill: Callable[[], object] = _nothing
+        self._one_row_mask: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
         self._views: dict[int, torch.Tensor] = {}
@@ -110,7 +119,6 @@ class StructuredOutput:
                                                  vocab_size=self.vocab_size,
                                                  eos_token_ids=self.eos_token_ids,
                                                  compile_timeout_s=self.compile_timeout_s)
-                self._fill_row = self._compiler.filler.fill_row
             return self._compiler
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:
@@ -129,7 +137,7 @@ class StructuredOutput:
             if self._compiler is not None:
                 self._compiler.close()
                 self._compiler = None
-                self._fill_row = None
+                self._one_row_for = None
 
     # -- per step -------------------------------------------------------------
     def fill(self, mask: PendingMask, contexts: Sequence[TextContext | None]) -> None:
@@ -148,12 +156,18 @@ class StructuredOutput:
         try:
             ctx = contexts[0] if len(contexts) == 1 else None
             if ctx is not None and ctx.matcher is not None and ctx.forced_next is None \
-                    and ctx.resampler is None and self._fill_row is not None and 1 in self._views:
+                    and ctx.resampler is None:
                 # One constrained request sampling freely (a lone client): its
-                # row without the batch bookkeeping below.
-                bitmask = self._views[1]
-                self._fill_row(ctx.matcher, bitmask, 0)
-                mask.set(bitmask, [0])
+                # row without the batch bookkeeping below, through a fill made
+                # once per request (for xgrammar a native call with no Python
+                # frame: grammar.BitmaskFiller.row_filler).
+                if ctx.matcher is not self._one_row_for:
+                    self._prepare_one_row(ctx.matcher)
+                try:
+                    self._one_row_fill()
+                except Exception:  # noqa: BLE001 - terminated (xgrammar refuses) or failing
+                    self._one_row_failed(ctx.matcher, mask)
+                mask.set(self._one_row_mask, [0])
                 self.last_mask_seconds = time.perf_counter() - start
                 return
             rows: list[int] = []
@@ -189,6 +203,18 @@ class StructuredOutput:
             if not mask.is_set:  # the device thread must never wait for ever
                 mask.set(None, [])
 
+    def _prepare_one_row(self, matcher: Matcher) -> None:
+        bitmask = self._view(1)
+        self._one_row_fill = self.compiler.filler.row_filler(matcher, bitmask, 0)
+        self._one_row_for, self._one_row_mask = matcher, bitmask
+
+    def _one_row_failed(self, matcher: Matcher, mask: PendingMask) -> None:
+        """The one-row fill raised: fill (or record the failure) the general
+        way, which knows a terminated matcher, and use that way from now on."""
+        bitmask = self._view(1)
+        self._one_row_fill = functools.partial(self.compiler.filler.fill_row, matcher, bitmask, 0)
+        self._fill_one_by_one([matcher], bitmask, [0], mask)
+
     def _view(self, batch: int) -> torch.Tensor:
         """The first `batch` rows of the step bitmask (allocated, or grown, on demand).
 
@@ -201,6 +227,7 @@ class StructuredOutput:
             if self._bitmask is None or self._bitmask.shape[0] < batch:
                 self._bitmask = self.compiler.allocate_bitmask(max(batch, 64))
                 self._views.clear()
+                self._one_row_for = None  # its fill wrote the old buffer
                 # Shares memory with the bitmask; unsigned, so bit 31 needs no sign trick.
                 self._words = self._bitmask.numpy().view(np.uint32)
             view = self._views[batch] = self._bitmask[:batch]

@@ -7,7 +7,8 @@ the CPU; applying happens on the logits' device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -137,6 +138,18 @@ class BitmaskFiller:
             target = _xgr.direct_target(bitmask) if self._direct else None
             known = self._known[id(bitmask)] = (bitmask, bitmask.data_ptr(), bitmask.shape[0], target)
         self._checked, self._base, self._batch, self._xgr_target = known
+
+    def row_filler(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> Callable[[], object]:
+        """A call without arguments that fills `bitmask[row]` for `matcher`,
+        for a caller filling the same row for the same matcher step after step:
+        for xgrammar, its native fill bound to the row (no Python frame at
+        all); otherwise `fill_row`. The native one raises once the matcher is
+        terminated (the library refuses): the caller then uses `fill`, which
+        writes the stop-only row."""
+        self._check(bitmask)
+        if self._xgr_target is not None and type(matcher) is _xgr.XGrammarMatcher and 0 <= row < self._batch:
+            return functools.partial(matcher.fill_direct, self._xgr_target, row, False)
+        return functools.partial(self.fill_row, matcher, bitmask, row)
 
     def fill_row(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> None:
         """Fill `bitmask[row]` for one matcher: what `fill` does for one row,

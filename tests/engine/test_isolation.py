@@ -145,6 +145,23 @@ def test_a_failing_matcher_fails_only_its_request(make_llm, where, overlap):
         assert got[f"True-{i}"].finish_reason == "eos"
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_lone_request_whose_mask_fails_ends_alone(make_llm, backend):
+    # A step with one constrained row takes its own short path
+    # (StructuredOutput.fill); a mask failure there fails the request, not
+    # the engine, which then serves the next request as usual.
+    llm = make_llm("tiny-llama", grammar_backend=backend)
+    eng = llm.engine
+    spec = GrammarSpec.regex(r"[a-f]{3,8}(-[0-9]{2}){1,3}")
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    [prompt, other] = prompts(2)
+    broken = BrokenMatcher(eng.structured.compile(spec), "fill_bitmask")
+    got = _run(llm, [eng.make_context(prompt, params, request_id="lone", matcher=broken)])
+    assert got["lone"].status.name == "ERROR" and "internal error" in got["lone"].error
+    got = _run(llm, [eng.make_context(other, params, request_id="next", matcher=eng.structured.compile(spec))])
+    assert got["next"].finish_reason == "eos"
+
+
 def test_a_failing_detokenizer_fails_only_its_request(make_llm):
     llm = make_llm("tiny-llama")
     eng = llm.engine

@@ -141,7 +141,19 @@ def test_one_row_fill_matches_the_matchers_own(compiler, backend):
         assert bool((bitmask[1] == 0).all())
     if backend == "xgrammar":  # this xgrammar has tvm_ffi: the direct path was the one tested
         assert filler._xgr_target is not None
+    # row_filler: the same row, for one matcher step after step.
+    m.reset()
+    fill = filler.row_filler(m, bitmask, 1)
+    for token in tok.encode("ab@c"):
+        bitmask.zero_()
+        fill()
+        m.fill_bitmask(single, 0)
+        assert torch.equal(bitmask[1], single[0])
+        assert m.accept_token(token)
     assert m.accept_token(STOP_IDS[0])
+    if backend == "xgrammar":
+        with pytest.raises(Exception):  # noqa: B017 - the library refuses a terminated matcher
+            fill()
     filler.fill_row(m, bitmask, 3)
     assert allowed(bitmask, 3) == set(STOP_IDS)
     with pytest.raises(IndexError):
