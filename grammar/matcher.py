@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .spec import GrammarSpec
     from .tokenizer import TokenizerData
     from .validation import SchemaValidator
-    from .value_watch import WatchPlan
+    from .watch_plan import WatchPlan
 
 
 class Matcher(ABC):
@@ -61,7 +61,7 @@ class Matcher(ABC):
     def resampled_keywords(self) -> tuple[str, ...]:
         """Unenforced keywords that a strict request enforces by resampling
         instead: those whose every occurrence the value watch checks on the
-        very value it constrains (grammar/value_watch.py). Parses the schema
+        very value it constrains (grammar/watch_plan.py). Parses the schema
         and builds its node validators on first use (callers run it off the
         event loop)."""
         plan = self.watch_plan

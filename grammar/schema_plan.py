@@ -23,7 +23,7 @@ from .schema_keywords import backend_view
 from .schema_normalize import Unresolved, normalize_schema
 from .spec import GrammarSpec
 from .validation import SchemaValidator
-from .value_watch import WatchPlan
+from .watch_plan import WatchPlan
 
 log = logging.getLogger(__name__)
 

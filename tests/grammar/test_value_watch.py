@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from grammar.validation import SchemaValidator
-from grammar.value_watch import ValueWatch, Violation, WatchPlan
+from grammar.value_watch import ValueWatch, Violation
+from grammar.watch_plan import WatchPlan
 
 INTS = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
 
