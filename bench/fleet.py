@@ -28,8 +28,8 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -73,6 +73,17 @@ def prompts(n: int, words: int) -> list[str]:
     return out
 
 
+def _drive(texts: list[str], concurrency: int, one: Callable[[str], tuple[float | None, int]]
+           ) -> tuple[list[float], int, float]:
+    """Run `one(text) -> (time to first token or None, tokens)` over `texts`,
+    `concurrency` at a time: (TTFTs, total tokens, seconds)."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, texts))
+    elapsed = time.perf_counter() - start
+    return [first or 0.0 for first, _ in results], sum(n for _, n in results), elapsed
+
+
 def run_direct(address: str, texts: list[str], new_tokens: int, concurrency: int
                ) -> tuple[list[float], int, float]:
     import grpc
@@ -82,11 +93,8 @@ def run_direct(address: str, texts: list[str], new_tokens: int, concurrency: int
 
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.GenerationStub(channel)
-    ttfts: list[float] = []
-    tokens = [0]
-    lock = threading.Lock()
 
-    def one(text: str) -> None:
+    def one(text: str) -> tuple[float | None, int]:
         req = pb.GenerateRequest(text=text)
         req.sampling.temperature = 0.0
         req.stopping.max_new_tokens = new_tokens
@@ -99,16 +107,12 @@ def run_direct(address: str, texts: list[str], new_tokens: int, concurrency: int
                 if first is None:
                     first = time.perf_counter() - start
                 n += len(msg.chunk.token_ids)
-        with lock:
-            ttfts.append(first or 0.0)
-            tokens[0] += n
+        return first, n
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, texts))
-    elapsed = time.perf_counter() - start
-    channel.close()
-    return ttfts, tokens[0], elapsed
+    try:
+        return _drive(texts, concurrency, one)
+    finally:
+        channel.close()
 
 
 def run_router(base: str, model: str, texts: list[str], new_tokens: int, concurrency: int
@@ -120,11 +124,8 @@ def run_router(base: str, model: str, texts: list[str], new_tokens: int, concurr
     from urllib.parse import urlsplit
 
     host = urlsplit(base)
-    ttfts: list[float] = []
-    tokens = [0]
-    lock = threading.Lock()
 
-    def one(text: str) -> None:
+    def one(text: str) -> tuple[float | None, int]:
         body = {"model": model, "prompt": text, "max_tokens": new_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         start = time.perf_counter()
@@ -144,14 +145,9 @@ def run_router(base: str, model: str, texts: list[str], new_tokens: int, concurr
             if '"usage":{' in line:
                 n = json.loads(line[6:])["usage"]["completion_tokens"]
         conn.close()
-        with lock:
-            ttfts.append(first or 0.0)
-            tokens[0] += n
+        return first, n
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, texts))
-    return ttfts, tokens[0], time.perf_counter() - start
+    return _drive(texts, concurrency, one)
 
 
 def main() -> None:
