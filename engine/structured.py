@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -82,8 +82,12 @@ class PendingMask:
             apply_mask(logits, self._bitmask, self._rows)
 
 
-def _nothing() -> None:
-    return None
+class _OneRow(NamedTuple):
+    """How a step with one constrained row fills it (see `StructuredOutput.fill`)."""
+
+    matcher: Matcher  # the request's, made once per request
+    fill: Callable[[], object]  # fills row 0 of `bitmask` for `matcher`
+    bitmask: torch.Tensor  # the step bitmask's one-row view
 
 
 class StructuredOutput:
@@ -97,11 +101,7 @@ class StructuredOutput:
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
         self._compiler: GrammarCompiler | None = None
-        # The one-row step's fill of the last matcher seen there, and its
-        # bitmask (see `fill`).
-        self._one_row_for: Matcher | None = None
-        self._one_row_fill: Callable[[], object] = _nothing
-        self._one_row_mask: torch.Tensor | None = None
+        self._one_row: _OneRow | None = None  # for the last matcher alone in a step
         self._lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
         self._views: dict[int, torch.Tensor] = {}
@@ -137,7 +137,7 @@ class StructuredOutput:
             if self._compiler is not None:
                 self._compiler.close()
                 self._compiler = None
-                self._one_row_for = None
+                self._one_row = None
 
     # -- per step -------------------------------------------------------------
     def fill(self, mask: PendingMask, contexts: Sequence[TextContext | None]) -> None:
@@ -161,13 +161,16 @@ class StructuredOutput:
                 # row without the batch bookkeeping below, through a fill made
                 # once per request (for xgrammar a native call with no Python
                 # frame: grammar.BitmaskFiller.row_filler).
-                if ctx.matcher is not self._one_row_for:
-                    self._prepare_one_row(ctx.matcher)
+                one = self._one_row
+                if one is None or one.matcher is not ctx.matcher:
+                    bitmask = self._view(1)
+                    one = self._one_row = _OneRow(ctx.matcher, self.compiler.filler.row_filler(
+                        ctx.matcher, bitmask, 0), bitmask)
                 try:
-                    self._one_row_fill()
+                    one.fill()
                 except Exception:  # noqa: BLE001 - terminated (xgrammar refuses) or failing
-                    self._one_row_failed(ctx.matcher, mask)
-                mask.set(self._one_row_mask, [0])
+                    self._one_row_failed(one, mask)
+                mask.set(one.bitmask, [0])
                 self.last_mask_seconds = time.perf_counter() - start
                 return
             rows: list[int] = []
@@ -203,17 +206,12 @@ class StructuredOutput:
             if not mask.is_set:  # the device thread must never wait for ever
                 mask.set(None, [])
 
-    def _prepare_one_row(self, matcher: Matcher) -> None:
-        bitmask = self._view(1)
-        self._one_row_fill = self.compiler.filler.row_filler(matcher, bitmask, 0)
-        self._one_row_for, self._one_row_mask = matcher, bitmask
-
-    def _one_row_failed(self, matcher: Matcher, mask: PendingMask) -> None:
+    def _one_row_failed(self, one: _OneRow, mask: PendingMask) -> None:
         """The one-row fill raised: fill (or record the failure) the general
         way, which knows a terminated matcher, and use that way from now on."""
-        bitmask = self._view(1)
-        self._one_row_fill = functools.partial(self.compiler.filler.fill_row, matcher, bitmask, 0)
-        self._fill_one_by_one([matcher], bitmask, [0], mask)
+        fill = functools.partial(self.compiler.filler.fill_row, one.matcher, one.bitmask, 0)
+        self._one_row = one._replace(fill=fill)
+        self._fill_one_by_one([one.matcher], one.bitmask, [0], mask)
 
     def _view(self, batch: int) -> torch.Tensor:
         """The first `batch` rows of the step bitmask (allocated, or grown, on demand).
@@ -227,7 +225,7 @@ class StructuredOutput:
             if self._bitmask is None or self._bitmask.shape[0] < batch:
                 self._bitmask = self.compiler.allocate_bitmask(max(batch, 64))
                 self._views.clear()
-                self._one_row_for = None  # its fill wrote the old buffer
+                self._one_row = None  # its fill wrote the old buffer
                 # Shares memory with the bitmask; unsigned, so bit 31 needs no sign trick.
                 self._words = self._bitmask.numpy().view(np.uint32)
             view = self._views[batch] = self._bitmask[:batch]
