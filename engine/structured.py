@@ -209,7 +209,7 @@ class StructuredOutput:
     def _one_row_failed(self, one: _OneRow, mask: PendingMask) -> None:
         """The one-row fill raised: fill (or record the failure) the general
         way, which knows a terminated matcher, and use that way from now on."""
-        fill = functools.partial(self.compiler.filler.fill_row, one.matcher, one.bitmask, 0)
+        fill = functools.partial(self.compiler.filler.fill, (one.matcher,), one.bitmask, (0,))
         self._one_row = one._replace(fill=fill)
         self._fill_one_by_one([one.matcher], one.bitmask, [0], mask)
 

@@ -125,7 +125,6 @@ class BitmaskFiller:
         self._base = 0
         self._batch = 0
         self._xgr_target: Any = None
-        self._direct = True  # False once this xgrammar refused the direct call
 
     def _check(self, bitmask: torch.Tensor) -> None:
         if bitmask is self._checked:
@@ -135,38 +134,22 @@ class BitmaskFiller:
             check_bitmask(bitmask, self._tok.bitmask_words)
             if len(self._known) >= 16:  # a caller making new tensors each time
                 self._known.clear()
-            target = _xgr.direct_target(bitmask) if self._direct else None
-            known = self._known[id(bitmask)] = (bitmask, bitmask.data_ptr(), bitmask.shape[0], target)
+            known = self._known[id(bitmask)] = (bitmask, bitmask.data_ptr(), bitmask.shape[0],
+                                                 _xgr.direct_target(bitmask))
         self._checked, self._base, self._batch, self._xgr_target = known
 
     def row_filler(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> Callable[[], object]:
         """A call without arguments that fills `bitmask[row]` for `matcher`,
-        for a caller filling the same row for the same matcher step after step:
-        for xgrammar, its native fill bound to the row (no Python frame at
-        all); otherwise `fill_row`. The native one raises once the matcher is
+        for a caller filling the same row for the same matcher step after step
+        (the engine's step with one constrained request): for xgrammar, its
+        native fill bound to the row (no Python frame at all); otherwise
+        `fill` for that row. The native one raises once the matcher is
         terminated (the library refuses): the caller then uses `fill`, which
         writes the stop-only row."""
         self._check(bitmask)
         if self._xgr_target is not None and type(matcher) is _xgr.XGrammarMatcher and 0 <= row < self._batch:
             return functools.partial(matcher.fill_direct, self._xgr_target, row, False)
-        return functools.partial(self.fill_row, matcher, bitmask, row)
-
-    def fill_row(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> None:
-        """Fill `bitmask[row]` for one matcher: what `fill` does for one row,
-        with an xgrammar matcher going straight to its native handle (a step
-        with one constrained request, where every microsecond is per token)."""
-        if bitmask is not self._checked:
-            self._check(bitmask)
-        if self._xgr_target is not None and type(matcher) is _xgr.XGrammarMatcher and 0 <= row < self._batch:
-            try:
-                matcher.fill_direct(self._xgr_target, row, False)
-                return
-            except TypeError:  # this xgrammar's handle takes other arguments
-                self._direct, self._xgr_target = False, None
-                self._known.clear()
-            except Exception:  # noqa: BLE001 - terminated (or failing): the general path says
-                pass
-        self.fill((matcher,), bitmask, (row,))
+        return functools.partial(self.fill, (matcher,), bitmask, (row,))
 
     def fill(
         self,

@@ -475,8 +475,8 @@ class GrammarCompiler:
 
     @property
     def filler(self) -> BitmaskFiller:
-        """The bitmask filler behind `fill_bitmasks` (its `fill_row` is the
-        shortest path for one matcher; the engine calls it once per step)."""
+        """The bitmask filler behind `fill_bitmasks` (its `row_filler` is the
+        shortest path for one matcher, which the engine's one-row steps take)."""
         return self._filler
 
 

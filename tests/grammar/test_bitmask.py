@@ -122,39 +122,30 @@ def test_batch_fill_matches_single_fills(compiler):
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_one_row_fill_matches_the_matchers_own(compiler, backend):
-    # `fill_row` (the engine's path for a step with one constrained request)
-    # takes xgrammar's native handle directly; its rows must equal the
-    # matcher's own, and a terminated matcher still gets its stop-only row.
+    # `row_filler` (the engine's path for a step with one constrained request)
+    # binds xgrammar's native fill to the row; its rows must equal the
+    # matcher's own, and a terminated matcher still gets its stop-only row
+    # from the general fill.
     tok = compiler.tokenizer_data
     m = compiler.compile(GrammarSpec.regex("[a-z]+@[a-z]+"), backend=backend)
     bitmask = compiler.allocate_bitmask(4)
     single = compiler.allocate_bitmask(1)
     filler = compiler.filler
-    for prefix in ["", "ab", "ab@", "ab@c"]:
-        m.reset()
-        m.accept_tokens(tok.encode(prefix))
-        bitmask.zero_()
-        filler.fill_row(m, bitmask, 2)
-        filler.fill_row(m, bitmask, 2)  # the second call takes the direct path
-        m.fill_bitmask(single, 0)
-        assert torch.equal(bitmask[2], single[0]), prefix
-        assert bool((bitmask[1] == 0).all())
-    if backend == "xgrammar":  # this xgrammar has tvm_ffi: the direct path was the one tested
+    fill = filler.row_filler(m, bitmask, 2)
+    if backend == "xgrammar":  # this xgrammar has tvm_ffi: the direct path is the one tested
         assert filler._xgr_target is not None
-    # row_filler: the same row, for one matcher step after step.
-    m.reset()
-    fill = filler.row_filler(m, bitmask, 1)
     for token in tok.encode("ab@c"):
         bitmask.zero_()
         fill()
         m.fill_bitmask(single, 0)
-        assert torch.equal(bitmask[1], single[0])
+        assert torch.equal(bitmask[2], single[0])
+        assert bool((bitmask[1] == 0).all())
         assert m.accept_token(token)
     assert m.accept_token(STOP_IDS[0])
     if backend == "xgrammar":
         with pytest.raises(Exception):  # noqa: B017 - the library refuses a terminated matcher
             fill()
-    filler.fill_row(m, bitmask, 3)
+    filler.fill([m], bitmask, [3])
     assert allowed(bitmask, 3) == set(STOP_IDS)
     with pytest.raises(IndexError):
-        filler.fill_row(m, bitmask, 4)
+        filler.fill([m], bitmask, [4])
