@@ -163,10 +163,9 @@ class Postprocessor:
         to = ctx.resampler.check_end(ctx, floor) if at_end else ctx.resampler.check(ctx, floor)
         if to is None:
             return False
-        last = ctx.resampler.last
         log.debug("request %s: a value breaks %s; resampling from token %d (retry %d)",
-                  ctx.request_id, last.keyword if last is not None else "the schema",
-                  to.position - ctx.prompt_len, ctx.resampler.retries)
+                  ctx.request_id, to.keyword or "the schema", to.position - ctx.prompt_len,
+                  ctx.resampler.retries)
         matcher = ctx.matcher
         assert matcher is not None
         matcher.rollback(ctx.grammar_idx - to.position)

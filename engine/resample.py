@@ -61,9 +61,11 @@ class Output(Protocol):
 
 @dataclass(frozen=True)
 class Rollback:
-    """Where a request goes back to: `position` is the first token dropped."""
+    """Where a request goes back to: `position` is the first token dropped;
+    `keyword` is what the dropped value broke (for the log)."""
 
     position: int
+    keyword: str = ""
 
 
 class Resampler:
@@ -78,7 +80,6 @@ class Resampler:
         self._bans: dict[tuple[int, tuple[int, ...]], set[int]] = {}
         self._tries: dict[int, int] = {}  # rollbacks per value start position
         self.retries = 0
-        self.last: Violation | None = None  # the latest violation found (for the log)
 
     @property
     def stable_tokens(self) -> int:
@@ -106,27 +107,25 @@ class Resampler:
     def _roll_back(self, ctx: Output, first: Violation | None, floor: int) -> Rollback | None:
         if first is None:
             return None
-        self.last = first
         if first.close is not None:
             # More properties or items could mend the value: first take back
             # only its closing bracket, and ban it there.
             keep = bisect.bisect_right(self._ends, first.close)
-            rolled = self._ban(ctx, keep, ctx.prompt_len + keep, floor)
-            if rolled is not None:
-                return rolled
+            if self._ban(ctx, keep, ctx.prompt_len + keep, floor):
+                return Rollback(ctx.prompt_len + keep, first.keyword)
         keep = bisect.bisect_right(self._ends, first.start)
-        rolled = self._ban(ctx, keep, self._first_choice(ctx, keep, first.end), floor)
-        if rolled is None:
-            self.watch.give_up()  # the value stays; validation reports it
-        return rolled
+        if self._ban(ctx, keep, self._first_choice(ctx, keep, first.end), floor):
+            return Rollback(ctx.prompt_len + keep, first.keyword)
+        self.watch.give_up()  # the value stays; validation reports it
+        return None
 
-    def _ban(self, ctx: Output, keep: int, choice: int | None, floor: int) -> Rollback | None:
+    def _ban(self, ctx: Output, keep: int, choice: int | None, floor: int) -> bool:
         """Roll back to generated token `keep` and ban the token at `choice`
-        (at or after it), if retries remain; None otherwise."""
+        (at or after it), if retries remain; whether it did."""
         position = ctx.prompt_len + keep
         if (choice is None or choice in ctx.forced_positions or keep < floor
                 or self.retries >= MAX_RETRIES or self._tries.get(position, 0) >= MAX_RETRIES_PER_VALUE):
-            return None
+            return False
         # Bans and counts past this point described tokens that are going away.
         self._bans = {k: v for k, v in self._bans.items() if k[0] <= position}
         self._tries = {k: v for k, v in self._tries.items() if k <= position}
@@ -136,7 +135,7 @@ class Resampler:
         self.retries += 1
         del self._ends[keep:]
         self.watch.truncate(self._ends[-1] if self._ends else 0)
-        return Rollback(position)
+        return True
 
     def _first_choice(self, ctx: Output, keep: int, value_end: int) -> int | None:
         """Position of the first token inside the value that the model chose (not forced)."""
