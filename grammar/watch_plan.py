@@ -78,6 +78,7 @@ class WatchPlan:
         self._lock = threading.Lock()
         self._root: Any = None
         self._pointers: dict[int, str] = {}
+        self._nodes: list[dict[str, Any]] = []  # every subschema, found with its pointer
         self._validators: Any = None
         self._located: dict[frozenset[str], tuple[str, ...]] = {}
         self._needs: dict[tuple[frozenset[str], int], bool] = {}
@@ -116,6 +117,7 @@ class WatchPlan:
             if not isinstance(node, dict) or id(node) in pointers:
                 continue
             pointers[id(node)] = pointer
+            self._nodes.append(node)
             for key, value in node.items():
                 base = f"{pointer}/{_pointer_part(key)}"
                 if key in SUBSCHEMA:
@@ -152,8 +154,7 @@ class WatchPlan:
         return self._validators
 
     def _build_validators(self, root: Any) -> Any:
-        scoped = any(isinstance(node, dict) and _SCOPED_REFERENCES & node.keys()
-                     for node in self._all_nodes(root))
+        scoped = any(_SCOPED_REFERENCES & node.keys() for node in self._nodes)
         if scoped or self.whole_only:
             return False
         try:
@@ -162,16 +163,6 @@ class WatchPlan:
             log.warning("the validator cannot read a normalized schema's nodes; "
                         "strict checks only the whole output", exc_info=True)
             return False
-
-    def _all_nodes(self, root: Any) -> list[Any]:
-        seen: dict[int, Any] = {}
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, dict) and id(node) not in seen:
-                seen[id(node)] = node
-                stack.extend(v for _, v in _subschemas(node))
-        return list(seen.values())
 
     # -- following an instance ----------------------------------------------
     def expand(self, nodes: Nodes) -> Nodes:
