@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grammar import SchemaStore
+
 from .devices import DeviceOptions, validate_device_dtype
 
 
@@ -38,6 +40,9 @@ class EngineConfig(DeviceOptions):
     cpu_small_batch_gemm: bool = True
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 10.0
+    # Documents a JSON schema's `$ref` may name by URI, as "URI_PREFIX=DIR"
+    # (grammar.schema_store): read from disk, never fetched.
+    schema_store: tuple[str, ...] = ()
     # A SNAC codec directory: makes a speech LM checkpoint serve speech requests.
     speech_codec: str | None = None
 
@@ -53,6 +58,7 @@ class EngineConfig(DeviceOptions):
             raise ValueError("grammar_backend must be auto, xgrammar or llguidance")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
+        SchemaStore.parse(self.schema_store)  # ValueError: a bad mapping or a missing directory
         if self.overlap and self.num_steps > 1:
             raise ValueError("num_steps > 1 needs overlap=False")
         if self.max_model_len is not None and self.max_model_len < 2:

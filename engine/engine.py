@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grammar import SchemaStore
 from grammar.value_watch import ValueWatch
 from grammar.vocab import token_bytes
 
@@ -145,7 +146,8 @@ class EngineCore:
         eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids = frozenset(eos)
         self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
-                                           config.grammar_backend, config.grammar_compile_timeout_s)
+                                           config.grammar_backend, config.grammar_compile_timeout_s,
+                                           SchemaStore.parse(config.schema_store))
         self.speech: SpeechModel | None = None
         if config.speech_codec:
             layout = SpeechLayout.for_model(config.model)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from grammar import GrammarCompiler, GrammarSpec, Matcher, apply_token_bitmask_inplace
+from grammar import GrammarCompiler, GrammarSpec, Matcher, SchemaStore, apply_token_bitmask_inplace
 
 from .context import Failure, GenerationStatus, TextContext, Verdict
 
@@ -94,8 +94,10 @@ class StructuredOutput:
     """The engine's grammar runtime: a lazily started compiler and per-step masking."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 backend: str = "auto", compile_timeout_s: float = 10.0):
+                 backend: str = "auto", compile_timeout_s: float = 10.0,
+                 schema_store: SchemaStore | None = None):
         self._hf_tokenizer = hf_tokenizer
+        self.schema_store = schema_store
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.backend = backend
@@ -118,7 +120,8 @@ class StructuredOutput:
                 self._compiler = GrammarCompiler(self._hf_tokenizer, backend=self.backend,
                                                  vocab_size=self.vocab_size,
                                                  eos_token_ids=self.eos_token_ids,
-                                                 compile_timeout_s=self.compile_timeout_s)
+                                                 compile_timeout_s=self.compile_timeout_s,
+                                                 schema_store=self.schema_store)
             return self._compiler
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:

@@ -21,6 +21,7 @@ from .compiler import BACKENDS, JSON_ORDER, GrammarCompiler
 from .config import CompilerConfig
 from .errors import GrammarError
 from .matcher import Matcher
+from .schema_store import SchemaStore
 from .spec import KINDS, GrammarOptions, GrammarSpec
 from .tokenizer import TokenizerData
 
@@ -37,6 +38,7 @@ __all__ = [
     "GrammarOptions",
     "GrammarSpec",
     "Matcher",
+    "SchemaStore",
     "TokenizerData",
     "allocate_bitmask",
     "apply_token_bitmask_inplace",

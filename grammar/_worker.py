@@ -29,6 +29,7 @@ from .productive import RECURSIVE_KINDS, check_completable
 from .spec import KIND_LABELS, GrammarSpec
 
 if TYPE_CHECKING:
+    from .schema_store import SchemaStore
     from .tokenizer import TokenizerData
 
 # How much lower than the server a compile worker runs (see `nice(1)`).
@@ -37,7 +38,8 @@ COMPILE_NICENESS = 10
 PLAN_JOB = "plan"
 
 
-def process_init(data: TokenizerData, memory_limit_bytes: int | None) -> dict[str, Any]:
+def process_init(data: TokenizerData, memory_limit_bytes: int | None,
+                 schema_store: SchemaStore | None = None) -> dict[str, Any]:
     """The init message of a worker process: what it needs to rebuild both
     backends' tokenizers, in picklable form."""
     from . import _xgr
@@ -51,14 +53,16 @@ def process_init(data: TokenizerData, memory_limit_bytes: int | None) -> dict[st
         # alone (it needs the transformers tokenizer), so it travels as JSON.
         "xgr_info_json": _xgr.tokenizer_info_json(data),
         "memory_limit_bytes": memory_limit_bytes,
+        "schema_store": schema_store,
     }
 
 
-def thread_init(data: TokenizerData) -> dict[str, Any]:
+def thread_init(data: TokenizerData, schema_store: SchemaStore | None = None) -> dict[str, Any]:
     """The init dict of an in-process `CompileContext`: the parent's own tokenizer objects."""
     from . import _llg, _xgr
 
-    return {"xgr_info": _xgr.tokenizer_info(data), "llg_tokenizer": _llg.ll_tokenizer(data)}
+    return {"xgr_info": _xgr.tokenizer_info(data), "llg_tokenizer": _llg.ll_tokenizer(data),
+            "schema_store": schema_store}
 
 
 class CompileContext:
@@ -98,7 +102,7 @@ class CompileContext:
 
     def compile(self, backend: str, spec: GrammarSpec, max_compiled_bytes: int) -> dict[str, Any]:
         if backend == PLAN_JOB:
-            return _plan(spec)
+            return _plan(spec, self._init.get("schema_store"))
         if backend == "xgrammar":
             return self._compile_xgrammar(spec, max_compiled_bytes)
         if backend == "llguidance":
@@ -182,11 +186,11 @@ def _limit_memory(extra_bytes: int | None) -> None:
         pass
 
 
-def _plan(spec: GrammarSpec) -> dict[str, Any]:
+def _plan(spec: GrammarSpec, store: SchemaStore | None) -> dict[str, Any]:
     from .schema_plan import prepare_views
     from .spec import BACKENDS
 
-    prepared = prepare_views(spec, BACKENDS)
+    prepared = prepare_views(spec, BACKENDS, store)
     assert prepared is not None, "only JSON specs are planned"
     views, unenforced, watch = prepared
     return {"views": views, "unenforced": unenforced, "watch": watch,

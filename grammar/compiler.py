@@ -130,10 +130,10 @@ class GrammarCompiler:
         self._pool: WorkerPool | None = None
         self._native_runner: ThreadPoolExecutor | None = None
         if cfg.isolation == "process":
-            init = process_init(self.tokenizer_data, cfg.worker_memory_bytes)
+            init = process_init(self.tokenizer_data, cfg.worker_memory_bytes, cfg.schema_store)
             self._pool = WorkerPool(init, cfg.compile_workers, cfg.worker_startup_timeout_s)
         else:
-            self._ctx = CompileContext(thread_init(self.tokenizer_data), serialize=False)
+            self._ctx = CompileContext(thread_init(self.tokenizer_data, cfg.schema_store), serialize=False)
             self._native_runner = ThreadPoolExecutor(
                 cfg.compile_workers, thread_name_prefix="grammar-native"
             )
@@ -304,13 +304,14 @@ class GrammarCompiler:
 
     def _plan(self, spec: GrammarSpec, deadline: float | None) -> SchemaPlan | None:
         if self._pool is None:
-            return plan_for(spec, BACKENDS)
+            return plan_for(spec, BACKENDS, self.config.schema_store)
         if deadline is None:
             deadline = time.monotonic() + self.config.compile_timeout_s
         status, _, payload, detail = self._pool.run(PLAN_JOB, spec, self.config.max_compiled_bytes, deadline)
         if status == "error":
             raise GrammarError(payload, reason=detail, backend=PLAN_JOB)
-        return with_validator(spec, payload["views"], payload["unenforced"], payload["watch"])
+        return with_validator(spec, payload["views"], payload["unenforced"], payload["watch"],
+                              self.config.schema_store)
 
     def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float) -> _Artifact:
         if spec.kind not in JSON_KINDS:

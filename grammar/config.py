@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .schema_store import SchemaStore
+
 
 @dataclass(frozen=True)
 class CompilerConfig:
@@ -20,6 +22,8 @@ class CompilerConfig:
     worker_startup_timeout_s: how long a new worker may take to come up.
     worker_memory_bytes: address-space headroom per worker (None: unlimited).
     mask_threads: native threads used by batch bitmask filling.
+    schema_store: documents a schema's `$ref` may name by URI (None: only
+        what the schema bundles resolves).
     """
 
     compile_timeout_s: float = 10.0
@@ -32,6 +36,7 @@ class CompilerConfig:
     worker_startup_timeout_s: float = 120.0
     worker_memory_bytes: int | None = 4 << 30
     mask_threads: int = 1
+    schema_store: SchemaStore | None = None
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:

@@ -11,9 +11,12 @@ instances the same (draft 2020-12 semantics), rule by rule:
   `examples`, `default`, `deprecated`, `x-*`, any keyword outside the JSON
   Schema vocabulary, ...) are dropped, and so is a `format` the libraries do not
   know (in 2020-12 a format is an annotation unless a validator opts in);
-- references: every local `$ref` (`#`, a JSON pointer, `#/definitions/...`, an
-  `$anchor`) is resolved; a non-recursive target is inlined, a recursive one
-  lives in the root `$defs` and is referred to as `#/$defs/<name>`;
+- references: every `$ref` (`#`, a JSON pointer, `#/definitions/...`, an
+  `$anchor` or `$dynamicAnchor`, a URI relative to the nearest `$id`, a
+  bundled `$id`, a document in the schema store) is resolved; a non-recursive
+  target is inlined, a recursive one lives in the root `$defs` and is
+  referred to as `#/$defs/<name>`; a `$ref` is an in-place applicator, so
+  with siblings it becomes the first member of their `allOf`;
 - `allOf` whose members can be merged key by key (properties, required, type,
   bounds, ...) becomes one schema;
 - a single-item `enum` becomes `const`; an integral number `const` becomes
@@ -36,9 +39,11 @@ import copy
 import math
 import re
 from typing import Any
+from urllib.parse import urldefrag, urljoin
 
 from .errors import GrammarError
 from .json_values import same
+from .schema_store import SchemaStore
 
 # Keywords that constrain instances (draft 2020-12 plus older spellings that
 # are rewritten below). Anything else is an annotation or unknown: dropped.
@@ -75,79 +80,129 @@ _DRAFT_OLD = re.compile(r"draft-0[3-7]")
 
 
 class Unresolved(Exception):
-    """A `$ref` that is not a local pointer or anchor: the schema is left as written."""
+    """A `$ref` to a document that is neither in the schema nor in the schema
+    store: the schema is left as written."""
 
 
-def normalize_schema(schema: Any) -> Any:
+def normalize_schema(schema: Any, store: SchemaStore | None = None) -> Any:
     """A schema accepting the same instances, in the subset both libraries read.
 
     `schema` is a parsed JSON schema (dict or bool); it is not modified.
+    `store`: documents a `$ref` may name by URI (never fetched otherwise).
     Raises GrammarError for a local `$ref` that points nowhere or a schema that
     grows past MAX_NODES when references are inlined, and `Unresolved` for a
-    `$ref` by URI (the caller then compiles the schema as written).
+    `$ref` to a document it does not have (the caller then compiles the
+    schema as written).
     """
     if not isinstance(schema, dict):
         return schema
-    return _Normalizer(schema).run()
+    return _Normalizer(schema, store).run()
+
+
+def _join(base: str, ref: str) -> str:
+    """`ref` resolved against the base URI `base` (RFC 3986), without fragment."""
+    if not base or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", ref):
+        joined = ref  # absolute (http:, urn:, ...) or nothing to resolve against
+    elif base.startswith("urn:") and not ref.startswith("#"):
+        joined = ref  # a URN has no path a relative reference could extend
+    else:
+        joined = urljoin(base, ref)
+    return urldefrag(joined)[0]
 
 
 class _Normalizer:
-    def __init__(self, root: dict[str, Any]) -> None:
+    def __init__(self, root: dict[str, Any], store: SchemaStore | None = None) -> None:
         self.root = root
+        self.store = store
         self.old_draft = bool(_DRAFT_OLD.search(str(root.get("$schema", ""))))
-        self.anchors: dict[str, Any] = {}
-        self.ids: dict[str, Any] = {}
-        self._index(root)
+        # Schema resources (the root, each subschema with an `$id`, each
+        # document from the store): absolute URI -> resource, and per
+        # resource (by id) its base URI and its anchors.
+        self.resources: dict[str, dict[str, Any]] = {}
+        self.bases: dict[int, str] = {}
+        self.anchors: dict[int, dict[str, Any]] = {}
+        self._documents: list[Any] = []  # keeps loaded documents (their ids) alive
+        # Without a `$dynamicRef` a `$dynamicAnchor` is a plain anchor (dropped
+        # once its references are inlined).
+        self.dynamic = False
+        self._index(root, "")
         # The schema resource being walked: the innermost node with an `$id`
-        # (a bundled schema), against which a `#...` pointer resolves.
+        # (a bundled schema) or the document a `$ref` led to, against which a
+        # `#...` pointer and a relative reference resolve.
         self.resource: dict[str, Any] = root
         self.defs: dict[str, Any] = {}  # name -> normalized body of a recursive target
-        self.def_names: dict[str, str] = {}  # ref string -> name in the root $defs
+        self.def_names: dict[str, str] = {}  # ref key -> name in the root $defs
         self.nodes = 0
 
     # -- references ------------------------------------------------------------
-    def _index(self, node: Any) -> None:
-        stack = [node]
+    def _index(self, document: dict[str, Any], uri: str) -> None:
+        """Record the resources and anchors of `document`, retrieved from `uri`."""
+        stack: list[tuple[Any, dict[str, Any], str]] = [(document, document, uri)]
+        self.bases[id(document)] = _join(uri, str(document.get("$id", ""))) \
+            if isinstance(document.get("$id"), str) else uri
+        if self.bases[id(document)]:
+            self.resources.setdefault(self.bases[id(document)], document)
+        if uri:
+            self.resources.setdefault(uri, document)
         while stack:
-            item = stack.pop()
+            item, resource, base = stack.pop()
             if isinstance(item, list):
-                stack.extend(item)
-            elif isinstance(item, dict):
-                if isinstance(item.get("$anchor"), str):
-                    self.anchors.setdefault(item["$anchor"], item)
-                if isinstance(item.get("$id"), str) and item is not self.root:
-                    self.ids.setdefault(item["$id"], item)
-                for key, value in item.items():
-                    if key not in ("const", "enum", "default", "examples"):
-                        stack.append(value)
+                stack.extend((v, resource, base) for v in item)
+                continue
+            if not isinstance(item, dict):
+                continue
+            own_id = item.get("$id")
+            if item is not document and isinstance(own_id, str):
+                if own_id.startswith("#"):  # draft-06/07: `$id: "#name"` is an anchor
+                    self.anchors.setdefault(id(resource), {}).setdefault(own_id[1:], item)
+                else:
+                    base = _join(base, own_id)
+                    resource = item
+                    self.bases[id(item)] = base
+                    self.resources.setdefault(base, item)
+            elif item is document:
+                base = self.bases[id(document)]
+            self.dynamic = self.dynamic or "$dynamicRef" in item or "$recursiveRef" in item
+            # A `$dynamicAnchor` is also a plain anchor for `$ref`.
+            for key in ("$anchor", "$dynamicAnchor"):
+                if isinstance(item.get(key), str):
+                    self.anchors.setdefault(id(resource), {}).setdefault(item[key], item)
+            for key, value in item.items():
+                if key not in ("const", "enum", "default", "examples"):
+                    stack.append((value, resource, base))
 
-    def _ref_key(self, ref: str) -> str:
-        """`ref` made unique across resources: `#/$defs/a` in two bundled
-        schemas are two different targets."""
-        if not ref.startswith("#") or self.resource is self.root:
-            return ref
-        return f"{self.resource.get('$id', '')}{ref}"
-
-    def _target(self, ref: str) -> tuple[Any, dict[str, Any]]:
-        """The node `ref` names, and the resource its own pointers resolve in."""
+    def _resolve(self, ref: str) -> tuple[str, Any, dict[str, Any]]:
+        """The key of `ref` (unique across resources), the node it names, and
+        the resource that node's own references resolve in."""
+        here = self.bases.get(id(self.resource), "")
         base, _, frag = ref.partition("#")
-        if base:
-            if base not in self.ids:
-                # A URI relative to some `$id`, or remote. Resolving URIs is the
-                # libraries' business (llguidance has a resolver): the schema
-                # goes to them as written.
-                raise Unresolved(ref)
-            resource = self.ids[base]
-            if not frag:
-                return resource, resource
-        else:
+        if not base:
             resource = self.resource
-        return self._in_resource(resource, ref, frag), resource
+        else:
+            uri = _join(here, base)
+            found = self.resources.get(uri)
+            resource = found if found is not None else self._load(uri, ref)
+        # The root's own pointers keep their short form (names in `$defs`).
+        key = f"#{frag}" if resource is self.root else f"{self.bases.get(id(resource), '')}#{frag}"
+        if not frag:
+            return key, resource, resource
+        return key, self._in_resource(resource, ref, frag), resource
+
+    def _load(self, uri: str, ref: str) -> dict[str, Any]:
+        document = self.store.get(uri) if self.store is not None else None
+        if not isinstance(document, dict):
+            # Not bundled and not in the store: the libraries get the schema
+            # as written (and refuse it, or resolve what they can).
+            raise Unresolved(ref)
+        self._documents.append(document)
+        self._index(document, uri)
+        return document
 
     def _in_resource(self, resource: dict[str, Any], ref: str, frag: str) -> Any:
-        if frag and not frag.startswith("/"):
-            if frag in self.anchors:
-                return self.anchors[frag]
+        if not frag.startswith("/"):
+            anchors = self.anchors.get(id(resource), {})
+            if frag in anchors:
+                return anchors[frag]
             raise GrammarError(f"cannot compile JSON schema: $ref {ref[:80]!r} names no $anchor")
         node: Any = resource
         for raw in frag.split("/")[1:]:
@@ -175,7 +230,7 @@ class _Normalizer:
 
     def node(self, schema: Any, active: tuple[str, ...]) -> Any:
         """Normalize one subschema; `active` are the refs being inlined above it."""
-        if not (isinstance(schema, dict) and isinstance(schema.get("$id"), str)) or schema is self.root:
+        if not (isinstance(schema, dict) and id(schema) in self.bases) or schema is self.resource:
             return self._node(schema, active)
         outer, self.resource = self.resource, schema  # a bundled schema: its own pointers
         try:
@@ -197,7 +252,11 @@ class _Normalizer:
             # Before 2019-09 a $ref's siblings are ignored.
             if s and not self.old_draft and any(k in SCHEMA_KEYWORDS and k not in ("$defs", "definitions", "$schema",
                                                              "$id", "$anchor", "id") for k in s):
-                s = {"allOf": [target_ref, s]}
+                # `$ref` applies in place, as an `allOf` member would: the
+                # siblings stay the outer schema (so `unevaluated*` sees what
+                # the target evaluates, and the siblings' properties come first).
+                others = s.get("allOf")
+                s["allOf"] = [target_ref, *(others if isinstance(others, list) else [])]
             else:
                 return target_ref
         elif ref is not None:
@@ -208,6 +267,8 @@ class _Normalizer:
             if key not in SCHEMA_KEYWORDS or key in ("$defs", "definitions", "$schema", "$id",
                                                       "$anchor", "id", "$vocabulary"):
                 continue  # annotations; definitions are reached through $ref only
+            if key in ("$dynamicAnchor", "$recursiveAnchor") and not self.dynamic:
+                continue
             if key == "format" and value not in KNOWN_FORMATS:
                 continue
             if key in SUBSCHEMA:
@@ -234,10 +295,9 @@ class _Normalizer:
     def _inline(self, ref: str, active: tuple[str, ...]) -> Any:
         """The normalized target of `ref`: inlined, or `{"$ref": "#/$defs/name"}` when
         it refers to itself (directly or through others)."""
-        key = self._ref_key(ref)
+        key, target, resource = self._resolve(ref)
         if key in active or key in self.def_names:
             return {"$ref": f"#/$defs/{self._def_name(key)}"}
-        target, resource = self._target(ref)
         outer, self.resource = self.resource, resource
         try:
             body = self.node(target, (*active, key))
@@ -310,6 +370,7 @@ _MAX_OF = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minPropertie
 _MIN_OF = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains")
 # Keywords whose meaning depends on sibling keywords: merging them with another
 # member's properties would change what they apply to.
+_UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")
 _SIBLING_DEPENDENT = ("additionalProperties", "patternProperties", "unevaluatedProperties",
                       "items", "prefixItems", "unevaluatedItems", "additionalItems", "contains",
                       "minContains", "maxContains", "if", "then", "else")
@@ -327,7 +388,11 @@ def merge_all_of(schema: dict[str, Any]) -> Any:
         return schema
     if any("$ref" in p for p in parts):
         return schema
-    dependent = [p for p in parts if any(k in p for k in _SIBLING_DEPENDENT)]
+    # The outer schema's `unevaluated*` already sees what its `allOf` members
+    # evaluate: merged, it sees the same keywords beside it. Anywhere else a
+    # sibling-dependent keyword would see more than before.
+    dependent = [p for p in parts if any(k in p for k in _SIBLING_DEPENDENT
+                                         if p is not rest or k not in _UNEVALUATED)]
     # One member may carry sibling-dependent keywords if no other declares
     # properties/items they would now see (directly or through an applicator).
     seen_by_dependent = ("properties", "prefixItems", "items", "patternProperties",

@@ -21,6 +21,7 @@ from typing import Any
 from .errors import GrammarError
 from .schema_keywords import backend_view
 from .schema_normalize import Unresolved, normalize_schema
+from .schema_store import SchemaStore
 from .spec import GrammarSpec
 from .validation import SchemaValidator
 from .watch_plan import WatchPlan
@@ -62,33 +63,35 @@ class SchemaPlan:
         return sum(v.source_size for v in self.views.values()) + 4096
 
 
-def plan_for(spec: GrammarSpec, backends: tuple[str, ...]) -> SchemaPlan | None:
-    """The plan of a json_schema / json_object spec (None for other kinds).
+def plan_for(spec: GrammarSpec, backends: tuple[str, ...],
+             store: SchemaStore | None = None) -> SchemaPlan | None:
+    """The plan of a json_schema / json_object spec (None for other kinds);
+    `store` has the documents its `$ref`s may name by URI.
 
     Raises GrammarError when the schema cannot be normalized (a `$ref` that
     points nowhere, too large once expanded).
     """
-    prepared = prepare_views(spec, backends)
+    prepared = prepare_views(spec, backends, store)
     if prepared is None:
         return None
-    return with_validator(spec, *prepared)
+    return with_validator(spec, *prepared, store=store)
 
 
 def with_validator(spec: GrammarSpec, views: dict[str, GrammarSpec],
                    unenforced: dict[str, tuple[str, ...]],
-                   watch: WatchPlan | None) -> SchemaPlan:
+                   watch: WatchPlan | None, store: SchemaStore | None = None) -> SchemaPlan:
     """The plan of `spec` from its prepared views, with the full schema's validator."""
     if spec.kind == "json_schema" and spec.source_size > LAZY_VALIDATOR_CHARS:
-        validator = SchemaValidator.lazy(str(spec.source))
+        validator = SchemaValidator.lazy(str(spec.source), store)
         return SchemaPlan(views, unenforced, validator, watch=watch)
     schema: Any = {"type": "object"} if spec.kind == "json_object" else json.loads(str(spec.source))
     try:
-        return SchemaPlan(views, unenforced, SchemaValidator(schema), watch=watch)
+        return SchemaPlan(views, unenforced, SchemaValidator(schema, store), watch=watch)
     except ValueError as e:
         return SchemaPlan(views, unenforced, None, str(e), watch=watch)
 
 
-def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
+def prepare_views(spec: GrammarSpec, backends: tuple[str, ...], store: SchemaStore | None = None
                   ) -> tuple[dict[str, GrammarSpec], dict[str, tuple[str, ...]], WatchPlan | None] | None:
     """Each backend's view of a JSON spec, the keywords it leaves unenforced
     and the plan of strict requests' value checks (None for other kinds). Pure Python over the whole schema: the
@@ -106,7 +109,7 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...]
     else:
         return None
     try:
-        normalized = normalize_schema(schema)
+        normalized = normalize_schema(schema, store)
     except GrammarError:
         raise
     except Unresolved:

@@ -8,8 +8,8 @@ for typical schemas (BENCHMARKS.md has figures per schema size).
 
 The validator sees the schema as the client wrote it, not the normalized form
 the libraries compile, so a normalization mistake can never hide a violation.
-It runs offline: a remote `$ref` is never fetched (such schemas do not compile
-anyway).
+It runs offline: a `$ref` to another document is read from the schema store
+(`schema_store`), never fetched.
 """
 
 from __future__ import annotations
@@ -21,8 +21,15 @@ from typing import Any
 
 import jsonschema_rs
 
+from .schema_store import SchemaStore
+
 # Messages quote the instance; keep what goes into a status or a log short.
 _MAX_MESSAGE_CHARS = 300
+
+
+def validator_options(store: SchemaStore | None) -> dict[str, Any]:
+    """jsonschema-rs options that resolve other documents from `store` only."""
+    return {"retriever": store.retrieve} if store is not None else {"offline": True}
 
 
 @dataclass(frozen=True)
@@ -57,16 +64,17 @@ class SchemaValidator:
     its failure to read the schema is then a result with `checked` False.
     """
 
-    def __init__(self, schema: Any) -> None:
+    def __init__(self, schema: Any, store: SchemaStore | None = None) -> None:
         self._source: str | None = None
+        self._store = store
         self._lock = threading.Lock()
-        self._validator = self._build(schema)
+        self._validator = self._build(schema, store)
 
     @classmethod
-    def lazy(cls, source: str) -> SchemaValidator:
+    def lazy(cls, source: str, store: SchemaStore | None = None) -> SchemaValidator:
         """A validator of the schema in `source`, built when first used."""
         self = cls.__new__(cls)
-        self._source, self._lock, self._validator = source, threading.Lock(), None
+        self._source, self._store, self._lock, self._validator = source, store, threading.Lock(), None
         return self
 
     @property
@@ -74,9 +82,9 @@ class SchemaValidator:
         return self._validator is not None
 
     @staticmethod
-    def _build(schema: Any) -> Any:
+    def _build(schema: Any, store: SchemaStore | None) -> Any:
         try:
-            return jsonschema_rs.validator_for(schema, offline=True)
+            return jsonschema_rs.validator_for(schema, **validator_options(store))
         except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as e:
             raise ValueError(f"the validator cannot read this schema: {_short(str(e))}") from None
 
@@ -85,7 +93,7 @@ class SchemaValidator:
             with self._lock:
                 if self._validator is None:
                     assert self._source is not None
-                    self._validator = self._build(json.loads(self._source))
+                    self._validator = self._build(json.loads(self._source), self._store)
         return self._validator
 
     def validate_text(self, text: str) -> ValidationResult:

@@ -115,6 +115,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="default grammar library for constrained requests (a request may pick one)")
     g.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a constraint may compile; slower ones fail with INVALID_ARGUMENT")
+    g.add_argument("--schema-store", action="append", default=[], metavar="URI_PREFIX=DIR",
+                   help="serve the JSON schema documents under DIR for $refs that start with "
+                        "URI_PREFIX (e.g. https://schemas.example.com/=./schemas); repeatable. "
+                        "Nothing is ever fetched: a $ref to any other document fails to compile")
     g.add_argument("--no-validate-output", action="store_true",
                    help="skip validating finished JSON outputs against their full schema "
                         "(complete.schema_validation is then NOT_CHECKED)")
@@ -238,6 +242,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         engine_config = EngineConfig(
             model=str(model_dir), kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
             grammar_backend=args.grammar_backend, grammar_compile_timeout_s=args.grammar_timeout,
+            schema_store=tuple(args.schema_store),
             # One engine for text and speech: the codec makes it serve speech too.
             speech_codec=str(speech_dirs[1]) if shared and speech_dirs else None, **common)
         factory = lambda: EngineCore(engine_config)  # noqa: E731

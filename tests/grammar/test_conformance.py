@@ -36,7 +36,8 @@ def report(tokenizer):
         pytest.skip(f"JSON-Schema-Test-Suite not found at {SUITE}")
     runner = _runner()
     with GrammarCompiler(
-        tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=5.0
+        tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=5.0,
+        schema_store=runner.suite_store(SUITE),
     ) as compiler:
         return runner.evaluate(compiler, runner.load_suite(SUITE))
 
@@ -51,12 +52,14 @@ def test_auto_is_at_least_as_good_as_either_backend(report):
     auto = report.total("auto")
     best = max(report.total(b).valid_accepted for b in ("xgrammar", "llguidance"))
     assert auto.valid_accepted >= best
-    # Floors a little under what was measured (92.7% / 66.3%), to catch regressions.
-    assert auto.valid_accepted / auto.valid >= 0.89
+    # The target is 95%; 96.7% measured with the suite's remote
+    # documents in the schema store. Grammar alone rejects 65.0% of the
+    # invalid instances (the value checks the rest: see the last test).
+    assert auto.valid_accepted / auto.valid >= 0.95
     assert auto.invalid_rejected / auto.invalid >= 0.63
-    # Schemas that need no remote document (95.6% measured; the 95% target).
-    assert auto.valid_local_accepted / auto.valid_local >= 0.95
-    assert auto.valid - auto.valid_local == 23  # the suite's valid instances behind a remote $ref
+    # The suite's valid instances behind a `$ref` to another document: the
+    # store serves them (the two left need the metaschema, $dynamicRef throughout).
+    assert auto.valid_remote == 23 and auto.valid_remote_accepted >= 21
 
 
 def test_strict_backend_never_accepts_what_it_cannot_enforce(report):
@@ -74,11 +77,12 @@ def test_every_invalid_instance_is_rejected_or_flagged(report):
         assert t.invalid_rejected + t.invalid_caught_by_validator == t.invalid, backend
 
 
-def test_remote_references_fail_closed(report):
-    # Remote references cannot be resolved offline; xgrammar would silently
-    # read them as "any value", so they must not compile.
+def test_remote_references_resolve_from_the_store(report):
+    # Every refRemote schema's documents are in the store: inlined, they are
+    # enforced like bundled ones (nothing fetched).
     t = report.per_keyword["refRemote"]["auto"]
-    assert t.compiled == 0 and t.invalid_rejected == t.invalid
+    assert t.compiled == t.groups and t.valid_accepted == t.valid
+    assert t.invalid_rejected == t.invalid
 
 
 def test_core_keywords_fully_supported_by_auto(report):

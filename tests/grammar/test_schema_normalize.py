@@ -187,3 +187,26 @@ def test_compiled_matchers_carry_their_validator(compiler):
     assert m.validator is not None and not m.validator.validate_text("[1,1]").valid
     # Cached with the grammar: the next request gets the same validator.
     assert compiler.compile(GrammarSpec.json_schema(schema)).validator is m.validator
+
+
+def test_ref_with_siblings_applies_in_place():
+    # `unevaluatedProperties` beside a `$ref` sees what the target evaluates:
+    # merged, it is `additionalProperties` over both sets of properties, the
+    # siblings' own first (the order a writer of this schema reads).
+    schema = {"$defs": {"bar": {"properties": {"bar": {"type": "string"}}}},
+              "$ref": "#/$defs/bar", "properties": {"foo": {"type": "string"}},
+              "unevaluatedProperties": False}
+    out = normalize_schema(schema)
+    assert out == {"properties": {"foo": {"type": "string"}, "bar": {"type": "string"}},
+                   "additionalProperties": False}
+    assert list(out["properties"]) == ["foo", "bar"]
+    # A member's own `unevaluatedProperties` sees only that member: kept apart.
+    member = {"allOf": [{"properties": {"a": {}}, "unevaluatedProperties": False},
+                        {"properties": {"b": {}}}]}
+    assert "allOf" in normalize_schema(member)
+
+
+def test_dynamic_anchor_is_an_anchor_for_ref():
+    schema = {"$defs": {"items": {"$dynamicAnchor": "items", "type": "string"}},
+              "type": "array", "items": {"$ref": "#items"}}
+    assert normalize_schema(schema) == {"type": "array", "items": {"type": "string"}}
