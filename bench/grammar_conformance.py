@@ -8,12 +8,16 @@ by token (each token must be inside the filled bitmask and accepted, and a stop
 token must be allowed at the end); count the `valid: false` instances that are
 rejected somewhere (or cannot terminate). A schema that fails to compile (or
 times out) accepts none of its valid instances and rejects all invalid ones.
-The `checked` column is `auto` plus the value checks of strict requests
-(grammar/value_watch.py): an instance the grammar accepts is also read by a
-`ValueWatch`, and counts as rejected when a completed value (or the whole
-output, at its stop token) breaks a keyword the grammar left unenforced; what
-strict mode does with the schemas it accepts (`strict refuses` counts the
-schemas it refuses up front instead).
+The `auto` column is the grammar alone. The `default` column is what a
+request with default settings gets: backend auto plus the value checks that
+drive resampling (grammar/value_watch.py, `Constraint.resample`, on unless
+turned off): an instance the grammar accepts is also read by a `ValueWatch`,
+and counts as rejected when a completed value (or the whole output, at its
+stop token) breaks a keyword the grammar left unenforced - the value a
+request would roll back and resample. `strict refuses` counts the schemas
+strict mode refuses up front (a keyword no value check can see).
+`$ref`s to other documents resolve from a schema store of the suite's
+`_remotes` directory (`--no-store`: unresolved).
 
     .venv/bin/python bench/grammar_conformance.py [--suite DIR] [--timeout S] [--json OUT]
 
@@ -35,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SUITE = ROOT / "tests/data/json-schema-test-suite"
 TOKENIZER_DIR = ROOT / "engine/presets/tokenizer"
-BACKENDS = ("xgrammar", "llguidance", "auto", "checked")
+BACKENDS = ("xgrammar", "llguidance", "auto", "default")
 MODEL_VOCAB = 8320  # a padded model vocabulary, as tiny-qwen2 has
 STOP_IDS = (1, 3)
 # Run as a script, this directory comes first on sys.path and its grammar.py
@@ -58,7 +62,7 @@ class Tally:
     invalid_missed_when_enforced: int = 0
     groups: int = 0
     compiled: int = 0
-    # `checked` only: schemas strict mode refuses (a keyword it cannot check on its own value).
+    # `default` only: schemas strict mode refuses (a keyword it cannot check on its own value).
     strict_refused: int = 0
     # Valid instances of schemas with a `$ref` to another document (see
     # `needs_remote`), which the schema store serves.
@@ -132,7 +136,7 @@ def needs_remote(schema: Any) -> bool:
 
 
 def watch_rejects(matcher: Any, tokens: list[int], token_bytes: Any) -> bool:
-    """Whether the value checks of a strict request reject this output."""
+    """Whether the value checks of a resampling request reject this output."""
     from grammar.value_watch import ValueWatch
 
     if matcher.watch_plan is None or not matcher.unenforced_keywords:
@@ -171,7 +175,7 @@ def evaluate(
             for backend in backends:
                 tally = tallies[backend]
                 tally.groups += 1
-                checked = backend == "checked"
+                checked = backend == "default"
                 try:
                     matcher = compiler.compile(spec, backend="auto" if checked else backend)
                     tally.compiled += 1
@@ -240,8 +244,8 @@ def markdown(report: Report, backends: Iterable[str] = BACKENDS) -> str:
                  + " | ".join(flagged) + " |")
     compiled = " | ".join(f"{totals[b].compiled}/{totals[b].groups} | " for b in backends)
     lines.append(f"| schemas compiled | {compiled}|")
-    if "checked" in totals:
-        cells = " | ".join(f"{totals[b].strict_refused} | " if b == "checked" else " | " for b in backends)
+    if "default" in totals:
+        cells = " | ".join(f"{totals[b].strict_refused} | " if b == "default" else " | " for b in backends)
         lines.append(f"| schemas strict refuses | {cells}|")
     return "\n".join(lines)
 

@@ -183,16 +183,17 @@ class EngineCore:
         """Check a tokenized prompt and its parameters (InvalidRequest names the field)."""
         return check_request(prompt, params, request_id, self.vocab_size, self.max_model_len)
 
-    def context(self, spec: RequestSpec, matcher: Matcher | None = None, strict: bool = False) -> TextContext:
+    def context(self, spec: RequestSpec, matcher: Matcher | None = None,
+                resample: bool = True) -> TextContext:
         """The context of a checked request; `matcher` is its compiled grammar, if constrained.
 
-        `strict` (JSON schemas): a value that breaks a keyword the grammar does
-        not enforce is rolled back and resampled (resample.py).
+        `resample` (JSON schemas): a value that breaks a keyword the grammar
+        does not enforce is rolled back and resampled (resample.py).
         """
         kwargs: dict[str, Any] = {"request_id": spec.request_id} if spec.request_id else {}
         ctx = TextContext(tokens=spec.prompt, max_length=spec.max_length, sampling_params=spec.params,
                           eos_token_ids=self.eos_token_ids, seed=spec.seed, matcher=matcher, **kwargs)
-        plan = matcher.watch_plan if strict and matcher is not None else None
+        plan = matcher.watch_plan if resample and matcher is not None else None
         if plan is not None and matcher is not None and matcher.unenforced_keywords:
             watch = ValueWatch(plan, matcher.unenforced_keywords, matcher.validator)
             ctx.resampler = Resampler(watch, token_bytes(matcher.tokenizer))
@@ -200,9 +201,9 @@ class EngineCore:
 
     def make_context(self, prompt: Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None, matcher: Matcher | None = None,
-                     strict: bool = False) -> TextContext:
+                     resample: bool = True) -> TextContext:
         """`check_request` and `context` in one call, for callers with the matcher in hand."""
-        return self.context(self.check_request(prompt, params, request_id), matcher, strict)
+        return self.context(self.check_request(prompt, params, request_id), matcher, resample)
 
     @property
     def serves_speech(self) -> bool:

@@ -93,13 +93,14 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 constraint: Any = None, strict: bool = False) -> list[CompletionOutput]:
+                 constraint: Any = None, resample: bool = True) -> list[CompletionOutput]:
         """Generate for every prompt (text or token ids); results in prompt order.
 
         `constraint` is a `grammar.GrammarSpec` for all prompts, or a list with
         one spec (or None) per prompt. An invalid spec raises GrammarError.
-        `strict`: JSON-schema outputs resample a value that breaks a keyword
-        the grammar does not enforce (see engine/resample.py).
+        `resample` (default on): a JSON-schema output's value that breaks a
+        keyword the grammar does not enforce is rolled back and resampled (see
+        engine/resample.py); off, it stays and only validation would see it.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -118,7 +119,7 @@ class LLM:
         for prompt, p, matcher in zip(prompts, params, matchers, strict=True):
             ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else \
                 [int(t) for t in cast(Sequence[int], prompt)]
-            ctx = self.engine.make_context(ids, p, matcher=matcher, strict=strict)
+            ctx = self.engine.make_context(ids, p, matcher=matcher, resample=resample)
             self.engine.add_request(ctx)
             out = CompletionOutput(ctx.request_id, ids, logprobs=[] if p.logprobs is not None else None)
             results[ctx.request_id] = out

@@ -1,7 +1,8 @@
 """Resampling a JSON value that breaks the schema in a way the grammar cannot see.
 
-A strict JSON-schema request (`Constraint.strict`) whose grammar leaves a
-keyword unenforced gets a `Resampler`.
+A JSON-schema request that resamples (`Constraint.resample`: on unless the
+request or the server turns it off; strict always does) whose grammar leaves
+a keyword unenforced gets a `Resampler`.
 After each step the tokens its matcher has accepted are read by a
 `grammar.value_watch.ValueWatch`; when a value completes that breaks the
 schema (an item equal to an earlier one under `uniqueItems`, a value that

@@ -45,8 +45,12 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     shape.add_argument("--whitespace", choices=_WHITESPACE, default=None,
                        help="JSON layout (default: compact)")
     shape.add_argument("--strict", action="store_true",
-                       help="with --json-schema: resample values that break a keyword the grammar "
-                            "cannot enforce, and end SCHEMA_VIOLATION if the output still breaks it")
+                       help="with --json-schema: refuse a schema that cannot be enforced whole, "
+                            "and end SCHEMA_VIOLATION if the output still breaks it")
+    shape.add_argument("--no-resample", action="store_true",
+                       help="with --json-schema: keep values that break a keyword the grammar "
+                            "cannot enforce (by default they are resampled), so every token "
+                            "streams at once; the finished output is still validated")
 
 
 def add_embed(sub: argparse._SubParsersAction) -> None:
@@ -81,13 +85,15 @@ def _constraint(args: argparse.Namespace, pb: Any) -> Any | None:
         c.ebnf = _read(args.ebnf)
     elif args.lark is not None:
         c.lark = _read(args.lark)
-    elif args.grammar_backend is None and args.whitespace is None and not args.strict:
+    elif args.grammar_backend is None and args.whitespace is None and not (args.strict or args.no_resample):
         return None
     if args.grammar_backend is not None:
         c.backend = pb.Constraint.Backend.Value(f"BACKEND_{args.grammar_backend.upper()}")
     if args.whitespace is not None:
         c.whitespace = pb.Constraint.Whitespace.Value(f"WHITESPACE_{args.whitespace.upper()}")
     c.strict = args.strict
+    if args.no_resample:
+        c.resample = False
     return c
 
 

@@ -95,6 +95,7 @@ class ServingState:
         self.speech_loop: EngineLoop | None = None
         self.constraints: ConstraintCompiler | None = None
         self.validate_output = True  # check finished JSON outputs (--no-validate-output)
+        self.resample = True  # Constraint.resample's default (--no-resample)
         self.draining = False
         self._calls = 0
         self._idle = asyncio.Event()
@@ -178,8 +179,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # returns at once); a failure ends only this call.
         [matcher] = await self.state.compile_constraint(prepared.constraint)
         # 3. Build its context, once, and hand it to the engine thread.
-        strict = prepared.constraint is not None and prepared.constraint.strict
-        ctx = loop.engine.context(prepared.spec, matcher, strict)
+        resample = prepared.constraint is not None and prepared.constraint.resamples(self.state.resample)
+        ctx = loop.engine.context(prepared.spec, matcher, resample)
         stream = loop.submit(ctx)
         self.state.call_started()
         try:

@@ -119,6 +119,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="serve the JSON schema documents under DIR for $refs that start with "
                         "URI_PREFIX (e.g. https://schemas.example.com/=./schemas); repeatable. "
                         "Nothing is ever fetched: a $ref to any other document fails to compile")
+    g.add_argument("--no-resample", action="store_true",
+                   help="by default a JSON value that breaks a schema keyword the grammar cannot "
+                        "enforce is rolled back and resampled (Constraint.resample); this makes "
+                        "requests that leave resample unset stream every token at once instead")
     g.add_argument("--no-validate-output", action="store_true",
                    help="skip validating finished JSON outputs against their full schema "
                         "(complete.schema_validation is then NOT_CHECKED)")
@@ -277,6 +281,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         keepalive=KeepalivePolicy(args.min_ping_interval, args.keepalive_time, args.keepalive_timeout,
                                   args.max_connection_age, args.max_connection_age_grace),
         watchdog_timeout_s=args.watchdog_timeout, validate_output=not args.no_validate_output,
+        resample=not args.no_resample,
         tls=tls, health_port=args.health_port, health_host=args.health_host,
         api_keys=tuple(api_keys), public_reflection=args.public_reflection,
         vllm_protocol=not args.no_vllm_protocol,

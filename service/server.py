@@ -131,6 +131,7 @@ class ServerConfig:
     watchdog_timeout_s: float = 60.0
     # Validate finished JSON outputs against the full schema (service/schema_check.py).
     validate_output: bool = True
+    resample: bool = True  # Constraint.resample's default
     # TLS on the main port (None: plaintext).
     tls: TLSConfig | None = None
     # A second, plaintext port serving only grpc.health.v1, for probes that
@@ -179,6 +180,7 @@ class StencilServer:
         self._engine_factory = engine_factory
         self.state = ServingState(model_name, SERVER_VERSION, serves_generation=engine_factory is not None)
         self.state.validate_output = self.config.validate_output
+        self.state.resample = self.config.resample
         self.embedding = EmbeddingSlot(embedding)
         self.speech = SpeechSlot(speech)
         self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE]

@@ -47,6 +47,13 @@ class ConstraintSpec:
     backend: str | None
     field: str
     strict: bool = False
+    # Whether a value that breaks an unenforced keyword is resampled; None:
+    # the server's default. Strict always resamples.
+    resample: bool | None = None
+
+    def resamples(self, default: bool) -> bool:
+        """Whether this request's values are checked and resampled."""
+        return self.strict or (default if self.resample is None else self.resample)
 
 
 def _options(c: pb.Constraint, kind: str) -> GrammarOptions:
@@ -108,7 +115,12 @@ def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
         raise invalid_argument(field, str(err), Reason.GRAMMAR_INVALID) from None
     if c.strict and kind not in _JSON_KINDS:
         raise invalid_argument("constraint.strict", "applies to json_schema and json_object only")
-    return ConstraintSpec(spec, backend, field, c.strict)
+    resample = c.resample if c.HasField("resample") else None
+    if resample is not None and kind not in _JSON_KINDS:
+        raise invalid_argument("constraint.resample", "applies to json_schema and json_object only")
+    if c.strict and resample is False:
+        raise invalid_argument("constraint.resample", "strict resamples: leave resample unset or true")
+    return ConstraintSpec(spec, backend, field, c.strict, resample)
 
 
 class ConstraintCompiler:

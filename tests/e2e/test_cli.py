@@ -38,6 +38,10 @@ def test_generate_strict_json_reports_how_the_schema_fared(server: ServerHandle,
     # --strict with a regex: the server names the field.
     rc = main(["generate", "x", "--port", str(server.port), "--regex", "a+", "--strict"])
     assert rc == 1 and "constraint.strict" in capsys.readouterr().err
+    # --no-resample reaches the server (it refuses it beside --strict).
+    rc = main(["generate", "x", "--port", str(server.port), "--json-schema", str(schema), "--strict",
+               "--no-resample"])
+    assert rc == 1 and "constraint.resample" in capsys.readouterr().err
 
 
 def test_generate_reports_status_errors(server: ServerHandle, capsys: pytest.CaptureFixture[str]) -> None:

@@ -266,7 +266,9 @@ UNIQUE = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 3, "maxItem
 
 
 def test_outputs_are_validated_against_the_whole_schema(grammar_server: ServerHandle) -> None:
-    reqs = [constrained(f"u {seed}", 1.0, seed, json_schema=json.dumps(UNIQUE)) for seed in range(8)]
+    # Resampling off: what the model writes stays, and validation reports it.
+    reqs = [constrained(f"u {seed}", 1.0, seed, json_schema=json.dumps(UNIQUE), resample=False)
+            for seed in range(8)]
     results = set()
     for text, done in run_all(grammar_server.stub, reqs):
         assert done.finish_reason == Finish.EOS, (text, done)
@@ -280,6 +282,26 @@ def test_outputs_are_validated_against_the_whole_schema(grammar_server: ServerHa
             assert done.schema_validation.message
         results.add(expected)
     assert V.INVALID in results  # the random model does repeat itself
+
+
+def test_default_requests_resample_what_the_grammar_cannot_enforce(grammar_server: ServerHandle) -> None:
+    # The same requests with resample left unset: every duplicate is rolled
+    # back and resampled, so every output is valid and the retries say so.
+    reqs = [constrained(f"u {seed}", 1.0, seed, json_schema=json.dumps(UNIQUE)) for seed in range(8)]
+    retries = 0
+    for text, done in run_all(grammar_server.stub, reqs):
+        assert done.finish_reason == Finish.EOS, (text, done)
+        assert done.schema_validation.result == V.VALID, (text, done)
+        assert len(set(json.loads(text))) == 3
+        retries += done.usage.schema_retries
+    assert retries > 0
+    # resample applies to JSON only, and strict cannot turn it off.
+    err = _error(grammar_server.stub.Generate(constrained("r", regex="a+", resample=True), timeout=TIMEOUT))
+    assert bad_request_violations(err.trailing_metadata())[0][0] == "constraint.resample"
+    err = _error(grammar_server.stub.Generate(
+        constrained("s", json_schema=json.dumps(UNIQUE), strict=True, resample=False), timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_violations(err.trailing_metadata())[0][0] == "constraint.resample"
 
 
 def test_strict_refuses_what_the_grammar_cannot_enforce(grammar_server: ServerHandle) -> None:
@@ -299,7 +321,8 @@ def test_strict_refuses_what_the_grammar_cannot_enforce(grammar_server: ServerHa
     assert done.finish_reason == Finish.EOS and done.schema_validation.result == V.VALID
 
 
-def _scripted_strict(make_server, text: str, alternatives: dict[int, str], schema: dict):  # type: ignore[no-untyped-def]
+def _scripted_strict(make_server, text: str, alternatives: dict[int, str], schema: dict,  # type: ignore[no-untyped-def]
+                     **server_config):
     """A server whose model writes `text` (with `alternatives`: output token
     index -> its next choice there) and a strict request for `schema`."""
     path = ensure_preset("tiny-llama")
@@ -309,7 +332,7 @@ def _scripted_strict(make_server, text: str, alternatives: dict[int, str], schem
     for i, alt in alternatives.items():
         script[2 + i] += tok.encode(alt, add_special_tokens=False)
     server = make_server(lambda: EngineCore(EngineConfig(model=str(path), kv_cache_gib=0.05),
-                                            wrap_model=scripted_by_position(script)))
+                                            wrap_model=scripted_by_position(script)), **server_config)
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[9, 5]))
     req.sampling.temperature = 0
     req.stopping.max_new_tokens = 20
@@ -329,11 +352,32 @@ def test_strict_resamples_a_duplicate_item(make_server) -> None:  # type: ignore
     assert list(done.unenforced_keywords) == ["uniqueItems"]  # not token by token: by resampling
     # The stream is what the client got: had the duplicate been sent, it would be in `text`.
     assert "".join(c.text for c in chunks) == text
-    # Without strict the model's duplicate stays, and validation says so.
+    # Without strict the default resamples just the same.
     req.constraint.strict = False
+    text, _, done, _ = generate(server.stub, req)
+    assert text == "[1,3,2]" and done.usage.schema_retries == 1
+    # With resampling off the model's duplicate stays, and validation says so.
+    req.constraint.resample = False
     text, _, done, _ = generate(server.stub, req)
     assert text == "[1,1,2]" and done.usage.schema_retries == 0
     assert done.schema_validation.result == V.INVALID
+
+
+def test_server_default_can_turn_resampling_off(make_server) -> None:  # type: ignore[no-untyped-def]
+    # `stencild serve --no-resample`: requests that leave resample unset keep
+    # the model's duplicate; one that asks, and a strict one, still resample.
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    server, req = _scripted_strict(make_server, "[1,1,2]", {3: "3"}, schema, resample=False)
+    req.constraint.strict = False
+    text, _, done, _ = generate(server.stub, req)
+    assert text == "[1,1,2]" and done.schema_validation.result == V.INVALID
+    req.constraint.resample = True
+    text, _, done, _ = generate(server.stub, req)
+    assert text == "[1,3,2]" and done.usage.schema_retries == 1
+    req.constraint.ClearField("resample")
+    req.constraint.strict = True
+    text, _, done, _ = generate(server.stub, req)
+    assert text == "[1,3,2]" and done.schema_validation.result == V.VALID
 
 
 def test_strict_ends_schema_violation_when_resampling_cannot_help(make_server) -> None:  # type: ignore[no-untyped-def]

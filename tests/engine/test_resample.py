@@ -1,6 +1,6 @@
-"""Strict JSON outputs: a value that breaks a keyword the grammar does not
-enforce (a duplicate item under `uniqueItems`, a value `not` rejects, ...) is
-rolled back and resampled."""
+"""JSON outputs (resampling on, the default): a value that breaks a keyword
+the grammar does not enforce (a duplicate item under `uniqueItems`, a value
+`not` rejects, ...) is rolled back and resampled."""
 
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def _script(tok: Tokenizer, text: str, alternatives: dict[int, list[str]] | None
     return script
 
 
-def _generate(llm, schema: dict, strict: bool = True, max_new_tokens: int = 40):
+def _generate(llm, schema: dict, resample: bool = True, max_new_tokens: int = 40):
     params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
     return llm.generate([PROMPT], params, constraint=GrammarSpec.json_schema(json.dumps(schema)),
-                        strict=strict)[0]
+                        resample=resample)[0]
 
 
 @pytest.mark.parametrize("config", [
@@ -60,10 +60,10 @@ def test_duplicate_item_is_resampled(make_llm, tok, config):
     assert out.token_ids == llm.tokenizer.encode("[1,3,2]", add_special_tokens=False) + [out.token_ids[-1]]
 
 
-def test_without_strict_the_duplicate_stays(make_llm, tok):
+def test_without_resampling_the_duplicate_stays(make_llm, tok):
     script = _script(tok, "[1,1,2]", {3: ["3"]})
     llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
-    out = _generate(llm, INTS, strict=False)
+    out = _generate(llm, INTS, resample=False)
     assert out.text == "[1,1,2]" and out.schema_retries == 0
 
 
@@ -105,8 +105,7 @@ def test_the_stream_never_carries_what_a_rollback_takes_back(make_llm, tok):
     llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
     engine = llm.engine
     matcher = engine.structured.compile(GrammarSpec.json_schema(json.dumps(INTS)))
-    ctx = engine.make_context(PROMPT, SamplingParams(temperature=0, max_new_tokens=20), matcher=matcher,
-                              strict=True)
+    ctx = engine.make_context(PROMPT, SamplingParams(temperature=0, max_new_tokens=20), matcher=matcher)
     engine.add_request(ctx)
     sent, token_ids, finished = [], [], False
     while not finished:
@@ -134,7 +133,7 @@ def test_a_value_that_not_rejects_is_resampled(make_llm, tok, backend):
     llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), grammar_backend=backend)
     out = _generate(llm, schema)
     assert json.loads(out.text) == {"n": 2} and out.schema_retries == 1 and out.finish_reason == "eos"
-    out = _generate(llm, schema, strict=False)
+    out = _generate(llm, schema, resample=False)
     assert json.loads(out.text) == {"n": 1} and out.schema_retries == 0
 
 
@@ -163,8 +162,7 @@ def test_a_checked_value_streams_only_once_it_passes(make_llm, tok):
     engine = llm.engine
     matcher = engine.structured.compile(GrammarSpec.json_schema(json.dumps(schema)))
     assert "not" in matcher.unenforced_keywords
-    ctx = engine.make_context(PROMPT, SamplingParams(temperature=0, max_new_tokens=40), matcher=matcher,
-                              strict=True)
+    ctx = engine.make_context(PROMPT, SamplingParams(temperature=0, max_new_tokens=40), matcher=matcher)
     engine.add_request(ctx)
     sent, finished = [], False
     while not finished:
@@ -193,5 +191,5 @@ def test_a_missing_dependent_property_is_added_by_taking_back_the_brace(make_llm
     llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), grammar_backend="llguidance")
     out = _generate(llm, schema)
     assert json.loads(out.text) == {"a": 1, "b": 2} and out.schema_retries == 1 and out.finish_reason == "eos"
-    out = _generate(llm, schema, strict=False)
+    out = _generate(llm, schema, resample=False)
     assert out.text == '{"a":1}'

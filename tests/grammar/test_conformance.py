@@ -91,11 +91,12 @@ def test_core_keywords_fully_supported_by_auto(report):
         assert t.valid_accepted == t.valid, keyword
 
 
-def test_value_checks_reject_every_invalid_instance_and_no_valid_one(report):
-    # Strict requests' value checks (grammar/value_watch.py) on top of `auto`:
-    # every invalid instance the grammar lets through breaks a checked value,
-    # and no valid instance is refused that `auto` accepts.
-    auto, checked = report.total("auto"), report.total("checked")
-    assert checked.invalid_rejected == checked.invalid
-    assert checked.valid_accepted == auto.valid_accepted
-    assert checked.strict_refused <= 10
+def test_default_requests_reject_every_invalid_instance_and_no_valid_one(report):
+    # A default request is `auto` plus the value checks that drive resampling
+    # (grammar/value_watch.py): every invalid instance the grammar lets
+    # through breaks a checked value (the issue's target for auto is 90%),
+    # and no valid instance is refused that the grammar accepts.
+    auto, default = report.total("auto"), report.total("default")
+    assert default.invalid_rejected == default.invalid
+    assert default.valid_accepted == auto.valid_accepted
+    assert default.strict_refused <= 10

@@ -30,7 +30,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
 
 class Constraint(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark", "backend", "whitespace", "max_whitespace", "indent", "strict")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "ebnf", "lark", "backend", "whitespace", "max_whitespace", "indent", "strict", "resample")
     class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         BACKEND_UNSPECIFIED: _ClassVar[Constraint.Backend]
@@ -62,6 +62,7 @@ class Constraint(_message.Message):
     MAX_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     INDENT_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLE_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
@@ -73,7 +74,8 @@ class Constraint(_message.Message):
     max_whitespace: int
     indent: int
     strict: bool
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., backend: _Optional[_Union[Constraint.Backend, str]] = ..., whitespace: _Optional[_Union[Constraint.Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., indent: _Optional[int] = ..., strict: _Optional[bool] = ...) -> None: ...
+    resample: bool
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., ebnf: _Optional[str] = ..., lark: _Optional[str] = ..., backend: _Optional[_Union[Constraint.Backend, str]] = ..., whitespace: _Optional[_Union[Constraint.Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., indent: _Optional[int] = ..., strict: _Optional[bool] = ..., resample: _Optional[bool] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)
