@@ -39,7 +39,7 @@ class RequestOutput:
     error_cause: str | None = None
     audio: np.ndarray | None = None  # new speech samples (float32, mono), speech requests only
     grammar_backend: str | None = None  # the library that compiled the constraint, if any
-    schema_retries: int = 0  # values resampled because they broke the schema (strict JSON)
+    schema_retries: int = 0  # values resampled because they broke the schema (JSON, resampling on)
 
     @property
     def finish_reason(self) -> str | None:

@@ -47,6 +47,7 @@ class ValidationResult:
     keyword: str = ""
     message: str = ""
     checked: bool = True  # False: the validator could not read the schema (`message` says why)
+    parsed: bool = True  # False: the output is not JSON
 
 
 VALID = ValidationResult(True)
@@ -101,7 +102,7 @@ class SchemaValidator:
         try:
             instance = json.loads(text)
         except (ValueError, RecursionError) as e:
-            return ValidationResult(False, "", "", f"output is not JSON: {_short(str(e))}")
+            return ValidationResult(False, "", "", f"output is not JSON: {_short(str(e))}", parsed=False)
         return self.validate(instance)
 
     def validate(self, instance: Any) -> ValidationResult:

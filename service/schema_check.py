@@ -9,9 +9,11 @@ output (BENCHMARKS.md). An output larger than `OFF_LOOP_CHARS` is validated on
 a worker thread instead, so a huge answer cannot hold up the other streams on
 the loop either.
 
-Only an output that ended with EOS is complete; anything cut short is
-NOT_CHECKED. A strict request whose output is INVALID ends with finish reason
-SCHEMA_VIOLATION instead of EOS.
+An output that ended with EOS is complete. One that a stop string or stop
+token of the request ended is validated when what it returned is JSON (the
+stop may fall right at the value's end), and NOT_CHECKED otherwise, as is one
+cut short by a length limit or cancelled. A strict request whose output is
+INVALID ends with finish reason SCHEMA_VIOLATION instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .request_log import note_validation
 R = pb.SchemaValidation
 # Above this many characters the validation runs on a worker thread.
 OFF_LOOP_CHARS = 16 * 1024
+# Finishes whose output may be a whole JSON value.
+_CHECKED = (GenerationStatus.END_OF_SEQUENCE, GenerationStatus.STOP_STRING, GenerationStatus.STOP_TOKEN)
 
 
 def wants_validation(matcher: Matcher | None) -> bool:
@@ -41,7 +45,7 @@ async def check_output(matcher: Matcher, text: str, final: RequestOutput,
     keywords = matcher.unenforced_keywords
     if not enabled:
         result = R(result=R.NOT_CHECKED, message="output validation is off on this server")
-    elif final.status is not GenerationStatus.END_OF_SEQUENCE:
+    elif final.status not in _CHECKED:
         result = R(result=R.NOT_CHECKED, message="the output is incomplete")
     elif matcher.validator is None:
         result = R(result=R.NOT_CHECKED, message=matcher.validator_error or "no validator")
@@ -54,6 +58,8 @@ async def check_output(matcher: Matcher, text: str, final: RequestOutput,
             outcome = validator.validate_text(text)
         if not outcome.checked:
             result = R(result=R.NOT_CHECKED, message=outcome.message)
+        elif not outcome.parsed and final.status is not GenerationStatus.END_OF_SEQUENCE:
+            result = R(result=R.NOT_CHECKED, message="the output is incomplete (a stop rule ended it)")
         elif outcome.valid:
             result = R(result=R.VALID)
         else:

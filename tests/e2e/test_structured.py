@@ -259,6 +259,22 @@ def test_cut_by_max_new_tokens_finishes_with_length(grammar_server: ServerHandle
         json.loads(text)
 
 
+def test_output_ended_by_a_stop_string_is_validated_when_whole(grammar_server: ServerHandle) -> None:
+    schema = json.dumps({"enum": ["stencil"]})
+    # The stop string cuts the value short: not JSON, so not checked.
+    req = constrained("s", json_schema=schema)
+    req.stopping.stop.append("il")
+    text, _, done, _ = generate(grammar_server.stub, req)
+    assert done.finish_reason == Finish.STOP_STRING and text == '"stenc'
+    assert done.schema_validation.result == V.NOT_CHECKED
+    # It ends right at the value's end (kept in the output): validated.
+    req.stopping.stop[:] = ['il"']
+    req.stopping.include_stop_str_in_output = True
+    text, _, done, _ = generate(grammar_server.stub, req)
+    assert done.finish_reason == Finish.STOP_STRING and text == '"stencil"'
+    assert done.schema_validation.result == V.VALID
+
+
 # Three items from three values, all different: a random model repeats one
 # often, and neither library enforces uniqueItems token by token.
 UNIQUE = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 3, "maxItems": 3,

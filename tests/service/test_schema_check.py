@@ -1,0 +1,52 @@
+"""service/schema_check.py: which finished outputs are validated, and how a
+strict request's verdict changes its finish reason."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from engine import GenerationStatus, RequestOutput
+from grammar import GrammarSpec
+from grammar.validation import SchemaValidator
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.generation import _add_validation
+from service.schema_check import check_output
+
+R = pb.SchemaValidation
+UNIQUE = {"type": "array", "uniqueItems": True}
+
+
+def _matcher(schema: dict) -> SimpleNamespace:
+    return SimpleNamespace(validator=SchemaValidator(schema), validator_error=None,
+                           unenforced_keywords=("uniqueItems",),
+                           spec=GrammarSpec.json_schema('{"type": "array"}'))
+
+
+def _final(status: GenerationStatus) -> RequestOutput:
+    return RequestOutput("r", finished=True, status=status)
+
+
+@pytest.mark.parametrize(("status", "text", "expected"), [
+    (GenerationStatus.END_OF_SEQUENCE, "[1,2]", R.VALID),
+    (GenerationStatus.END_OF_SEQUENCE, "[1,1]", R.INVALID),
+    (GenerationStatus.END_OF_SEQUENCE, "[1,", R.INVALID),  # EOS promised a whole value
+    (GenerationStatus.STOP_STRING, "[1,1]", R.INVALID),  # a stop right at the value's end
+    (GenerationStatus.STOP_TOKEN, "[1,2]", R.VALID),
+    (GenerationStatus.STOP_STRING, "[1,", R.NOT_CHECKED),  # cut short by the stop rule
+    (GenerationStatus.MAXIMUM_LENGTH, "[1,2]", R.NOT_CHECKED),
+    (GenerationStatus.CANCELLED, "[1,2]", R.NOT_CHECKED),
+])
+def test_which_outputs_are_validated(status, text, expected):
+    result = asyncio.run(check_output(_matcher(UNIQUE), text, _final(status), True))  # type: ignore[arg-type]
+    assert result.result == expected, result
+
+
+def test_strict_turns_an_invalid_stopped_output_into_a_schema_violation():
+    done = pb.GenerateComplete(finish_reason=pb.GenerateComplete.STOP_STRING)
+    asyncio.run(_add_validation(done, _matcher(UNIQUE), "[1,1]", _final(GenerationStatus.STOP_STRING),
+                                True, strict=True))
+    assert done.finish_reason == pb.GenerateComplete.SCHEMA_VIOLATION
+    assert done.schema_validation.keyword == "uniqueItems"
