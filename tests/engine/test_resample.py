@@ -193,3 +193,32 @@ def test_a_missing_dependent_property_is_added_by_taking_back_the_brace(make_llm
     assert json.loads(out.text) == {"a": 1, "b": 2} and out.schema_retries == 1 and out.finish_reason == "eos"
     out = _generate(llm, schema, resample=False)
     assert out.text == '{"a":1}'
+
+
+def test_a_failing_value_check_fails_only_its_request(make_llm, tok):
+    # A fault inside one request's value checks (injected) ends that request
+    # with an error; the request beside it runs to the end, and no KV page
+    # leaks (the make_llm fixture checks).
+    script = _script(tok, "[1,2,3]")
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script))
+    engine = llm.engine
+    spec = GrammarSpec.json_schema(json.dumps(INTS))
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    broken = engine.make_context(PROMPT, params, request_id="broken", matcher=engine.structured.compile(spec))
+    healthy = engine.make_context(PROMPT, params, request_id="healthy", matcher=engine.structured.compile(spec))
+    assert broken.resampler is not None
+
+    def fault(_: bytes) -> None:
+        raise RuntimeError("injected value-check fault")
+
+    broken.resampler.watch.feed = fault  # type: ignore[method-assign]
+    engine.add_request(broken)
+    engine.add_request(healthy)
+    final = {}
+    while engine.has_work():
+        for delta in engine.step():
+            if delta.finished:
+                final[delta.request_id] = delta
+    assert final["broken"].error is not None and "internal error" in final["broken"].error
+    assert final["healthy"].error is None and healthy.schema_retries == 0
+    assert tok.decode(healthy.tokens[len(PROMPT):healthy.end_idx].tolist(), skip_special_tokens=True) == "[1,2,3]"
