@@ -221,9 +221,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         compiler = self.state.constraints
         assert compiler is not None
         matcher, cached = await compiler.compile_noting_cache(constraint)
+        resampled: tuple[str, ...] = ()
+        if constraint.resamples(self.state.resample) and matcher.unenforced_keywords:
+            # Off the event loop: the first call parses and walks the schema.
+            resampled = await asyncio.to_thread(lambda: matcher.resampled_keywords)
         return pb.ValidateConstraintResponse(
             grammar_backend=matcher.backend, compile_seconds=matcher.compile_seconds, cached=cached,
-            unenforced_keywords=list(matcher.unenforced_keywords),
+            unenforced_keywords=list(matcher.unenforced_keywords), resampled_keywords=list(resampled),
             output_validated=matcher.validator is not None and self.state.validate_output,
             validator_message=("output validation is off on this server"
                                if not self.state.validate_output else matcher.validator_error or ""))

@@ -429,6 +429,15 @@ def test_validate_constraint_reports_without_generating(grammar_server: ServerHa
     again = stub.ValidateConstraint(pb.ValidateConstraintRequest(
         constraint=pb.Constraint(json_schema=json.dumps(schema))), timeout=TIMEOUT)
     assert again.cached
+    assert list(again.resampled_keywords) == ["uniqueItems"]  # a default request resamples it
+    # Inside an anyOf branch no value can be resampled for it; resample off: nothing is.
+    branch = {"anyOf": [{"type": "array", "uniqueItems": True}, {"type": "string"}]}
+    resp = stub.ValidateConstraint(pb.ValidateConstraintRequest(
+        constraint=pb.Constraint(json_schema=json.dumps(branch))), timeout=TIMEOUT)
+    assert "uniqueItems" in resp.unenforced_keywords and not resp.resampled_keywords
+    resp = stub.ValidateConstraint(pb.ValidateConstraintRequest(
+        constraint=pb.Constraint(json_schema=json.dumps(schema), resample=False)), timeout=TIMEOUT)
+    assert list(resp.unenforced_keywords) == ["uniqueItems"] and not resp.resampled_keywords
     with pytest.raises(grpc.RpcError) as info:
         stub.ValidateConstraint(pb.ValidateConstraintRequest(
             constraint=pb.Constraint(json_schema='{"$ref": "#/nowhere"}')), timeout=TIMEOUT)

@@ -385,17 +385,19 @@ class ValidateConstraintRequest(_message.Message):
     def __init__(self, constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
 
 class ValidateConstraintResponse(_message.Message):
-    __slots__ = ("grammar_backend", "compile_seconds", "cached", "unenforced_keywords", "output_validated", "validator_message")
+    __slots__ = ("grammar_backend", "compile_seconds", "cached", "unenforced_keywords", "output_validated", "validator_message", "resampled_keywords")
     GRAMMAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     UNENFORCED_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_VALIDATED_FIELD_NUMBER: _ClassVar[int]
     VALIDATOR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLED_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
     grammar_backend: str
     compile_seconds: float
     cached: bool
     unenforced_keywords: _containers.RepeatedScalarFieldContainer[str]
     output_validated: bool
     validator_message: str
-    def __init__(self, grammar_backend: _Optional[str] = ..., compile_seconds: _Optional[float] = ..., cached: _Optional[bool] = ..., unenforced_keywords: _Optional[_Iterable[str]] = ..., output_validated: _Optional[bool] = ..., validator_message: _Optional[str] = ...) -> None: ...
+    resampled_keywords: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, grammar_backend: _Optional[str] = ..., compile_seconds: _Optional[float] = ..., cached: _Optional[bool] = ..., unenforced_keywords: _Optional[_Iterable[str]] = ..., output_validated: _Optional[bool] = ..., validator_message: _Optional[str] = ..., resampled_keywords: _Optional[_Iterable[str]] = ...) -> None: ...
