@@ -182,6 +182,14 @@ class ServerMetrics:
             "stencil_grammar_forward_passes_saved",
             "Forced tokens appended without a forward pass of their own (jump-ahead).",
             ("kind", "backend"), registry=r)
+        self.schema_validations = Counter(
+            "stencil_schema_validations",
+            "Finished JSON outputs checked against their whole schema, by result "
+            "(valid, invalid, not_checked).", ("result",), registry=r)
+        self.schema_retries = Counter(
+            "stencil_schema_retries",
+            "JSON values rolled back and resampled because they broke a schema keyword "
+            "the grammar does not enforce.", ("kind", "backend"), registry=r)
         self.mask_seconds = Histogram(
             "stencil_grammar_mask_seconds",
             "Seconds spent filling a step's grammar bitmask (steps with constrained requests).", e,

@@ -167,6 +167,8 @@ class Telemetry:
                 m.compile_failures.labels(note.kind, note.outcome).inc()
                 if note.outcome == "timeout":
                     m.compile_timeouts.labels(note.kind).inc()
+        if record.schema is not None:
+            m.schema_validations.labels(record.schema).inc()
         if record.method == EMBED_METHOD and code == "OK":
             name = self.embedding_model
             m.embed_requests.labels(name).inc()
@@ -388,6 +390,8 @@ class EngineObserver:
         if constraint is not None:
             m.forced_tokens.labels(*constraint).inc(out.forced_tokens)
             m.passes_saved.labels(*constraint).inc(stats.ctx.num_jumped)
+            if out.schema_retries:
+                m.schema_retries.labels(*constraint).inc(out.schema_retries)
         if stats.sample_rate:
             m.speech_requests.labels(*self.labels, out.status.value).inc()
             m.audio_seconds.labels(*self.labels).inc(stats.audio_samples / stats.sample_rate)

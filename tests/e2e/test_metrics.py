@@ -180,6 +180,27 @@ def test_constrained_requests_and_compiles(msrv: ServerHandle) -> None:
     assert delta(after, failed, "stencil_grammar_compile_failures_total", kind="regex", reason="invalid") == 1
 
 
+def test_schema_validations_and_retries(msrv: ServerHandle) -> None:
+    # Three unique items from three values: the random model repeats one, and
+    # resampling (on by default) rolls the duplicate back.
+    schema = ('{"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 3, "maxItems": 3, '
+              '"uniqueItems": true}')
+    before = scrape(msrv)
+    outs = []
+    for seed in range(4):
+        req = greedy(f"u {seed}", max_new_tokens=40)
+        req.sampling.temperature = 1.0
+        req.sampling.seed = seed
+        req.constraint.json_schema = schema
+        outs.append(generate(msrv.stub, req))
+    after = wait_for(msrv, lambda s: delta(before, s, "stencil_schema_validations_total", result="valid") == 4)
+    retries = sum(o[2].usage.schema_retries for o in outs)
+    assert retries > 0
+    labels = {"kind": "json_schema", "backend": outs[0][2].grammar_backend}
+    assert delta(before, after, "stencil_schema_retries_total", **labels) == retries
+    assert delta(before, after, "stencil_schema_validations_total", result="invalid") == 0
+
+
 def test_prefix_cache_counters(msrv: ServerHandle) -> None:
     before = scrape(msrv)
     prompt = "the same long prompt, " * 12  # several full pages
