@@ -255,8 +255,11 @@ class _Normalizer:
                 # `$ref` applies in place, as an `allOf` member would: the
                 # siblings stay the outer schema (so `unevaluated*` sees what
                 # the target evaluates, and the siblings' properties come first).
-                others = s.get("allOf")
-                s["allOf"] = [target_ref, *(others if isinstance(others, list) else [])]
+                others = s.get("allOf", [])
+                if isinstance(others, list):
+                    s["allOf"] = [target_ref, *others]
+                else:  # a malformed allOf stays as written, for the libraries to refuse
+                    s = {"allOf": [target_ref, s]}
             else:
                 return target_ref
         elif ref is not None:
