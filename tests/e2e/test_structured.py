@@ -417,6 +417,24 @@ def test_strict_refuses_uniqueItems_it_cannot_track(grammar_server: ServerHandle
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in err.details()
 
 
+def test_refs_to_other_documents_resolve_from_the_schema_store(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # `stencild serve --schema-store PREFIX=DIR`: a $ref by URI reads the
+    # document from DIR (never fetched); anything else fails to compile.
+    (tmp_path / "colour.json").write_text(json.dumps(
+        {"$defs": {"name": {"enum": ["red", "green", "blue"]}}, "$ref": "#/$defs/name"}))
+    base = "https://schemas.example.com/"
+    server = make_server(engine_factory(schema_store=(f"{base}={tmp_path}",)))
+    schema = {"type": "object", "properties": {"colour": {"$ref": base + "colour.json"}},
+              "required": ["colour"], "additionalProperties": False}
+    text, _, done, _ = generate(server.stub, constrained("c", json_schema=json.dumps(schema)))
+    assert json.loads(text)["colour"] in ("red", "green", "blue")
+    assert done.finish_reason == Finish.EOS and done.schema_validation.result == V.VALID
+    missing = {"$ref": base + "missing.json"}
+    err = _error(server.stub.Generate(constrained("m", json_schema=json.dumps(missing)), timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_violations(err.trailing_metadata())[0][0] == "constraint.json_schema"
+
+
 def test_validate_constraint_reports_without_generating(grammar_server: ServerHandle) -> None:
     stub = grammar_server.stub
     schema = {"type": "object", "properties": {"tags": UNIQUE}, "required": ["tags"],
