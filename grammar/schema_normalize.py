@@ -146,9 +146,6 @@ class _Normalizer:
             self.resources.setdefault(uri, document)
         while stack:
             item, resource, base = stack.pop()
-            if isinstance(item, list):
-                stack.extend((v, resource, base) for v in item)
-                continue
             if not isinstance(item, dict):
                 continue
             own_id = item.get("$id")
@@ -167,9 +164,9 @@ class _Normalizer:
             for key in ("$anchor", "$dynamicAnchor"):
                 if isinstance(item.get(key), str):
                     self.anchors.setdefault(id(resource), {}).setdefault(item[key], item)
-            for key, value in item.items():
-                if key not in ("const", "enum", "default", "examples"):
-                    stack.append((value, resource, base))
+            # Only subschemas: an `$id` or `$anchor` inside an annotation, a
+            # `const` or a property named like a keyword is no resource.
+            stack.extend((sub, resource, base) for sub in _subschemas(item))
 
     def _resolve(self, ref: str) -> tuple[str, Any, dict[str, Any]]:
         """The key of `ref` (unique across resources), the node it names, and
@@ -186,7 +183,8 @@ class _Normalizer:
         key = f"#{frag}" if resource is self.root else f"{self.bases.get(id(resource), '')}#{frag}"
         if not frag:
             return key, resource, resource
-        return key, self._in_resource(resource, ref, frag), resource
+        node, inner = self._in_resource(resource, ref, frag)
+        return key, node, inner
 
     def _load(self, uri: str, ref: str) -> dict[str, Any]:
         document = self.store.get(uri) if self.store is not None else None
@@ -198,11 +196,14 @@ class _Normalizer:
         self._index(document, uri)
         return document
 
-    def _in_resource(self, resource: dict[str, Any], ref: str, frag: str) -> Any:
+    def _in_resource(self, resource: dict[str, Any], ref: str, frag: str) -> tuple[Any, dict[str, Any]]:
+        """The node `frag` names in `resource`, and the innermost resource
+        around it (a pointer may lead into an embedded `$id` resource, whose
+        own references resolve there)."""
         if not frag.startswith("/"):
             anchors = self.anchors.get(id(resource), {})
             if frag in anchors:
-                return anchors[frag]
+                return anchors[frag], resource
             raise GrammarError(f"cannot compile JSON schema: $ref {ref[:80]!r} names no $anchor")
         node: Any = resource
         for raw in frag.split("/")[1:]:
@@ -213,7 +214,9 @@ class _Normalizer:
                 node = node[int(part)]
             else:
                 raise GrammarError(f"cannot compile JSON schema: $ref {ref[:80]!r} points nowhere")
-        return node
+            if isinstance(node, dict) and id(node) in self.bases:
+                resource = node
+        return node, resource
 
     # -- the walk --------------------------------------------------------------
     def run(self) -> Any:
@@ -247,21 +250,14 @@ class _Normalizer:
             return schema
         s = dict(schema)
         ref = s.pop("$ref", None)
+        target: Any = None  # the normalized `$ref` target, applied beside the siblings
         if isinstance(ref, str) and "$recursiveRef" not in s and "$dynamicRef" not in s:
-            target_ref = self._inline(ref, active)
+            target = self._inline(ref, active)
             # Before 2019-09 a $ref's siblings are ignored.
-            if s and not self.old_draft and any(k in SCHEMA_KEYWORDS and k not in ("$defs", "definitions", "$schema",
-                                                             "$id", "$anchor", "id") for k in s):
-                # `$ref` applies in place, as an `allOf` member would: the
-                # siblings stay the outer schema (so `unevaluated*` sees what
-                # the target evaluates, and the siblings' properties come first).
-                others = s.get("allOf", [])
-                if isinstance(others, list):
-                    s["allOf"] = [target_ref, *others]
-                else:  # a malformed allOf stays as written, for the libraries to refuse
-                    s = {"allOf": [target_ref, s]}
-            else:
-                return target_ref
+            if not s or self.old_draft or not any(
+                    k in SCHEMA_KEYWORDS and k not in ("$defs", "definitions", "$schema", "$id", "$anchor", "id")
+                    for k in s):
+                return target
         elif ref is not None:
             s["$ref"] = ref
         out: dict[str, Any] = {}
@@ -285,6 +281,16 @@ class _Normalizer:
                 out[key] = int(value)
             else:
                 out[key] = copy.deepcopy(value)
+        if target is not None:
+            # `$ref` applies in place, as an `allOf` member would: the siblings
+            # stay the outer schema (so `unevaluated*` sees what the target
+            # evaluates, and the siblings' properties come first). The target
+            # is normalized already (it may be a `$ref` into the new `$defs`).
+            others = out.get("allOf", [])
+            if isinstance(others, list):
+                out["allOf"] = [target, *others]
+            else:  # a malformed allOf stays as written, for the libraries to refuse
+                out = {"allOf": [target, out]}
         enum = out.get("enum")
         if isinstance(enum, list) and len(enum) == 1 and "const" not in out:
             out["const"] = out.pop("enum")[0]
@@ -360,6 +366,17 @@ def _unevaluated_as_additional(out: dict[str, Any]) -> None:
         out["additionalProperties"] = out.pop("unevaluatedProperties")
     if "unevaluatedItems" in out and "items" not in out and "contains" not in out:
         out["items"] = out.pop("unevaluatedItems")
+
+
+def _subschemas(schema: dict[str, Any]) -> list[Any]:
+    """The subschemas directly inside `schema` (in keyword positions)."""
+    out: list[Any] = []
+    for key, value in schema.items():
+        if key in SUBSCHEMA or key in SUBSCHEMA_LISTS:
+            out.extend(value if isinstance(value, list) else [value])  # `items` may be a list (old drafts)
+        elif (key in SUBSCHEMA_MAPS or key == "dependencies") and isinstance(value, dict):
+            out.extend(value.values())
+    return out
 
 
 def _unescape(part: str) -> str:

@@ -10,8 +10,9 @@ output validators read the same documents, so a request's schema behaves as
 if the documents were bundled in it. A URI outside every prefix, or one whose
 file is missing, stays unresolved (the schema then fails to compile, as before).
 
-Documents are read on first use and kept for the life of the process; the
-store is picklable, so compile worker processes get their own copy.
+Documents are read on first use and kept for the life of the process (one
+entry per file; a miss is not remembered, so a file added later is found);
+the store is picklable, so compile worker processes get their own copy.
 """
 
 from __future__ import annotations
@@ -74,13 +75,19 @@ class SchemaStore:
 
     def get(self, uri: str) -> Any | None:
         """The document `uri` names, or None."""
-        uri = urldefrag(uri)[0]
+        path = self._path(urldefrag(uri)[0])
+        if path is None:
+            return None  # not cached: a file added later is found
+        key = str(path)
         with self._lock:
-            if uri in self._documents:
-                return self._documents[uri]
-        document = self._read(uri)
-        with self._lock:
-            self._documents.setdefault(uri, document)
+            if key in self._documents:
+                return self._documents[key]
+        document = self._read(path)
+        if document is not None:
+            # Keyed by file, so the cache holds at most one entry per file in
+            # the directories, however many spellings of a URI requests use.
+            with self._lock:
+                document = self._documents.setdefault(key, document)
         return document
 
     def retrieve(self, uri: str) -> Any:
@@ -90,7 +97,8 @@ class SchemaStore:
             raise ValueError(f"{uri} is not in the schema store (nothing is fetched)")
         return document
 
-    def _read(self, uri: str) -> Any | None:
+    def _path(self, uri: str) -> Path | None:
+        """The file `uri` names inside a store directory, if there is one."""
         # The longest matching prefix wins: a mirror of a sub-tree overrides its parent.
         for prefix in sorted(self.roots, key=len, reverse=True):
             if not uri.startswith(prefix):
@@ -100,16 +108,22 @@ class SchemaStore:
             for name in (relative, relative + ".json"):
                 if not name:
                     continue
-                path = (root / name).resolve()
-                if not path.is_relative_to(root) or not path.is_file():
+                try:  # a name too long or with a NUL byte is no file of ours
+                    path = (root / name).resolve()
+                    if path.is_relative_to(root) and path.is_file():
+                        return path
+                except (OSError, ValueError):
                     continue
-                if path.stat().st_size > MAX_DOCUMENT_BYTES:
-                    log.warning("schema store: %s is larger than %d bytes; not used", path, MAX_DOCUMENT_BYTES)
-                    return None
-                try:
-                    return json.loads(path.read_text(encoding="utf-8"))
-                except (OSError, ValueError) as e:
-                    log.warning("schema store: cannot read %s: %s", path, e)
-                    return None
             return None
         return None
+
+    @staticmethod
+    def _read(path: Path) -> Any | None:
+        try:
+            if path.stat().st_size > MAX_DOCUMENT_BYTES:
+                log.warning("schema store: %s is larger than %d bytes; not used", path, MAX_DOCUMENT_BYTES)
+                return None
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as e:
+            log.warning("schema store: cannot read %s: %s", path, e)
+            return None

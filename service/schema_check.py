@@ -10,9 +10,10 @@ a worker thread instead, so a huge answer cannot hold up the other streams on
 the loop either.
 
 An output that ended with EOS is complete. One that a stop string or stop
-token of the request ended is validated when what it returned is JSON (the
-stop may fall right at the value's end), and NOT_CHECKED otherwise, as is one
-cut short by a length limit or cancelled. A strict request whose output is
+token of the request ended is validated when what it returned is a whole JSON
+value (the stop may fall right at the value's end): JSON, and not a number,
+which could be the start of a longer one. Otherwise it is NOT_CHECKED, as is
+one cut short by a length limit or cancelled. A strict request whose output is
 INVALID ends with finish reason SCHEMA_VIOLATION instead.
 """
 
@@ -30,6 +31,8 @@ from .request_log import note_validation
 R = pb.SchemaValidation
 # Above this many characters the validation runs on a worker thread.
 OFF_LOOP_CHARS = 16 * 1024
+# A JSON number starts with one of these (every other value with { [ " t f n).
+_NUMBER_START = frozenset("-0123456789")
 # Finishes whose output may be a whole JSON value.
 _CHECKED = (GenerationStatus.END_OF_SEQUENCE, GenerationStatus.STOP_STRING, GenerationStatus.STOP_TOKEN)
 
@@ -58,7 +61,10 @@ async def check_output(matcher: Matcher, text: str, final: RequestOutput,
             outcome = validator.validate_text(text)
         if not outcome.checked:
             result = R(result=R.NOT_CHECKED, message=outcome.message)
-        elif not outcome.parsed and final.status is not GenerationStatus.END_OF_SEQUENCE:
+        elif final.status is not GenerationStatus.END_OF_SEQUENCE and (
+                not outcome.parsed or text.lstrip()[:1] in _NUMBER_START):
+            # A stop rule cut the value short: what is left is not JSON, or
+            # is a number that may be the start of a longer one ("2" of "2024").
             result = R(result=R.NOT_CHECKED, message="the output is incomplete (a stop rule ended it)")
         elif outcome.valid:
             result = R(result=R.VALID)

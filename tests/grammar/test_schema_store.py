@@ -46,6 +46,18 @@ def test_documents_by_prefix_and_relative_path(store):
     assert pickle.loads(pickle.dumps(store)) == store  # travels to compile workers
 
 
+def test_odd_uris_are_misses_and_misses_are_not_remembered(store, tmp_path):
+    assert store.get(BASE + "x" * 300) is None  # a name too long for the filesystem
+    assert store.get(BASE + "a\x00b.json") is None  # a NUL byte
+    assert store.get(BASE + "later.json") is None
+    (tmp_path / "docs" / "later.json").write_text('{"type": "boolean"}')
+    assert store.get(BASE + "later.json") == {"type": "boolean"}  # found once it exists
+    # One cache entry per file, however the URI spells it.
+    for spelling in ("address.json", "address", "./address.json", "shared/../address.json"):
+        assert store.get(BASE + spelling)["required"] == ["street", "zip"]
+    assert len(store._documents) == 2
+
+
 def test_parse_mappings(tmp_path):
     parsed = SchemaStore.parse([f"{BASE}={tmp_path}"])
     assert parsed is not None and parsed.roots == {BASE: tmp_path.resolve()}

@@ -36,6 +36,7 @@ def _final(status: GenerationStatus) -> RequestOutput:
     (GenerationStatus.STOP_STRING, "[1,1]", R.INVALID),  # a stop right at the value's end
     (GenerationStatus.STOP_TOKEN, "[1,2]", R.VALID),
     (GenerationStatus.STOP_STRING, "[1,", R.NOT_CHECKED),  # cut short by the stop rule
+    (GenerationStatus.STOP_STRING, "2", R.NOT_CHECKED),  # maybe "2" of "2024": a number is never whole
     (GenerationStatus.MAXIMUM_LENGTH, "[1,2]", R.NOT_CHECKED),
     (GenerationStatus.CANCELLED, "[1,2]", R.NOT_CHECKED),
 ])
