@@ -70,7 +70,7 @@ class Rollback:
 
 
 class Resampler:
-    """One strict request's value watch, bans and retry counts (engine thread only)."""
+    """One resampling request's value watch, bans and retry counts (engine thread only)."""
 
     def __init__(self, watch: ValueWatch, token_bytes: Callable[[int], bytes]):
         self.watch = watch

@@ -296,7 +296,7 @@ class GrammarCompiler:
             raise
         assert plan is not None
         if plan.watch is not None:
-            # Strict requests read their output's bytes (vocab.token_bytes):
+            # Resampling requests read their output's bytes (vocab.token_bytes):
             # build the table here, off the engine thread and the event loop.
             _xgr.vocab_index(self.tokenizer_data)
         self._cache.put(key, plan, plan.size_bytes)

@@ -59,7 +59,7 @@ class Matcher(ABC):
 
     @property
     def resampled_keywords(self) -> tuple[str, ...]:
-        """Unenforced keywords that a strict request enforces by resampling
+        """Unenforced keywords that a resampling request enforces by resampling
         instead: those whose every occurrence the value watch checks on the
         very value it constrains (grammar/watch_plan.py). Parses the schema
         and builds its node validators on first use (callers run it off the

@@ -43,7 +43,7 @@ class SchemaPlan:
     validator: the full schema's validator; None when it cannot read the schema
         (`validator_error` says why), and outputs are then not checked.
     watch: where each node of the (normalized) schema applies, for the value
-        checks of strict requests (engine/resample.py); None for json_object.
+        checks of resampling requests (engine/resample.py); None for json_object.
     """
 
     views: dict[str, GrammarSpec]
@@ -94,7 +94,7 @@ def with_validator(spec: GrammarSpec, views: dict[str, GrammarSpec],
 def prepare_views(spec: GrammarSpec, backends: tuple[str, ...], store: SchemaStore | None = None
                   ) -> tuple[dict[str, GrammarSpec], dict[str, tuple[str, ...]], WatchPlan | None] | None:
     """Each backend's view of a JSON spec, the keywords it leaves unenforced
-    and the plan of strict requests' value checks (None for other kinds). Pure Python over the whole schema: the
+    and the plan of resampling requests' value checks (None for other kinds). Pure Python over the whole schema: the
     compiler runs it in a compile worker, away from the server's GIL."""
     if spec.kind == "json_object":
         schema: Any = {"type": "object"}

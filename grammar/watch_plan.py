@@ -1,6 +1,6 @@
 """Where each node of a JSON schema applies in its instances.
 
-`WatchPlan` is the schema half of strict mode's value checks
+`WatchPlan` is the schema half of the value checks behind resampling
 (`value_watch.ValueWatch` reads the output): it follows only keywords that
 apply to *every* instance at a location (`properties`,
 `additionalProperties`, `items`, `prefixItems`, `allOf`, local `$ref`): a
@@ -13,7 +13,7 @@ followed node (strict mode accepts those; see service/structured.py).
 
 Nodes are validated with jsonschema-rs (`validator_map_for`: one validator
 per node, keyed by JSON pointer), built once per schema, the first time a
-strict request needs them.
+resampling request needs them.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class WatchPlan:
 
     Built in a compile worker and pickled to the server: it carries the
     (normalized) schema as JSON text and parses it, analyses it and builds the
-    node validators only when a strict request first needs them.
+    node validators only when a resampling request first needs them.
     """
 
     def __init__(self, source: str, whole_only: bool = False):
@@ -264,7 +264,7 @@ class WatchPlan:
         """Whether values at `node` are validated against it: it holds one of
         `keywords` itself or inside a branch (not inside a followed child,
         which is checked on its own). A `uniqueItems` of the node itself is
-        checked per item instead. Cached per plan: every strict request of
+        checked per item instead. Cached per plan: every resampling request of
         the schema asks the same."""
         known = self._needs.get((keywords, id(node)))
         if known is None:
