@@ -58,6 +58,24 @@ class Matcher(ABC):
         return self._tok
 
     @property
+    def checks_ready(self) -> bool:
+        """Whether the value checks of a resampling request cost no more
+        set-up: the schema's watch plan and the output validator are built."""
+        plan = self.watch_plan
+        if plan is None or not self.unenforced_keywords:
+            return True
+        return plan.ready and (self.validator is None or self.validator.built)
+
+    def prepare_checks(self) -> None:
+        """Build what a resampling request's value checks use (the watch
+        plan, the node validators, the output validator), once per schema.
+        Seconds for a schema of hundreds of KB: call it off the event loop
+        and the engine thread."""
+        self.resampled_keywords  # noqa: B018 - parses the plan, builds the node validators
+        if self.validator is not None and self.unenforced_keywords:
+            self.validator.prepare()
+
+    @property
     def resampled_keywords(self) -> tuple[str, ...]:
         """Unenforced keywords that a resampling request enforces by resampling
         instead: those whose every occurrence the value watch checks on the

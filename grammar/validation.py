@@ -14,6 +14,7 @@ It runs offline: a `$ref` to another document is read from the schema store
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ class SchemaValidator:
         self._source: str | None = None
         self._store = store
         self._lock = threading.Lock()
+        self._failed: str | None = None
         self._validator = self._build(schema, store)
 
     @classmethod
@@ -76,11 +78,19 @@ class SchemaValidator:
         """A validator of the schema in `source`, built when first used."""
         self = cls.__new__(cls)
         self._source, self._store, self._lock, self._validator = source, store, threading.Lock(), None
+        self._failed = None
         return self
 
     @property
     def built(self) -> bool:
-        return self._validator is not None
+        """Whether using it costs no build any more (built, or found unreadable)."""
+        return self._validator is not None or self._failed is not None
+
+    def prepare(self) -> None:
+        """Build a lazy validator now (slow for a large schema: not on the
+        event loop or the engine thread); a schema it cannot read is remembered."""
+        with contextlib.suppress(ValueError):  # remembered; validate() reports it
+            self._ready()
 
     @staticmethod
     def _build(schema: Any, store: SchemaStore | None) -> Any:
@@ -92,9 +102,15 @@ class SchemaValidator:
     def _ready(self) -> Any:
         if self._validator is None:
             with self._lock:
+                if self._failed is not None:
+                    raise ValueError(self._failed)  # built once, found unreadable
                 if self._validator is None:
                     assert self._source is not None
-                    self._validator = self._build(json.loads(self._source), self._store)
+                    try:
+                        self._validator = self._build(json.loads(self._source), self._store)
+                    except ValueError as e:
+                        self._failed = str(e)
+                        raise
         return self._validator
 
     def validate_text(self, text: str) -> ValidationResult:

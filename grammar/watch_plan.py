@@ -132,6 +132,12 @@ class WatchPlan:
         return pointers
 
     @property
+    def ready(self) -> bool:
+        """Whether the schema is parsed and its node validators built (a
+        ValueWatch is then cheap to make)."""
+        return self._root is not None and self._validators is not None
+
+    @property
     def checks_nodes(self) -> bool:
         """Whether nodes can be validated apart from the root: no `$id`,
         `$anchor` or dynamic reference changes how a reference resolves, and

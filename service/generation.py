@@ -136,6 +136,12 @@ class ServingState:
             assert self.constraints is not None
             for i in range(copies):
                 matchers[i] = await self.constraints.compile(constraint)
+            first = matchers[0]
+            if first is not None and constraint.resamples(self.resample) and not first.checks_ready:
+                # The value checks' set-up (once per schema, shared by every
+                # copy): on a worker thread, not on the loop that builds the
+                # request's context nor on the engine thread.
+                await asyncio.to_thread(first.prepare_checks)
         self.require_engine()
         return matchers
 

@@ -586,3 +586,34 @@ def test_model_info_reports_grammar_settings(grammar_server: ServerHandle) -> No
     info = grammar_server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT)
     assert info.grammar_backend == "auto"
     assert info.grammar_compile_timeout_s == pytest.approx(1.5)
+
+
+def test_value_check_setup_runs_off_the_loop_and_the_engine_thread(grammar_server: ServerHandle,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A large schema (its output validator is built lazily) with a keyword
+    # left to the value checks: their set-up, seconds for a schema of
+    # hundreds of KB, runs on a worker thread before the request's context is
+    # built on the event loop, never there or on the engine thread.
+    from grammar.validation import SchemaValidator
+    from grammar.watch_plan import WatchPlan
+
+    where: list[str] = []
+    build_nodes, build_full = WatchPlan._build_validators, SchemaValidator._build
+
+    def nodes(self: WatchPlan, root: Any) -> Any:
+        where.append(threading.current_thread().name)
+        return build_nodes(self, root)
+
+    def full(schema: Any, store: Any) -> Any:
+        where.append(threading.current_thread().name)
+        return build_full(schema, store)
+
+    monkeypatch.setattr(WatchPlan, "_build_validators", nodes)
+    monkeypatch.setattr(SchemaValidator, "_build", staticmethod(full))
+    props = {f"field_{i:04d}_{'x' * 40}": {"type": "integer"} for i in range(1500)}
+    schema = {"type": "object", "properties": {"tags": UNIQUE, **props}, "required": ["tags"],
+              "additionalProperties": False}
+    assert len(json.dumps(schema)) > 64 * 1024
+    _, _, done, _ = generate(grammar_server.stub, constrained("big", json_schema=json.dumps(schema)))
+    assert list(done.unenforced_keywords) == ["uniqueItems"]
+    assert len(where) == 2 and all(name.startswith("asyncio") for name in where), where

@@ -255,3 +255,8 @@ def test_a_lazy_validator_is_built_on_first_use_and_reports_an_unreadable_schema
     broken = SchemaValidator.lazy('{"type": 12}')
     outcome = broken.validate_text("1")
     assert not outcome.checked and "cannot read" in outcome.message
+    # Found unreadable once, it is not built again on every use.
+    assert broken.built
+    broken._source = None  # a second build would fail its assertion
+    assert not broken.validate_text("1").checked
+    broken.prepare()  # never raises
