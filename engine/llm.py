@@ -114,6 +114,10 @@ class LLM:
         # Compile everything first, so a bad spec fails before any work starts.
         futures = [self.engine.structured.compile_async(s) if s is not None else None for s in specs]
         matchers = [f.result() if f is not None else None for f in futures]
+        if resample:
+            for matcher in matchers:  # once per schema, here rather than on the engine thread
+                if matcher is not None and not matcher.checks_ready:
+                    matcher.prepare_checks()
         results: dict[str, CompletionOutput] = {}
         order: list[str] = []
         for prompt, p, matcher in zip(prompts, params, matchers, strict=True):
