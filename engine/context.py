@@ -152,8 +152,8 @@ class TextContext:
         # Forced tokens appended without a forward pass sampling them
         # (jump_ahead): each one is a decode step saved.
         self.num_jumped = 0
-        # Strict JSON requests whose grammar leaves keywords unenforced: rolls
-        # back and resamples a value that breaks one (resample.py); None otherwise.
+        # Resampling JSON requests whose grammar leaves keywords unenforced:
+        # rolls back and resamples a value that breaks one (resample.py); None otherwise.
         self.resampler: Resampler | None = None
 
     # -- views -------------------------------------------------------------

@@ -193,9 +193,8 @@ class EngineCore:
         kwargs: dict[str, Any] = {"request_id": spec.request_id} if spec.request_id else {}
         ctx = TextContext(tokens=spec.prompt, max_length=spec.max_length, sampling_params=spec.params,
                           eos_token_ids=self.eos_token_ids, seed=spec.seed, matcher=matcher, **kwargs)
-        plan = matcher.watch_plan if resample and matcher is not None else None
-        if plan is not None and matcher is not None and matcher.unenforced_keywords:
-            watch = ValueWatch(plan, matcher.unenforced_keywords, matcher.validator)
+        if resample and matcher is not None and matcher.watch_plan is not None and matcher.unenforced_keywords:
+            watch = ValueWatch(matcher.watch_plan, matcher.unenforced_keywords, matcher.validator)
             ctx.resampler = Resampler(watch, token_bytes(matcher.tokenizer))
         return ctx
 

@@ -42,7 +42,7 @@ class Matcher(ABC):
     validator: SchemaValidator | None = None
     validator_error: str | None = None
     compile_seconds: float = 0.0
-    # Where each schema node applies (None: not a JSON schema); a strict
+    # Where each schema node applies (None: not a JSON schema); a resampling
     # request resamples values that break an unenforced keyword
     # (engine/resample.py).
     watch_plan: WatchPlan | None = None

@@ -95,7 +95,6 @@ class ServingState:
         self.speech_loop: EngineLoop | None = None
         self.constraints: ConstraintCompiler | None = None
         self.validate_output = True  # check finished JSON outputs (--no-validate-output)
-        self.resample = True  # Constraint.resample's default (--no-resample)
         self.draining = False
         self._calls = 0
         self._idle = asyncio.Event()
@@ -136,12 +135,6 @@ class ServingState:
             assert self.constraints is not None
             for i in range(copies):
                 matchers[i] = await self.constraints.compile(constraint)
-            first = matchers[0]
-            if first is not None and constraint.resamples(self.resample) and not first.checks_ready:
-                # The value checks' set-up (once per schema, shared by every
-                # copy): on a worker thread, not on the loop that builds the
-                # request's context nor on the engine thread.
-                await asyncio.to_thread(first.prepare_checks)
         self.require_engine()
         return matchers
 
@@ -185,8 +178,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # returns at once); a failure ends only this call.
         [matcher] = await self.state.compile_constraint(prepared.constraint)
         # 3. Build its context, once, and hand it to the engine thread.
-        resample = prepared.constraint is not None and prepared.constraint.resamples(self.state.resample)
-        ctx = loop.engine.context(prepared.spec, matcher, resample)
+        assert self.state.constraints is not None
+        ctx = loop.engine.context(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint))
         stream = loop.submit(ctx)
         self.state.call_started()
         try:
@@ -227,10 +220,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         compiler = self.state.constraints
         assert compiler is not None
         matcher, cached = await compiler.compile_noting_cache(constraint)
-        resampled: tuple[str, ...] = ()
-        if constraint.resamples(self.state.resample) and matcher.unenforced_keywords:
-            # Off the event loop: the first call parses and walks the schema.
-            resampled = await asyncio.to_thread(lambda: matcher.resampled_keywords)
+        resampled = matcher.resampled_keywords if compiler.resamples(constraint) else ()
         return pb.ValidateConstraintResponse(
             grammar_backend=matcher.backend, compile_seconds=matcher.compile_seconds, cached=cached,
             unenforced_keywords=list(matcher.unenforced_keywords), resampled_keywords=list(resampled),

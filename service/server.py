@@ -180,7 +180,6 @@ class StencilServer:
         self._engine_factory = engine_factory
         self.state = ServingState(model_name, SERVER_VERSION, serves_generation=engine_factory is not None)
         self.state.validate_output = self.config.validate_output
-        self.state.resample = self.config.resample
         self.embedding = EmbeddingSlot(embedding)
         self.speech = SpeechSlot(speech)
         self.health = HealthState([SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE]
@@ -308,7 +307,8 @@ class StencilServer:
             cfg = self.config
             self.state.constraints = ConstraintCompiler(engine.structured,
                                                         cfg.admission.max_pending_requests,
-                                                        warm=cfg.warmup and cfg.warmup_grammar)
+                                                        warm=cfg.warmup and cfg.warmup_grammar,
+                                                        resample=cfg.resample)
             self.state.engine_loop = loop
             if self.config.vllm_protocol:
                 # Numbering starts with the engine, before anyone subscribes.

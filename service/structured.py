@@ -53,6 +53,8 @@ class ConstraintSpec:
 
     def resamples(self, default: bool) -> bool:
         """Whether this request's values are checked and resampled."""
+        if self.spec.kind not in _JSON_KINDS:
+            return False
         return self.strict or (default if self.resample is None else self.resample)
 
 
@@ -130,17 +132,24 @@ class ConstraintCompiler:
     grammar compiler runs them behind one worker), so a flood of slow schemas
     is refused with RESOURCE_EXHAUSTED instead of piling up. `warm` says the
     engine's grammar compiler already exists (started at warm-up).
+    `resample` is Constraint.resample's default (`stencild serve --no-resample`).
     """
 
-    def __init__(self, structured: StructuredOutput, max_in_flight: int = 64, warm: bool = False):
+    def __init__(self, structured: StructuredOutput, max_in_flight: int = 64, warm: bool = False,
+                 resample: bool = True):
         self._structured = structured
         self.max_in_flight = max_in_flight
+        self.resample = resample
         self._started = warm
 
     @property
     def in_flight(self) -> int:
         """Distinct compiles queued or running now."""
         return self._structured.compiler.pending_compiles if self._started else 0
+
+    def resamples(self, constraint: ConstraintSpec | None) -> bool:
+        """Whether a request with this constraint resamples (see Constraint.resample)."""
+        return constraint is not None and constraint.resamples(self.resample)
 
     async def compile(self, constraint: ConstraintSpec) -> Matcher:
         """A fresh matcher for the constraint; ServiceError if it cannot be compiled
@@ -151,7 +160,8 @@ class ConstraintCompiler:
     async def compile_noting_cache(self, constraint: ConstraintSpec) -> tuple[Matcher, bool]:
         """A fresh matcher for the constraint and whether the compile cache had
         it; ServiceError if it cannot be compiled, or (INVALID_ARGUMENT) if it is
-        strict and its grammar leaves schema keywords unenforced.
+        strict and its grammar leaves schema keywords unenforced. A matcher
+        for a resampling request comes with its value checks built.
 
         Cancellation (client gone, deadline) stops the waiting and cancels the
         compile's future: a compile nobody else waits for leaves the queue if it
@@ -179,11 +189,13 @@ class ConstraintCompiler:
             note_compile(kind, err.backend, start, err.reason, cached)
             raise _compile_error(err, constraint.field) from None
         note_compile(kind, getattr(matcher, "backend", None), start, "compiled", cached)
-        refused: list[str] = []
-        if constraint.strict and matcher.unenforced_keywords:
-            # Off the event loop: the first call parses and walks the schema.
-            resampled = await asyncio.to_thread(lambda: matcher.resampled_keywords)
-            refused = [k for k in matcher.unenforced_keywords if k not in resampled]
+        if self.resamples(constraint) and not matcher.checks_ready:
+            # The value checks' set-up, once per schema (seconds for one of
+            # hundreds of KB): on a worker thread, not on this loop, which
+            # builds the request's context, nor on the engine thread.
+            await asyncio.to_thread(matcher.prepare_checks)
+        refused = [k for k in matcher.unenforced_keywords if k not in matcher.resampled_keywords] \
+            if constraint.strict else []
         if refused:
             # Strict promises that the output stays inside the schema (token
             # by token, or by resampling a value that breaks a keyword the

@@ -83,6 +83,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         prepared = await run_maybe_off_loop(request.ByteSize(), vllm_convert.prepare_generate,
                                              request, loop.engine, scoped_request_id(rid))
         matchers = await self.state.compile_constraint(prepared.constraint, len(prepared.specs))
+        compiler = self.state.constraints
+        assert compiler is not None
         field = prepared.constraint.field if prepared.constraint is not None else None
         sequences: list[_Sequence] = []
         merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -91,7 +93,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         def start(i: int) -> None:
             spec = prepared.specs[i]
             # vLLM's request has no resample field: the server's default applies.
-            ctx = loop.engine.context(spec, matchers[i], self.state.resample)
+            ctx = loop.engine.context(spec, matchers[i], compiler.resamples(prepared.constraint))
             stream = loop.submit(ctx)
             seq = _Sequence(i, ctx.request_id, stream,
                             vllm_convert.SequenceState.start(i, [int(t) for t in spec.prompt]))
