@@ -44,12 +44,18 @@ class EngineConfig(DeviceOptions):
     overlap: bool = True
     # Schedule constrained requests before their last token is known (see
     # SchedulerConfig.speculative_constrained); off: forced runs take one pass.
-    speculative_constrained: bool = False
+    # None: on where decode graphs run, which feed forced runs a token per step
+    # anyway (SchedulerConfig.decode_shaped), so waiting would only cost overlap.
+    speculative_constrained: bool | None = None
     # CPU fp32: a second, blocked copy of the weights for batches of <= 16 tokens
     # (decoding ~1.6x faster at batch 1; doubles fp32 weight memory).
     cpu_small_batch_gemm: bool = True
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 10.0
+    # Native threads filling a step's bitmask rows. On an H200 host (16 cores,
+    # batch 64, a JSON schema) 4 threads were slower than 1 for xgrammar and
+    # no faster for llguidance: the fill is not what bounds such a step.
+    grammar_mask_threads: int = 1
     # Documents a JSON schema's `$ref` may name by URI, as "URI_PREFIX=DIR"
     # (grammar.schema_store): read from disk, never fetched.
     schema_store: tuple[str, ...] = ()
@@ -82,6 +88,8 @@ class EngineConfig(DeviceOptions):
             raise ValueError("grammar_backend must be auto, xgrammar or llguidance")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
+        if self.grammar_mask_threads < 1:
+            raise ValueError("grammar_mask_threads must be >= 1")
         SchemaStore.parse(self.schema_store)  # ValueError: a bad mapping or a missing directory
         if self.overlap and self.num_steps > 1:
             raise ValueError("num_steps > 1 needs overlap=False")

@@ -172,7 +172,7 @@ class EngineCore:
                 raise CheckpointError(str(e)) from None
         self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
                                            config.grammar_backend, config.grammar_compile_timeout_s,
-                                           SchemaStore.parse(config.schema_store))
+                                           SchemaStore.parse(config.schema_store), config.grammar_mask_threads)
         self.speech: SpeechModel | None = None
         if config.speech_codec:
             layout = SpeechLayout.for_model(config.model)
@@ -187,7 +187,9 @@ class EngineCore:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_seq_len=max_len, num_steps=config.num_steps,
-                            speculative_constrained=config.speculative_constrained),
+                            speculative_constrained=graph_mode is not None
+                            if config.speculative_constrained is None else config.speculative_constrained,
+                            decode_shaped=graph_mode is not None),
             self.kv_manager, token_buffer)
         self.postprocessor = Postprocessor(self.scheduler, self.kv_manager, self.tokenizer, self.executor, max_len,
                                            self.speech.audio if self.speech is not None else None)
@@ -200,9 +202,11 @@ class EngineCore:
             log.info("decode graphs (%s): %d buckets up to batch %d, %.2f s, %.1f MiB of device memory",
                      "captured" if graph_mode == "capture" else "emulated without capture", len(stats.buckets),
                      stats.buckets[-1], stats.seconds, stats.bytes / (1 << 20))
-        log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s, decode graphs=%s, overlap=%s",
-                 mc.architecture, device, dtype, num_pages, config.page_size, self.attention.name,
-                 graph_mode or "off", config.overlap)
+        log.info("engine ready: %s, %s %s, %d KV pages of %d tokens, attention=%s, decode graphs=%s, overlap=%s, "
+                 "constrained requests scheduled %s", mc.architecture, device, dtype, num_pages, config.page_size,
+                 self.attention.name, graph_mode or "off", config.overlap,
+                 "ahead of their last token" if self.scheduler.config.speculative_constrained
+                 else "once their last token is known")
 
     # -- requests -------------------------------------------------------------
     @property

@@ -23,6 +23,10 @@ from .context import Failure, TextContext
 from .kv_cache import KVCacheManager
 from .token_buffer import TokenBuffer
 
+# A request alone in its step computes a forced run at least this long in one
+# eager pass rather than one graph replay per token (see _shape_for_graphs).
+LONG_FORCED_RUN = 8
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -37,6 +41,11 @@ class SchedulerConfig:
     # token, and the rest of a forced run follows a step later), or wait one
     # step and run its whole forced run in one pass (the default).
     speculative_constrained: bool = False
+    # Decode graphs run the model (graphs.py): a step whose requests all decode,
+    # some with a run of grammar-forced tokens, feeds those runs one token per
+    # step (no sample until a run's last token) so the step replays a graph;
+    # off: a forced run is computed in one multi-token (eager) pass.
+    decode_shaped: bool = False
     # Admission keeps this share of pages free so running requests can grow.
     watermark: float = 0.01
 
@@ -172,7 +181,24 @@ class Scheduler:
             self._admit(scheduled, budget)
         if not scheduled:
             return None
+        if self.config.decode_shaped:
+            self._shape_for_graphs(scheduled)
         return SchedulerOutput(scheduled, self._num_steps(scheduled))
+
+    @staticmethod
+    def _shape_for_graphs(scheduled: list[TextContext]) -> None:
+        """Cut forced-token runs to one token each when that makes the step a
+        graph replay: one eager pass costs several replays (launch-bound: about
+        5x on an H200 for a 1.1B model), and it would be paid by every row of
+        the batch. A step with a prompt chunk is eager anyway, and a request
+        alone with a long run keeps it whole."""
+        if any(c.start_idx < c.prompt_len for c in scheduled):
+            return
+        runs = [c for c in scheduled if c.active_length > 1]
+        if not runs or (len(scheduled) == 1 and runs[0].active_length >= LONG_FORCED_RUN):
+            return
+        for ctx in runs:
+            ctx.set_chunk(1)
 
     def _schedule_alone(self, ctx: TextContext) -> SchedulerOutput | None:
         """A step of `ctx` and nothing else (None while its last step is in flight).

@@ -84,7 +84,8 @@ def run_step(inputs: StepInputs, model: StepModel, attention: AttentionBackend, 
         if future_rows.numel():
             graphs.input_ids[future_rows] = token_buffer[future_buffer_rows]
         graphs.run(bucket)
-        assert s is not None  # a graph step is a decode step: every row samples
+        if s is None:  # every row is inside a forced run (scheduler.py): nothing samples yet
+            return StepResult([], {}, 1)
         if s.pending_counts is not None:
             rows, buffer_rows = s.pending_counts
             count_tokens(s.batch, token_buffer[buffer_rows], rows)

@@ -8,17 +8,24 @@ and aborts mid-batch (make_llm checks that no page leaks)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine import pipeline as pipeline_module
 from engine.attention import DenseDecodeAttention, SeqSpan, TorchAttention
+from engine.context import TextContext
 from engine.graphs import graph_buckets
 from engine.kv_cache import KVCacheInputs
+from engine.scheduler import LONG_FORCED_RUN, Scheduler
 from engine.staging import Staging
+from grammar import GrammarSpec
 
 from .reference import prompts
+from .test_structured import PERSON
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
@@ -53,6 +60,68 @@ def test_tokens_equal_the_plain_path_across_buckets(make_llm, overlap: bool) -> 
     used = set(graphs.engine.graphs.replays)
     assert {1, 2, 4, 8, 16, 20} <= used, used
     assert plain.engine.graphs is None
+
+
+def _decoding(prompt_len: int, forced: int) -> TextContext:
+    """A context past its prompt: its last sampled token, then `forced` forced tokens."""
+    ctx = TextContext(tokens=np.arange(5, 5 + prompt_len), max_length=prompt_len + 64)
+    ctx.update(7)
+    for token in range(forced):
+        ctx.jump_ahead(100 + token)
+    return ctx
+
+
+def test_forced_runs_are_cut_to_one_token_where_that_makes_a_graph_step() -> None:
+    decode, run = _decoding(4, 0), _decoding(4, 3)
+    Scheduler._shape_for_graphs([decode, run])
+    assert (decode.active_length, run.active_length) == (1, 1)
+    # A prompt chunk in the step makes it eager anyway: runs stay whole.
+    prefill, run = TextContext(tokens=np.arange(5, 15), max_length=40), _decoding(4, 3)
+    Scheduler._shape_for_graphs([prefill, run])
+    assert (prefill.active_length, run.active_length) == (10, 4)
+    # Alone in its step, a short run goes a token a step, a long one in one pass.
+    short, long_ = _decoding(4, LONG_FORCED_RUN - 2), _decoding(4, LONG_FORCED_RUN)
+    Scheduler._shape_for_graphs([short])
+    Scheduler._shape_for_graphs([long_])
+    assert (short.active_length, long_.active_length) == (1, LONG_FORCED_RUN + 1)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_constrained_batches_replay_graphs_with_forced_tokens(make_llm, monkeypatch, overlap: bool) -> None:
+    """With decode graphs, forced tokens are fed a token per step (a row in a
+    forced run samples nothing until its run ends), so every step without a
+    prompt chunk replays a graph; and constrained requests are scheduled ahead
+    of their last token (overlap). The tokens equal the plain path's, which
+    computes each forced run in one multi-token pass."""
+    steps: list[tuple[bool, tuple[int, ...], int]] = []
+    real = pipeline_module.run_step
+
+    def spy(inputs, *args, **kwargs):
+        steps.append((inputs.graph, tuple(s.q_end - s.q_start for s in inputs.spans), len(inputs.sampled)))
+        return real(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline_module, "run_step", spy)
+    graphs, plain = _pair(make_llm, overlap=overlap, grammar_backend="xgrammar")
+    assert graphs.engine.scheduler.config.speculative_constrained
+    assert not plain.engine.scheduler.config.speculative_constrained
+    schema = GrammarSpec.json_schema(json.dumps(PERSON))
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    batch = _prompts(5, seed=3)
+    got = graphs.generate(batch, params, constraint=schema)
+    graph_steps = list(steps)
+    steps.clear()
+    want = plain.generate(batch, params, constraint=schema)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    assert all(json.loads(o.text) for o in got)
+    assert sum(o.forced_tokens for o in got) > len(batch)
+    multi = [s for s in graph_steps if max(s[1]) > 1]
+    assert len(multi) <= len(batch), multi  # prompt chunks only
+    assert all(graph for graph, q_lens, _ in graph_steps if max(q_lens) == 1)
+    assert any(graph and sampled < len(q_lens) for graph, q_lens, sampled in graph_steps), \
+        "no graph step fed a forced token"
+    # The plain path computes forced runs in multi-token passes.
+    assert sum(1 for s in steps if max(s[1]) > 1) > len(batch)
 
 
 def test_preemption_and_prefix_cache_hits(make_llm) -> None:
