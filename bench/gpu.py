@@ -364,6 +364,8 @@ def run_stencild(key: str, model_dir: Path, args: argparse.Namespace, bound: flo
     for graphs in ("auto", "off"):
         for overlap in (True, False):
             mode = f"graphs {'on' if graphs == 'auto' else 'off'}, overlap {'on' if overlap else 'off'}"
+            if args.default_mode_only and mode != DEFAULT_MODE:
+                continue
             figures += guarded(report, f"[{key}] stencild {mode}", _stencild_config, key, model_dir, graphs,
                                overlap, mode, args, bound, report, info) or []
     return figures
@@ -400,7 +402,10 @@ def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode
             figures.append(fig)
             report(f"  [{key}] stencild {label}, batch {batch}: {fmt_rate(fig.tok_s)} tok/s "
                    f"({fmt_share(fig.share)} of the {fmt_rate(fig.bound_tok_s)} tok/s bound)"
-                   + (f"; forced tokens {fig.extra['forced_tokens']}" if constraint is not None else ""))
+                   + (f"; forced tokens {fig.extra['forced_tokens']}" if constraint is not None else "")
+                   + (f"; step {fig.extra['step_ms']:.2f} ms, its graph {fig.extra['graph_gpu_ms']:.2f} ms of GPU "
+                      f"time ({fmt_share(fig.extra['graph_gpu_ms'] / fig.extra['step_ms'])} busy)"
+                      if "graph_gpu_ms" in fig.extra else ""))
     finally:
         llm.close()
         del llm, eng
@@ -438,9 +443,36 @@ def _stencild_batch(llm: Any, key: str, mode: str, batch: int, params: Any, cons
         secs, tokens = timed(functools.partial(once, prompts))
         times.append(secs)
     replays = (sum(eng.graphs.replays.values()) - replays_before) if eng.graphs is not None else 0
-    return Figure("stencild", key, mode, batch, args.new_tokens, tokens / min(times), times, batch * bound,
-                  {"tokens": tokens, "graph_replays": replays, "forced_tokens": forced,
-                   "median_tok_s": tokens / statistics.median(times)})
+    extra = {"tokens": tokens, "graph_replays": replays, "forced_tokens": forced,
+             "median_tok_s": tokens / statistics.median(times)}
+    if eng.graphs is not None and eng.graphs.capture and constraint is None:
+        extra["graph_gpu_ms"] = graph_gpu_ms(eng, batch)
+        extra["step_ms"] = 1000 * min(times) * batch / tokens
+    return Figure("stencild", key, mode, batch, args.new_tokens, tokens / min(times), times, batch * bound, extra)
+
+
+def graph_gpu_ms(eng: Any, batch: int, iterations: int = 50) -> float:
+    """GPU time of one decode step's graph (forward pass and logits) for
+    `batch` rows, replayed back to back after the timed runs (the static
+    buffers as the last step left them), median by CUDA events. Against the
+    step's wall time it says how busy the GPU is kept. The replays write keys
+    and values to pages the finished requests gave back, so the prefix cache
+    is flushed before and after: no cached page is touched."""
+    import torch
+
+    graphs = eng.graphs
+    bucket = graphs.bucket(batch)
+    eng.flush_prefix_cache()
+    times = []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs._graphs[bucket].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    eng.flush_prefix_cache()
+    return statistics.median(times[5:])
 
 
 # -- transformers --------------------------------------------------------------------------
@@ -565,7 +597,7 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
         report(f"  [{key}] stencild serve up in {time.perf_counter() - start:.1f} s ({' '.join(serve_args[2:])})")
         asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 30_000)], 8))
         asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 30_001)], args.new_tokens))
-        best: tuple[float, int, list[float], list[float]] | None = None
+        best: tuple[float, int, list[float], list[float], int] | None = None
         times = []
         for r in range(args.repeat):
             run = asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 3000 + r)],
@@ -577,10 +609,11 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
         server.stop()
         free_cuda()
     assert best is not None
-    secs, tokens, ttft, itl = best
+    secs, tokens, ttft, itl, messages = best
     return Figure("stencild gRPC", key, f"{conc} concurrent streams", conc, args.new_tokens, tokens / secs, times,
                   conc * bound, {"tokens": tokens, "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-                                 "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)})
+                                 "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+                                 "messages_per_request": messages / conc})
 
 
 # -- tests ------------------------------------------------------------------------------------
@@ -734,6 +767,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-grpc", action="store_true")
     p.add_argument("--with-tests", action="store_true", help="run `pytest -q tests/cuda` first and record it")
+    p.add_argument("--default-mode-only", action="store_true",
+                   help=f"stencild offline in its default mode only ({DEFAULT_MODE})")
     args = p.parse_args(argv)
     args.models = args.models or (["1.1b"] if args.quick else ["1.1b", "8b"])
     args.new_tokens = args.new_tokens or (64 if args.quick else 128)

@@ -124,7 +124,12 @@ class DecodeGraphs:
         """Capture every bucket's graph (largest first, one shared memory pool);
         without `capture`, run each bucket once instead (a warm-up)."""
         start = time.perf_counter()
-        before = torch.cuda.memory_reserved(self.device) if self.capture else 0
+        # The driver's free memory, not the caching allocator's figures: the
+        # graphs' private pool and the warm-ups' frees would skew those.
+        # (Capturing empties the allocator's cache, so measure from an empty one.)
+        if self.capture:
+            torch.cuda.empty_cache()
+        before = torch.cuda.mem_get_info(self.device)[0] if self.capture else 0
         pool = torch.cuda.graph_pool_handle() if self.capture else None
         for b in reversed(self.buckets):
             self._forward(b)  # warm-up: kernels compiled and autotuned outside the capture
@@ -136,7 +141,8 @@ class DecodeGraphs:
                 self._graphs[b] = graph
         if self.capture:
             torch.cuda.synchronize(self.device)
-        used = torch.cuda.memory_reserved(self.device) - before if self.capture else 0
+            torch.cuda.empty_cache()
+        used = before - torch.cuda.mem_get_info(self.device)[0] if self.capture else 0
         return GraphStats(tuple(self.buckets), time.perf_counter() - start, used)
 
     def refresh(self, meta: PagedMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> int:
