@@ -66,6 +66,7 @@ from .matcher import Matcher
 from .output_check import OutputCheck
 from .schema_plan import SchemaPlan, plan_for, with_validator
 from .spec import BACKENDS, JSON_KINDS, GrammarSpec
+from .tag_watch import TagPlan
 from .tokenizer import TokenizerData
 
 # A compile that timed out is cached as a failure only if it had (nearly) the
@@ -115,6 +116,7 @@ class _Artifact:
     validator: Any = None  # SchemaValidator (JSON kinds) or OutputCheck (the others)
     validator_error: str | None = None
     watch: Any = None  # grammar.value_watch.WatchPlan
+    tags: TagPlan | None = None  # structural tags: the value checks inside their tags
     compile_seconds: float = 0.0
 
 
@@ -451,7 +453,9 @@ class GrammarCompiler:
                         validator=plan.validator, validator_error=plan.validator_error,
                         watch=plan.watch)
                 else:  # its finished outputs are checked by a matcher of the spec's own semantics
-                    artifact = dataclasses.replace(artifact, validator=OutputCheck(spec))
+                    tags = TagPlan(str(spec.source), b, self.config.schema_store) \
+                        if spec.kind == "structural_tag" else None
+                    artifact = dataclasses.replace(artifact, validator=OutputCheck(spec), tags=tags)
                 artifact = dataclasses.replace(artifact, compile_seconds=time.monotonic() - started)
             except GrammarError as e:
                 if e.reason == "timeout":
@@ -522,6 +526,7 @@ class GrammarCompiler:
         matcher.validator = artifact.validator
         matcher.validator_error = artifact.validator_error
         matcher.watch_plan = artifact.watch
+        matcher.tag_plan = artifact.tags
         matcher.compile_seconds = artifact.compile_seconds
         return matcher
 

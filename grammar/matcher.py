@@ -25,6 +25,7 @@ import torch
 
 if TYPE_CHECKING:
     from .spec import GrammarSpec
+    from .tag_watch import TagPlan
     from .tokenizer import TokenizerData
     from .validation import OutputValidator
     from .watch_plan import WatchPlan
@@ -48,6 +49,9 @@ class Matcher(ABC):
     # request resamples values that break an unenforced keyword
     # (engine/resample.py).
     watch_plan: WatchPlan | None = None
+    # Structural tags: the value checks of the JSON inside their tags, for
+    # resampling requests too (grammar/tag_watch.py).
+    tag_plan: TagPlan | None = None
 
     def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData) -> None:
         self.spec = spec
@@ -63,6 +67,8 @@ class Matcher(ABC):
     def checks_ready(self) -> bool:
         """Whether the value checks of a resampling request cost no more
         set-up: the schema's watch plan and the output validator are built."""
+        if self.tag_plan is not None:
+            return self.tag_plan.ready
         plan = self.watch_plan
         if plan is None or not self.unenforced_keywords:
             return True
@@ -73,6 +79,8 @@ class Matcher(ABC):
         plan, the node validators, the output validator), once per schema.
         Seconds for a schema of hundreds of KB: call it off the event loop
         and the engine thread."""
+        if self.tag_plan is not None:
+            self.tag_plan.prepare()
         self.resampled_keywords  # noqa: B018 - parses the plan, builds the node validators
         if self.validator is not None and self.unenforced_keywords:
             self.validator.prepare()

@@ -1,0 +1,234 @@
+"""Value checks inside a structural tag's tags (and so inside tool calls).
+
+A structural tag's JSON contents are compiled from their schemas as written,
+and the library leaves the same keywords unenforced there as in a JSON
+answer (`schema_keywords`: xgrammar ignores `uniqueItems`, `not`, ...). A
+resampling request checks them the same way: `TagPlan` knows, per tag, the
+keywords its content's schema leaves to checks, its watch plan and its
+validator; `TagWatch` reads the output like a `value_watch.ValueWatch` (same
+interface, so engine/resample.py drives either), finds the tags' contents
+(tag_segments.py) and runs a `ValueWatch` over each content of a checked tag,
+with offsets relative to the content's start, translated back to the
+output's. Free text and unchecked tags are never checked, and `stable` holds
+back only from the start of a checked value that is open inside a tag.
+
+A `give_up` keeps the violation of the tag it was found in; the tags after it
+are checked as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from . import structural_tag
+from .schema_keywords import backend_view
+from .schema_normalize import normalize_schema
+from .schema_store import SchemaStore
+from .tag_segments import Piece, TagScanner, TagShape, shapes_of
+from .validation import SchemaValidator
+from .value_watch import ValueWatch, Violation
+from .watch_plan import WatchPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TagCheck:
+    """What the content of one tag is checked with."""
+
+    plan: WatchPlan
+    keywords: tuple[str, ...]  # unenforced by the grammar
+    validator: SchemaValidator | None  # the content schema's (None: it cannot read it)
+
+    def watch(self) -> ValueWatch:
+        return ValueWatch(self.plan, self.keywords, self.validator)
+
+
+class TagPlan:
+    """The value checks of one structural tag compiled by one backend, built
+    on first use (`prepare`: off the event loop and the engine thread)."""
+
+    def __init__(self, source: str, backend: str, store: SchemaStore | None = None):
+        self.source = source
+        self.backend = backend
+        self._store = store
+        self._lock = threading.Lock()
+        self._built = False
+        self._shapes: tuple[TagShape, ...] | None = None
+        self._checks: dict[int, TagCheck] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self._built
+
+    def prepare(self) -> None:
+        """Read the tags, normalize their schemas, build the checks' validators."""
+        with self._lock:
+            if self._built:
+                return
+            try:
+                self._shapes = shapes_of(structural_tag.normalize(self.source))
+            except Exception:  # noqa: BLE001 - a tag the compiler read; nothing to check then
+                log.debug("a structural tag's value checks could not be read", exc_info=True)
+                self._shapes = None
+            for i, shape in enumerate(self._shapes or ()):
+                check = self._check(shape) if shape.json else None
+                if check is not None:
+                    self._checks[i] = check
+            self._built = True
+
+    def _check(self, shape: TagShape) -> TagCheck | None:
+        schema = {} if shape.schema is True else shape.schema
+        if not isinstance(schema, dict):
+            return None
+        try:
+            normalized = normalize_schema(schema, self._store)
+        except Exception:  # noqa: BLE001 - unresolved or odd: read as written
+            normalized = schema
+        _, keywords = backend_view(normalized, self.backend)
+        plan = WatchPlan.for_schema(normalized, schema)
+        if not keywords or plan is None:
+            return None
+        try:
+            validator: SchemaValidator | None = SchemaValidator(schema, self._store)
+        except ValueError:
+            validator = None
+        if validator is None and "uniqueItems" not in keywords:
+            return None  # without a validator only duplicates are found
+        plan.checks_nodes  # noqa: B018 - builds the node validators now
+        return TagCheck(plan, keywords, validator)
+
+    @property
+    def shapes(self) -> tuple[TagShape, ...] | None:
+        """The tags (None: a format whose contents cannot be found)."""
+        self.prepare()
+        return self._shapes
+
+    @property
+    def checks(self) -> dict[int, TagCheck]:
+        """Tag index -> its content's check, for tags with keywords to check."""
+        self.prepare()
+        return self._checks
+
+    @property
+    def resampled_keywords(self) -> tuple[str, ...]:
+        """The keywords checked in some tag's content, sorted."""
+        return tuple(sorted({k for c in self.checks.values() for k in c.keywords}))
+
+    def watch(self) -> TagWatch | None:
+        """A new watch of one output; None when no tag's content is checked."""
+        shapes = self.shapes
+        if shapes is None or not self.checks:
+            return None
+        return TagWatch(shapes, self.checks)
+
+
+@dataclass
+class _Open:
+    """A checked tag's content being read (or read): its watch and first byte."""
+
+    start: int
+    watch: ValueWatch
+    closed: bool = False
+
+
+class TagWatch:
+    """Reads one structural tag's output; reports values inside checked tags
+    that break their schema (the interface of `ValueWatch`)."""
+
+    def __init__(self, shapes: tuple[TagShape, ...], checks: dict[int, TagCheck]):
+        self._shapes = shapes
+        self._checks = checks
+        self._given_up: set[int] = set()  # content starts whose violation stays
+        self._reset()
+
+    def _reset(self) -> None:
+        self._scanner = TagScanner(self._shapes)
+        self._current: _Open | None = None  # the last checked content opened
+        self._found_in: int | None = None  # content start of the last violation reported
+
+    @property
+    def size(self) -> int:
+        """Bytes read so far."""
+        return self._scanner.size
+
+    @property
+    def stable(self) -> int:
+        """Bytes no check can take back: up to the start of the earliest open
+        checked value inside a tag (everything, when none is open)."""
+        current = self._current
+        if current is None or current.closed:
+            return self.size
+        return current.start + current.watch.stable
+
+    def feed(self, data: bytes) -> Violation | None:
+        """Read more output; the first violation completed in it, if any."""
+        first: Violation | None = None
+        for piece in self._scanner.feed(data):
+            found = self._read(piece)
+            if found is not None and first is None:
+                first = found
+        return first
+
+    def _read(self, piece: Piece) -> Violation | None:
+        if piece.kind == "open":
+            check = self._checks.get(piece.tag)
+            self._current = _Open(piece.at, check.watch()) if check is not None else None
+            if self._current is not None and piece.at in self._given_up:
+                self._current.watch.give_up()
+            return None
+        current = self._current
+        if current is None or current.closed:
+            return None
+        if piece.kind == "content":
+            return self._shift(current, current.watch.feed(piece.data))
+        current.closed = True  # "close": a bare scalar is checked now
+        return self._shift(current, current.watch.finish())
+
+    def _shift(self, current: _Open, found: Violation | None) -> Violation | None:
+        if found is None:
+            return None
+        self._found_in = current.start
+        at = current.start
+        return Violation(found.start + at, found.end + at, found.keyword,
+                         None if found.close is None else found.close + at)
+
+    def give_up(self) -> None:
+        """The last violation reported stays: its tag's content is checked no
+        further (later tags are)."""
+        if self._found_in is None:
+            return
+        self._given_up.add(self._found_in)
+        if self._current is not None and self._current.start == self._found_in:
+            self._current.watch.give_up()
+
+    def finish(self) -> Violation | None:
+        """The output ended: an open content's whole-value violation (the
+        grammar ends tags before a stop, so normally none)."""
+        current = self._current
+        if current is None or current.closed:
+            return None
+        return self._shift(current, current.watch.finish())
+
+    def truncate(self, size: int) -> None:
+        """Forget everything read after byte `size` (the output was rolled back)."""
+        kept = self._scanner.text[:size]
+        self._given_up = {s for s in self._given_up if s < size}
+        self._reset()
+        self.feed(kept)
+
+    def segments(self) -> list[tuple[int, int, int | None]]:
+        """(tag, content start, content end or None) of every tag read so far."""
+        return [(s.tag, s.start, s.end) for s in self._scanner.segments]
+
+
+def contents(shapes: tuple[TagShape, ...], text: str) -> list[tuple[int, str]]:
+    """(tag index, content text) of every whole tag content in a finished output."""
+    scanner = TagScanner(shapes)
+    data = text.encode("utf-8")
+    scanner.feed(data)
+    return [(s.tag, data[s.start:s.end].decode("utf-8", "replace"))
+            for s in scanner.segments if s.end is not None]
+
