@@ -153,8 +153,9 @@ class TextContext:
         # Forced tokens appended without a forward pass sampling them
         # (jump_ahead): each one is a decode step saved.
         self.num_jumped = 0
-        # Resampling JSON requests whose grammar leaves keywords unenforced:
-        # rolls back and resamples a value that breaks one (resample.py); None otherwise.
+        # Resampling requests whose grammar leaves keywords unenforced (JSON, or
+        # the JSON inside structural tags): rolls back and resamples a value
+        # that breaks one (resample.py); None otherwise.
         self.resampler: Resampler | None = None
         # With a reasoning parser: where the thought ends and the answer (and
         # the grammar) starts (reasoning.py); None: the output is all answer.

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grammar import SchemaStore
-from grammar.value_watch import ValueWatch
 from grammar.vocab import token_bytes
 
 from .attention import DenseDecodeAttention, choose_attention, make_attention
@@ -31,7 +30,7 @@ from .pipeline import TextGenerationPipeline
 from .postprocess import Postprocessor
 from .reasoning import ReasoningOptions, ReasoningParser
 from .requests import RequestSpec, check_request
-from .resample import Resampler
+from .resample import Resampler, watch_for
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .speech import (
@@ -222,8 +221,9 @@ class EngineCore:
                 resample: bool = True, reasoning: ReasoningOptions | None = None) -> TextContext:
         """The context of a checked request; `matcher` is its compiled grammar, if constrained.
 
-        `resample` (JSON schemas): a value that breaks a keyword the grammar
-        does not enforce is rolled back and resampled (resample.py).
+        `resample` (JSON schemas, and the JSON inside structural tags and
+        tool calls): a value that breaks a keyword the grammar does not
+        enforce is rolled back and resampled (resample.py).
         `reasoning`: how a server with a reasoning parser treats this
         request's thought (reasoning.py; default: the constraint starts after
         it, with the engine's default thinking budget). Without a parser it
@@ -239,8 +239,9 @@ class EngineCore:
         elif options.max_thinking_tokens is not None:
             raise InvalidRequest("max_thinking_tokens", "applies on a server with a reasoning parser, "
                                  "to a constraint that starts after the thought")
-        if resample and matcher is not None and matcher.watch_plan is not None and matcher.unenforced_keywords:
-            watch = ValueWatch(matcher.watch_plan, matcher.unenforced_keywords, matcher.validator)
+        watch = watch_for(matcher) if resample and matcher is not None else None
+        if watch is not None:
+            assert matcher is not None
             ctx.resampler = Resampler(watch, token_bytes(matcher.tokenizer))
         return ctx
 

@@ -32,6 +32,12 @@ output.py.
 
 The watch reads the tokens the matcher reads: from `grammar_start`, which is
 the answer's first token after a reasoning model's thought (reasoning.py).
+
+Structural tags (and so tool calls): the JSON inside each tag whose schema
+leaves keywords to checks is watched the same way (`watch_for`: a
+`grammar.tag_watch.TagWatch`, which runs a ValueWatch over each such tag's
+content); the free text around the tags is never checked, and the stream
+holds back only an open checked value inside a tag.
 """
 
 from __future__ import annotations
@@ -44,10 +50,42 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from grammar.matcher import Matcher
 from grammar.value_watch import ValueWatch, Violation
 
 MAX_RETRIES_PER_VALUE = 3
 MAX_RETRIES = 16
+
+
+class Watch(Protocol):
+    """What a Resampler reads the output with: a `ValueWatch` (a JSON answer)
+    or a `grammar.tag_watch.TagWatch` (the tags of a structural tag). Offsets
+    are bytes of what it read."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def stable(self) -> int: ...
+
+    def feed(self, data: bytes) -> Violation | None: ...
+
+    def finish(self) -> Violation | None: ...
+
+    def give_up(self) -> None: ...
+
+    def truncate(self, size: int) -> None: ...
+
+
+def watch_for(matcher: Matcher) -> Watch | None:
+    """The watch of a resampling request's output, when its grammar leaves
+    keywords to checks: for a JSON schema, of the answer; for a structural
+    tag, of the JSON inside its tags. None when there is nothing to check."""
+    if matcher.tag_plan is not None:
+        return matcher.tag_plan.watch()
+    if matcher.watch_plan is not None and matcher.unenforced_keywords:
+        return ValueWatch(matcher.watch_plan, matcher.unenforced_keywords, matcher.validator)
+    return None
 
 
 class Output(Protocol):
@@ -78,7 +116,7 @@ class Rollback:
 class Resampler:
     """One resampling request's value watch, bans and retry counts (engine thread only)."""
 
-    def __init__(self, watch: ValueWatch, token_bytes: Callable[[int], bytes]):
+    def __init__(self, watch: Watch, token_bytes: Callable[[int], bytes]):
         self.watch = watch
         self._token_bytes = token_bytes
         # Byte offset, in what the watch read, after each generated token fed to it.
