@@ -38,9 +38,8 @@ import grpc
 
 from engine import EngineCore, RequestOutput
 from engine.context import TextContext
-
-from .errors import Reason, ServiceError, resource_exhausted, unavailable
-from .request_log import note_refusal
+from service.errors import Reason, ServiceError, resource_exhausted, unavailable
+from service.ops.request_log import note_refusal
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ class RequestStream:
 
 class LoopObserver(Protocol):
     """Told about a loop's requests (on the event loop) and steps (on the engine
-    thread), for metrics and logs (service/telemetry.py); must not block."""
+    thread), for metrics and logs (service/ops/telemetry.py); must not block."""
 
     def submitted(self, ctx: TextContext, stream: RequestStream) -> None: ...
 

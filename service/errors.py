@@ -29,7 +29,7 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from .request_log import REQUEST_ID_METADATA, current_call
+from service.ops.request_log import REQUEST_ID_METADATA, current_call
 
 log = logging.getLogger(__name__)
 

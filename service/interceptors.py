@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from .errors import Reason, ServiceError
+from service.errors import Reason, ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import EngineCore, SamplingParams
-
-from .embeddings import EmbeddingOptions, EmbeddingRuntime
-from .speech import SpeechOptions
+from service.api.embeddings import EmbeddingOptions, EmbeddingRuntime
+from service.api.speech import SpeechOptions
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ exits non-zero and its supervisor (Kubernetes, systemd) starts a fresh one.
 The engine is not restarted in-process: whatever broke it (the device, the KV
 cache, a native library) cannot be trusted, and a restart loop inside one
 process would hide the fault from the orchestrator that can fix it. A
-watchdog (service/watchdog.py) reports an engine that hangs without failing.
+watchdog (service/ops/watchdog.py) reports an engine that hangs without failing.
 """
 
 from __future__ import annotations
@@ -33,28 +33,27 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import EngineCore
-
-from .auth import ApiKey, ApiKeyAuth
-from .embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
-from .embeddings import EmbeddingOptions, EmbeddingSlot, EmbeddingsServicer
-from .engine_loop import AdmissionLimits, EngineLoop
-from .gen.stencil.v1 import embed_pb2_grpc, speech_pb2_grpc
-from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
-from .gen.vllm import vllm_engine_pb2_grpc
-from .generation import SERVICE_NAME, GenerationServicer, ServingState
-from .health import OVERALL_HEALTH, HealthState
-from .interceptors import UnparsableRequests
-from .kv_events import KvEventHub
-from .loading import LoadedModels, load_models
-from .reflection import enable_reflection
-from .speech import SERVICE_NAME as SPEECH_SERVICE
-from .speech import SpeechOptions, SpeechServicer, SpeechSlot
-from .structured import ConstraintCompiler
-from .telemetry import Telemetry, TelemetryConfig
-from .tls import ServerTLS, TLSConfig
-from .vllm_engine import SERVICE_NAME as VLLM_SERVICE
-from .vllm_engine import VllmEngineServicer
-from .watchdog import Watchdog, Watched
+from service.api.embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
+from service.api.embeddings import EmbeddingOptions, EmbeddingSlot, EmbeddingsServicer
+from service.api.generation import SERVICE_NAME, GenerationServicer, ServingState
+from service.api.speech import SERVICE_NAME as SPEECH_SERVICE
+from service.api.speech import SpeechOptions, SpeechServicer, SpeechSlot
+from service.engine_loop import AdmissionLimits, EngineLoop
+from service.gen.stencil.v1 import embed_pb2_grpc, speech_pb2_grpc
+from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from service.gen.vllm import vllm_engine_pb2_grpc
+from service.interceptors import UnparsableRequests
+from service.loading import LoadedModels, load_models
+from service.ops.health import OVERALL_HEALTH, HealthState
+from service.ops.reflection import enable_reflection
+from service.ops.telemetry import Telemetry, TelemetryConfig
+from service.ops.watchdog import Watchdog, Watched
+from service.security.auth import ApiKey, ApiKeyAuth
+from service.security.tls import ServerTLS, TLSConfig
+from service.structured import ConstraintCompiler
+from service.vllm_protocol.kv_events import KvEventHub
+from service.vllm_protocol.servicer import SERVICE_NAME as VLLM_SERVICE
+from service.vllm_protocol.servicer import VllmEngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +128,7 @@ class ServerConfig:
     # Seconds an engine with work may go without completing a step before its
     # services report NOT_SERVING (0: no watchdog).
     watchdog_timeout_s: float = 60.0
-    # Validate finished JSON outputs against the full schema (service/schema_check.py).
+    # Validate finished JSON outputs against the full schema (service/api/schema_check.py).
     validate_output: bool = True
     resample: bool = True  # Constraint.resample's default
     # TLS on the main port (None: plaintext).
@@ -141,7 +140,7 @@ class ServerConfig:
     # With keys, every RPC but health (and reflection, if public) needs one (see auth.py).
     api_keys: tuple[ApiKey, ...] = ()
     public_reflection: bool = False
-    # Metrics endpoint and trace export (service/telemetry.py); none by default.
+    # Metrics endpoint and trace export (service/ops/telemetry.py); none by default.
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     # Also serve vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine), so
     # routers that drive vLLM fleets (SMG, llm-d) can route to this server.

@@ -28,11 +28,10 @@ from engine.structured import StructuredOutput
 from grammar import GrammarError, GrammarOptions, GrammarSpec, Matcher
 from grammar.compiler import CompileQueueFull
 from grammar.tool_calls import CallReader, Tool, call_constraint
-
-from .auth import current_key
-from .errors import Reason, ServiceError, invalid_argument, resource_exhausted, unavailable
-from .gen.stencil.v1 import generate_pb2 as pb
-from .request_log import current_call, note_compile, note_refusal
+from service.errors import Reason, ServiceError, invalid_argument, resource_exhausted, unavailable
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.ops.request_log import current_call, note_compile, note_refusal
+from service.security.auth import current_key
 
 C = pb.Constraint
 BACKENDS: dict[int, str | None] = {

@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(autouse=True)
 def _root_logging_restored() -> Iterator[None]:
     """A test that runs `stencild serve` in-process configures the root logger
-    (service.request_log.configure_logging): undo it, so the servers of later
+    (service.ops.request_log.configure_logging): undo it, so the servers of later
     tests do not print every request line into the test output."""
     import logging
 

@@ -103,6 +103,45 @@ def test_dependencies_point_from_service_to_engine_to_grammar() -> None:
     assert wrong == []
 
 
+# service/'s subpackages, and which of them each may import (besides itself,
+# engine, grammar, the generated stubs and the core modules at service/'s top:
+# engine_loop, errors, interceptors, structured). The assembly (server, loading) may import
+# any of them; only the CLI imports the assembly.
+SERVICE_LAYERS = {
+    "service.ops": set(),
+    "service.security": {"service.ops"},
+    "service.api": {"service.ops", "service.security"},
+    # The vLLM protocol serves its calls through the stencil.v1 generation path.
+    "service.vllm_protocol": {"service.ops", "service.security", "service.api"},
+    "service.cli": {"service.ops", "service.security", "service.api", "service.vllm_protocol",
+                    "service.server", "service.loading"},
+}
+SERVICE_CORE = {"service.engine_loop", "service.errors", "service.interceptors", "service.structured"}
+
+
+def _service_part(module: str) -> str:
+    """The subpackage (service.api, ...) or top-level module (service.server) a service module is in."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_service_subpackages_depend_in_layers() -> None:
+    graph = import_graph()
+    wrong = []
+    for module, deps in graph.items():
+        part = _service_part(module)
+        if _package(module) != "service" or part not in SERVICE_LAYERS:
+            continue
+        allowed = SERVICE_LAYERS[part] | SERVICE_CORE | {part}
+        wrong += [f"{module} -> {d}" for d in deps if _package(d) == "service" and _service_part(d) not in allowed]
+    assert wrong == []
+    # The core serves both protocols: it imports no protocol, CLI or assembly module.
+    core_wrong = [f"{m} -> {d}" for m in SERVICE_CORE for d in graph[m] if _package(d) == "service"
+                  and _service_part(d) not in SERVICE_CORE | {"service.ops", "service.security"}]
+    assert core_wrong == []
+    assert {_service_part(m) for m in graph if _package(m) == "service"} <= \
+        set(SERVICE_LAYERS) | SERVICE_CORE | {"service", "service.server", "service.loading", "service.protogen"}
+
+
 def test_grammar_tokenizer_data_is_library_neutral() -> None:
     # Each grammar backend builds its own tokenizer object from TokenizerData.
     path = ROOT / "grammar" / "tokenizer.py"

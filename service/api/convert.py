@@ -23,11 +23,10 @@ from engine.reasoning import ReasoningOptions
 from engine.requests import RequestSpec, check_token_ids
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from engine.tokenizer import Tokenizer
-
-from .errors import Reason, ServiceError, failed_precondition, invalid_argument
-from .gen.stencil.v1 import generate_pb2 as pb
-from .request_log import MAX_REQUEST_ID_LENGTH, valid_request_id
-from .structured import ConstraintSpec, ToolsSpec, constraint_spec, tools_spec
+from service.errors import Reason, ServiceError, failed_precondition, invalid_argument
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.ops.request_log import MAX_REQUEST_ID_LENGTH, valid_request_id
+from service.structured import ConstraintSpec, ToolsSpec, constraint_spec, tools_spec
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
              "repetition_penalty", "seed")

@@ -32,18 +32,17 @@ from engine.embedding import (
 )
 from engine.errors import InvalidRequest
 from engine.executor import StepExecutor
-
-from .errors import (
+from service.api.generation import ServingState
+from service.errors import (
     Reason,
     invalid_argument,
     resource_exhausted,
     rpc_guard,
     unavailable,
 )
-from .gen.stencil.v1 import embed_pb2 as pb
-from .gen.stencil.v1 import embed_pb2_grpc as pb_grpc
-from .generation import ServingState
-from .request_log import note_refusal
+from service.gen.stencil.v1 import embed_pb2 as pb
+from service.gen.stencil.v1 import embed_pb2_grpc as pb_grpc
+from service.ops.request_log import note_refusal
 
 log = logging.getLogger(__name__)
 

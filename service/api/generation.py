@@ -10,11 +10,10 @@ import grpc
 
 from engine import GenerationStatus, RequestOutput
 from grammar import Matcher
-
-from . import convert
-from .auth import scoped_request_id
-from .engine_loop import EngineFailed, EngineLoop, RequestStream
-from .errors import (
+from service.api import convert
+from service.api.schema_check import check_output, tool_calls, wants_validation
+from service.engine_loop import EngineFailed, EngineLoop, RequestStream
+from service.errors import (
     REQUEST_ID_METADATA,
     Reason,
     current_request_id,
@@ -24,10 +23,10 @@ from .errors import (
     rpc_guard,
     unavailable,
 )
-from .gen.stencil.v1 import generate_pb2 as pb
-from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
-from .schema_check import check_output, tool_calls, wants_validation
-from .structured import ConstraintCompiler, ConstraintSpec, constraint_spec
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from service.security.auth import scoped_request_id
+from service.structured import ConstraintCompiler, ConstraintSpec, constraint_spec
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Requests larger than this are tokenized on a worker thread, so one long prompt

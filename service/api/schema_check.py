@@ -38,9 +38,8 @@ from grammar import Matcher
 from grammar.spec import JSON_KINDS
 from grammar.tool_calls import CallReader
 from grammar.validation import ValidationResult
-
-from .gen.stencil.v1 import generate_pb2 as pb
-from .request_log import note_validation
+from service.gen.stencil.v1 import generate_pb2 as pb
+from service.ops.request_log import note_validation
 
 R = pb.SchemaValidation
 # Above this many characters the validation runs on a worker thread.

@@ -23,15 +23,14 @@ import grpc
 
 from engine import EngineCore
 from engine.executor import StepExecutor
-
-from .auth import scoped_request_id
-from .convert import check_request_id
-from .engine_loop import EngineLoop
-from .errors import REQUEST_ID_METADATA, Reason, current_request_id, rpc_guard, unavailable
-from .gen.stencil.v1 import speech_pb2 as pb
-from .gen.stencil.v1 import speech_pb2_grpc as pb_grpc
-from .generation import ServingState, next_outputs, run_maybe_off_loop
-from .speech_convert import ChunkWriter, prepare_synthesize
+from service.api.convert import check_request_id
+from service.api.generation import ServingState, next_outputs, run_maybe_off_loop
+from service.api.speech_convert import ChunkWriter, prepare_synthesize
+from service.engine_loop import EngineLoop
+from service.errors import REQUEST_ID_METADATA, Reason, current_request_id, rpc_guard, unavailable
+from service.gen.stencil.v1 import speech_pb2 as pb
+from service.gen.stencil.v1 import speech_pb2_grpc as pb_grpc
+from service.security.auth import scoped_request_id
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Speech"].full_name
 

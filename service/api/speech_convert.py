@@ -20,10 +20,9 @@ from engine.speech import (
     SpeechLayout,
     TTSContext,
 )
-
-from .convert import FIELD_PATHS, invalid_request, sampling_kwargs
-from .errors import invalid_argument
-from .gen.stencil.v1 import speech_pb2 as pb
+from service.api.convert import FIELD_PATHS, invalid_request, sampling_kwargs
+from service.errors import invalid_argument
+from service.gen.stencil.v1 import speech_pb2 as pb
 
 # Unset sampling fields take the engine's speech defaults (Orpheus' values),
 # filled in per field, so a request that only sets a seed still samples like

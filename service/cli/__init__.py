@@ -1,11 +1,11 @@
 """The `stencild` command: serve, generate, embed, say, make-model.
 
-`serve` (service/serve_cli.py) without --model runs the built-in demo model
+`serve` (service/cli/serve.py) without --model runs the built-in demo model
 (random weights: it produces random text), the demo speech pair unless
 --no-speech-model, and the all-MiniLM-L6-v2 embedding model unless
 --no-embedding-model. Heavy imports (torch, the engine) happen only in the
 subcommands that need them, so `stencild generate`, `embed`
-(service/client_cli.py) and `say` (service/say_cli.py) start quickly.
+(service/cli/client.py) and `say` (service/cli/say.py) start quickly.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .client_cli import add_embed, add_generate, cmd_embed, cmd_generate
-from .say_cli import add_say, cmd_say
-from .serve_cli import add_serve, cmd_serve
+from service.cli.client import add_embed, add_generate, cmd_embed, cmd_generate
+from service.cli.say import add_say, cmd_say
+from service.cli.serve import add_serve, cmd_serve
 
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +59,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "make-model": cmd_make_model}
     return handlers[args.command](args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

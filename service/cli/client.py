@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .client_connect import add_connection_args, call_metadata, open_channel
+from service.cli.connect import add_connection_args, call_metadata, open_channel
 
 _BACKENDS = ("auto", "xgrammar", "llguidance")
 _WHITESPACE = ("compact", "flexible", "pretty")
@@ -135,8 +135,8 @@ def _error(err: Any) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from .gen.stencil.v1 import generate_pb2 as pb
-    from .gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+    from service.gen.stencil.v1 import generate_pb2 as pb
+    from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 
     req = pb.GenerateRequest()
     if args.chat:
@@ -195,8 +195,8 @@ def cosine(a: list[float], b: list[float]) -> float:
 def cmd_embed(args: argparse.Namespace) -> int:
     import grpc
 
-    from .gen.stencil.v1 import embed_pb2 as pb
-    from .gen.stencil.v1 import embed_pb2_grpc as pb_grpc
+    from service.gen.stencil.v1 import embed_pb2 as pb
+    from service.gen.stencil.v1 import embed_pb2_grpc as pb_grpc
 
     req = pb.EmbedRequest(inputs=args.texts, truncate=args.truncate)
     if args.no_normalize:

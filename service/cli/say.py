@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .client_connect import add_connection_args, call_metadata, open_channel
+from service.cli.connect import add_connection_args, call_metadata, open_channel
 
 PCM16_BYTES = 2
 
@@ -83,8 +83,8 @@ def _write_wav(chunks: Iterable[Any], out: BinaryIO) -> Any:
 def cmd_say(args: argparse.Namespace) -> int:
     import grpc
 
-    from .gen.stencil.v1 import speech_pb2 as pb
-    from .gen.stencil.v1 import speech_pb2_grpc as pb_grpc
+    from service.gen.stencil.v1 import speech_pb2 as pb
+    from service.gen.stencil.v1 import speech_pb2_grpc as pb_grpc
 
     try:
         req = _request(args, pb)

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .client_connect import DEFAULT_PORT
+from service.cli.connect import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from engine import EngineCore
-
-    from .embeddings import EmbeddingOptions
-    from .server import ServerConfig
-    from .speech import SpeechOptions
+    from service.api.embeddings import EmbeddingOptions
+    from service.api.speech import SpeechOptions
+    from service.server import ServerConfig
 
 log = logging.getLogger("stencild")
 
@@ -224,15 +223,14 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     """Turn parsed `serve` flags into a plan, or an error message (exit code 2)."""
     from engine import EngineConfig, EngineCore
     from engine.embedding import EmbeddingConfig
-
-    from .auth import API_KEYS_ENV, load_keys
-    from .embeddings import EmbeddingOptions
-    from .engine_loop import AdmissionLimits
-    from .server import KeepalivePolicy, ServerConfig
-    from .speech import SpeechOptions
-    from .telemetry import TelemetryConfig
-    from .tls import TLSConfig
-    from .tracing import check_otlp
+    from service.api.embeddings import EmbeddingOptions
+    from service.api.speech import SpeechOptions
+    from service.engine_loop import AdmissionLimits
+    from service.ops.telemetry import TelemetryConfig
+    from service.ops.tracing import check_otlp
+    from service.security.auth import API_KEYS_ENV, load_keys
+    from service.security.tls import TLSConfig
+    from service.server import KeepalivePolicy, ServerConfig
 
     if args.otlp_endpoint:
         check_otlp()
@@ -320,8 +318,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .request_log import configure_logging
-    from .server import serve
+    from service.ops.request_log import configure_logging
+    from service.server import serve
 
     configure_logging(args.log_level, args.log_format)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

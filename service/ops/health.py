@@ -6,7 +6,7 @@ stencil.v1.Embeddings, stencil.v1.Speech) turn SERVING, while a service
 without one (a server started with --no-embedding-model or
 --no-speech-model, or embeddings only) stays NOT_SERVING. On drain, or when an
 engine dies (the server then stops), everything is NOT_SERVING again, for good.
-While an engine hangs (service/watchdog.py), the services that depend on it
+While an engine hangs (service/ops/watchdog.py), the services that depend on it
 are NOT_SERVING until it recovers.
 """
 

@@ -4,7 +4,7 @@ Each server has a `CollectorRegistry` of its own (prometheus_client's default
 registry is global: two servers in one process, as in the tests, would share
 it), served over HTTP by `MetricsServer` (`GET /metrics`, prometheus_client's
 exposition). Counters and histograms are updated as requests, RPCs and steps
-end (service/telemetry.py); the engine gauges and the engine's own counters
+end (service/ops/telemetry.py); the engine gauges and the engine's own counters
 are read when Prometheus scrapes (`EngineCollector`), from the plain numbers
 the engine keeps (`EngineCore.load()`, the scheduler's counters), so the
 engine thread never does any metrics work for them.

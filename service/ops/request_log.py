@@ -1,7 +1,7 @@
 """One structured log line per finished RPC, and the record of the call behind it.
 
 Every RPC runs with a `CallRecord` in a context variable (set by the
-telemetry interceptor, service/telemetry.py): its request id (the request's
+telemetry interceptor, service/ops/telemetry.py): its request id (the request's
 `request_id` field, else the `x-request-id` metadata, else a new one, written
 back into the request so the servicer uses the same), its peer, its W3C trace
 context and its start time. Code along the call adds to it without being
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .tracing import TraceParent
+from service.ops.tracing import TraceParent
 
 if TYPE_CHECKING:
     from engine.context import TextContext
@@ -66,7 +66,7 @@ class CompileNote:
 @dataclass(eq=False)
 class RequestStats:
     """One engine request of a call, as its deliveries have shown it so far
-    (kept by the engine loop's observer, service/telemetry.py). The counts are
+    (kept by the engine loop's observer, service/ops/telemetry.py). The counts are
     the latest output's running totals, so a call that ends before its request
     finishes (cancelled, past its deadline) still reports what it produced;
     `start` is when the call began."""

@@ -3,7 +3,7 @@
 Three hooks feed it, none of which does I/O on the path of a request:
 
 - `CallInterceptor` (a grpc.aio server interceptor) wraps every RPC: it sets
-  the call's `CallRecord` (service/request_log.py) before the handler runs
+  the call's `CallRecord` (service/ops/request_log.py) before the handler runs
   and, when the call ends, counts it, writes its log line and ends its span.
 - `EngineObserver` (one per EngineLoop) sees each engine request admitted,
   each output delivered (on the event loop) and each step (on the engine
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from .interceptors import rewrap
-from .metrics import VLLM_FINISH_REASONS, EngineSource, MetricsServer, ServerMetrics
-from .request_log import (
+from service.interceptors import rewrap
+from service.ops.metrics import VLLM_FINISH_REASONS, EngineSource, MetricsServer, ServerMetrics
+from service.ops.request_log import (
     CallRecord,
     RequestStats,
     assign_request_id,
@@ -42,13 +42,12 @@ from .request_log import (
     note_request,
     request_fields,
 )
-from .tracing import Stage, Tracer, trace_context
+from service.ops.tracing import Stage, Tracer, trace_context
 
 if TYPE_CHECKING:
     from engine import EngineCore, RequestOutput
     from engine.context import TextContext
-
-    from .engine_loop import RequestStream
+    from service.engine_loop import RequestStream
 
 log = logging.getLogger(__name__)
 

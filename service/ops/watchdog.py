@@ -19,8 +19,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .engine_loop import EngineLoop
-from .health import NOT_SERVING, SERVING, HealthState
+from service.engine_loop import EngineLoop
+from service.ops.health import NOT_SERVING, SERVING, HealthState
 
 log = logging.getLogger(__name__)
 

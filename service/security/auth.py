@@ -35,8 +35,8 @@ from typing import Any
 
 import grpc
 
-from .errors import Reason, ServiceError, resource_exhausted
-from .interceptors import rewrap
+from service.errors import Reason, ServiceError, resource_exhausted
+from service.interceptors import rewrap
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """vLLM's gRPC engine protocol <-> our engine: checks, SamplingParams, messages.
 
 `vllm.grpc.engine.GenerateRequest` is validated here with the same rules as
-`stencil.v1` (service/convert.py, service/structured.py), and its failures name
+`stencil.v1` (service/api/convert.py, service/structured.py), and its failures name
 the field by its path in *that* proto (`sampling_params.top_p`,
 `tokenized.input_ids[3]`). Unset and zero values take the defaults the proto
 and vLLM document: temperature unset -> 1.0, top_p 0 -> 1.0, top_k 0 -> no cut,
@@ -24,10 +24,9 @@ from engine.reasoning import ReasoningOptions
 from engine.requests import RequestSpec
 from engine.sampling_params import MAX_LOGPROBS
 from grammar import GrammarError, GrammarSpec
-
-from .errors import Reason, ServiceError, invalid_argument
-from .gen.vllm import vllm_engine_pb2 as vpb
-from .structured import ConstraintSpec
+from service.errors import Reason, ServiceError, invalid_argument
+from service.gen.vllm import vllm_engine_pb2 as vpb
+from service.structured import ConstraintSpec
 
 # Engine parameter name -> path of the vLLM proto field it came from.
 FIELD_PATHS: dict[str, str] = {

@@ -15,9 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from engine import EngineCore
-
-from .engine_loop import EngineLoop
-from .gen.vllm import vllm_engine_pb2 as vpb
+from service.engine_loop import EngineLoop
+from service.gen.vllm import vllm_engine_pb2 as vpb
 
 # The files a Hugging Face tokenizer loads from its directory (the router
 # builds its tokenizer from them); weights and the model config stay behind,

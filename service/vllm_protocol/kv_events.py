@@ -29,9 +29,8 @@ from collections.abc import AsyncGenerator
 
 from engine import EngineCore
 from engine.kv_cache import CacheCleared, KVEvent, PagesRemoved, PagesStored
-
-from .engine_loop import EngineLoop
-from .gen.vllm import common_pb2 as cpb
+from service.engine_loop import EngineLoop
+from service.gen.vllm import common_pb2 as cpb
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ same port and engine as `stencil.v1` puts stencild in such a fleet with no
 code of ours in the router. Everything goes through the same machinery as
 `stencil.v1.Generation`: the same EngineLoop (admission limits, abort on
 cancel), the same validation (INVALID_ARGUMENT + BadRequest, fields named in
-this proto's terms, service/vllm_convert.py) and the same constraint compiler.
+this proto's terms, service/vllm_protocol/convert.py) and the same constraint compiler.
 
 `n` > 1 runs n sequences: the first one alone until its prompt is computed
 (its full pages are then in the prefix cache), then the others, which find the
@@ -24,11 +24,11 @@ from typing import Any
 
 import grpc
 
-from . import convert, vllm_convert, vllm_info
-from .auth import scoped_request_id
-from .embeddings import EmbeddingRuntime, EmbeddingSlot
-from .engine_loop import RequestStream
-from .errors import (
+from service.api import convert
+from service.api.embeddings import EmbeddingRuntime, EmbeddingSlot
+from service.api.generation import ServingState, next_outputs, run_maybe_off_loop
+from service.engine_loop import RequestStream
+from service.errors import (
     REQUEST_ID_METADATA,
     Reason,
     current_request_id,
@@ -38,12 +38,14 @@ from .errors import (
     rpc_guard,
     unavailable,
 )
-from .gen.vllm import common_pb2 as cpb
-from .gen.vllm import vllm_engine_pb2 as vpb
-from .gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
-from .generation import ServingState, next_outputs, run_maybe_off_loop
-from .kv_events import KvEventHub, SubscriberGone
-from .request_log import note_refusal
+from service.gen.vllm import common_pb2 as cpb
+from service.gen.vllm import vllm_engine_pb2 as vpb
+from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+from service.ops.request_log import note_refusal
+from service.security.auth import scoped_request_id
+from service.vllm_protocol import convert as vllm_convert
+from service.vllm_protocol import info as vllm_info
+from service.vllm_protocol.kv_events import KvEventHub, SubscriberGone
 
 log = logging.getLogger(__name__)
 

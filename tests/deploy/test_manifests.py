@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
+from service.api.embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
+from service.api.generation import SERVICE_NAME as GENERATION_SERVICE
+from service.api.speech import SERVICE_NAME as SPEECH_SERVICE
 from service.cli import build_parser
-from service.embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
-from service.generation import SERVICE_NAME as GENERATION_SERVICE
-from service.health import OVERALL_HEALTH
-from service.speech import SERVICE_NAME as SPEECH_SERVICE
+from service.ops.health import OVERALL_HEALTH
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -10,13 +10,13 @@ import pytest
 from engine import EngineCore
 from engine.embedding import EmbeddingConfig
 from engine.presets import ensure_preset
+from service.api.embeddings import EmbeddingOptions
+from service.api.speech import SpeechOptions
 from service.cli import build_parser
-from service.embeddings import EmbeddingOptions
+from service.cli.serve import ServePlan, plan_serve
 from service.engine_loop import AdmissionLimits
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
-from service.serve_cli import ServePlan, plan_serve
 from service.server import ServerConfig, StencilServer
-from service.speech import SpeechOptions
 
 from .helpers import LoopThread, ServerHandle, engine_factory, speech_factory
 

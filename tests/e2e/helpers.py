@@ -21,11 +21,11 @@ import numpy as np
 from engine import EngineConfig, EngineCore
 from engine.executor import StepExecutor
 from engine.presets import ensure_preset
+from service.api.speech import SpeechEngineFactory
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from service.gen.stencil.v1 import speech_pb2, speech_pb2_grpc
 from service.server import StencilServer
-from service.speech import SpeechEngineFactory
 
 # Generous: the CI machine has 2 shared cores.
 TIMEOUT = 60.0

@@ -11,11 +11,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.presets import ensure_preset
-from service.auth import ApiKey
 from service.cli import build_parser, main
+from service.cli.serve import ServePlan, plan_serve
 from service.errors import Reason, error_reason
 from service.gen.stencil.v1 import generate_pb2 as pb
-from service.serve_cli import ServePlan, plan_serve
+from service.security.auth import ApiKey
 
 from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy
 

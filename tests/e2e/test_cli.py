@@ -80,7 +80,7 @@ def test_serve_rejects_bad_embedding_and_grammar_options(tmp_path: Path,
 
 def test_serve_speech_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from service.cli import build_parser
-    from service.serve_cli import ServePlan, plan_serve
+    from service.cli.serve import ServePlan, plan_serve
 
     from .conftest import shared_plan
 

@@ -17,10 +17,10 @@ from typing import Any
 import grpc
 import pytest
 
-from service.auth import ApiKey
 from service.errors import Reason, error_reason
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from service.security.auth import ApiKey
 
 from .helpers import TIMEOUT, ServerHandle, engine_factory
 from .test_structured import constrained, nested_any_of

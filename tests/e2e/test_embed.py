@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from engine.embedding import EmbeddingConfig, default_model_path
+from service.api.embeddings import EmbeddingOptions
 from service.cli import main
-from service.embeddings import EmbeddingOptions
 from service.errors import bad_request_violations
 from service.gen.stencil.v1 import embed_pb2 as pb
 from service.gen.stencil.v1 import embed_pb2_grpc as pb_grpc

@@ -17,10 +17,10 @@ import grpc
 import pytest
 
 from engine.embedding import EmbeddingConfig
-from service.embeddings import EmbeddingOptions
+from service.api.embeddings import EmbeddingOptions
+from service.api.speech import SpeechOptions
 from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc, speech_pb2
-from service.speech import SpeechOptions
-from service.telemetry import TelemetryConfig
+from service.ops.telemetry import TelemetryConfig
 
 from .helpers import (
     TIMEOUT,

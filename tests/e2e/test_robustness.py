@@ -22,11 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import EngineConfig, EngineCore
 from engine.presets import ensure_preset
+from service.api.speech import SpeechOptions
 from service.errors import bad_request_violations
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import speech_pb2
 from service.server import EXIT_ENGINE_FAILED
-from service.speech import SpeechOptions
 
 from .helpers import (
     TIMEOUT,
@@ -277,7 +277,7 @@ def test_the_watchdog_reports_a_hung_engine_and_its_recovery(make_server: Callab
     handle = make_server(engine_factory(slow_s=0.0001), watchdog_timeout_s=0.5)
     model = handle.engine_call(lambda e: e.model)
     assert health(handle, "stencil.v1.Generation") == SERVING
-    caplog.set_level(logging.ERROR, logger="service.watchdog")
+    caplog.set_level(logging.ERROR, logger="service.ops.watchdog")
     model.delay_s = 2.5  # the next forward pass hangs for 2.5 s
     call = handle.stub.Generate(greedy("hang", 2), timeout=TIMEOUT)
     deadline = time.monotonic() + TIMEOUT

@@ -20,12 +20,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from service.api.speech_convert import SPEECH_SAMPLING_DEFAULTS
 from service.cli import main
 from service.errors import bad_request_violations
 from service.gen.stencil.v1 import generate_pb2
 from service.gen.stencil.v1 import speech_pb2 as pb
 from service.gen.stencil.v1 import speech_pb2_grpc as pb_grpc
-from service.speech_convert import SPEECH_SAMPLING_DEFAULTS
 
 from .helpers import TIMEOUT, ServerHandle, generate, greedy, synthesize
 

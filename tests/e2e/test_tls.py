@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service.cli import main
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
-from service.tls import TLSConfig
+from service.security.tls import TLSConfig
 
 from .certs import CertificateAuthority
 from .helpers import TIMEOUT, ServerHandle, greedy

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from service.telemetry import TelemetryConfig
+from service.ops.telemetry import TelemetryConfig
 
 from .helpers import ServerHandle, generate, greedy
 

@@ -13,10 +13,10 @@ import pytest
 
 from grammar import GrammarError, GrammarOptions, GrammarSpec
 from grammar.compiler import CompileQueueFull
-from service.auth import current_key
 from service.errors import Reason, ServiceError
 from service.gen.stencil.v1 import generate_pb2 as pb
-from service.request_log import CallRecord, enter_call, exit_call
+from service.ops.request_log import CallRecord, enter_call, exit_call
+from service.security.auth import current_key
 from service.structured import ConstraintCompiler, ConstraintSpec, caller_tenant, constraint_spec
 
 C = pb.Constraint

@@ -9,7 +9,7 @@ import pytest
 
 from engine import EngineConfig, EngineCore, GenerationStatus, RequestOutput, SamplingParams
 from engine.context import TokenLogprobs
-from service import convert
+from service.api import convert
 from service.errors import ServiceError
 from service.gen.stencil.v1 import generate_pb2 as pb
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from engine.executor import StepExecutor
-from service.embeddings import DevicePipeline
+from service.api.embeddings import DevicePipeline
 
 
 class FakePipeline:

@@ -1,4 +1,4 @@
-"""service/schema_check.py: which finished outputs are validated, and how a
+"""service/api/schema_check.py: which finished outputs are validated, and how a
 strict request's verdict changes its finish reason."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from engine import GenerationStatus, RequestOutput
 from grammar import GrammarSpec
 from grammar.validation import SchemaValidator
+from service.api.generation import _add_validation
+from service.api.schema_check import check_output
 from service.gen.stencil.v1 import generate_pb2 as pb
-from service.generation import _add_validation
-from service.schema_check import check_output
 
 R = pb.SchemaValidation
 UNIQUE = {"type": "array", "uniqueItems": True}

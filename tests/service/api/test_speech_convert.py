@@ -9,9 +9,7 @@ import pytest
 from engine import GenerationStatus, RequestOutput
 from engine.presets import PRESETS
 from engine.speech import SpeechLayout
-from service.errors import ServiceError
-from service.gen.stencil.v1 import speech_pb2 as pb
-from service.speech_convert import (
+from service.api.speech_convert import (
     SPEECH_SAMPLING_DEFAULTS,
     ChunkWriter,
     audio_format,
@@ -19,6 +17,8 @@ from service.speech_convert import (
     encode_audio,
     speech_sampling_params,
 )
+from service.errors import ServiceError
+from service.gen.stencil.v1 import speech_pb2 as pb
 
 LAYOUT = SpeechLayout(**PRESETS["demo-speech"].speech_layout)  # type: ignore[arg-type]
 Finish = pb.AudioChunk.FinishReason

@@ -11,7 +11,7 @@ import pytest
 
 from service.gen.stencil.v1 import embed_pb2
 from service.gen.stencil.v1 import generate_pb2 as pb
-from service.request_log import (
+from service.ops.request_log import (
     CallContextFilter,
     CallRecord,
     JsonFormatter,
@@ -29,7 +29,7 @@ from service.request_log import (
     note_request,
     note_validation,
 )
-from service.tracing import parse_traceparent, trace_context
+from service.ops.tracing import parse_traceparent, trace_context
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.auth import ApiKey, ApiKeyAuth, load_keys, parse_keys
+from service.security.auth import ApiKey, ApiKeyAuth, load_keys, parse_keys
 
 
 def test_key_entries_parse_with_names_and_limits(tmp_path) -> None:  # type: ignore[no-untyped-def]

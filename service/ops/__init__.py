@@ -1,0 +1,1 @@
+"""Operations: health, metrics, request logs, tracing, the watchdog, reflection."""

@@ -1,0 +1,1 @@
+"""Security at the edge: API keys (auth) and TLS."""
