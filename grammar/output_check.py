@@ -10,8 +10,11 @@ output's text byte by byte, whichever library generated it:
 - Lark: llguidance (its native format); EBNF: xgrammar (its native format);
 - structural tag: xgrammar, which reads every format of it. A tag that names
   tokens (`token`, `token_triggered_tags`, ...) cannot be read over bytes: its
-  outputs are NOT_CHECKED, with that reason. (A tag's JSON contents are
-  checked as xgrammar's grammar reads their schemas.)
+  outputs are NOT_CHECKED, with that reason. A whole output that matches is
+  then checked tag by tag: each JSON content against its full schema
+  (jsonschema-rs: the keywords the grammar leaves out too), the contents
+  found as the value checks of resampling requests find them
+  (tag_segments.py), so both read the same text.
 
 Each matcher reads a vocabulary of the 256 bytes, not the model's tokens, so
 the verdict does not depend on how the output was tokenized. A checker is
@@ -22,6 +25,7 @@ cannot read gives a result with `checked` False.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -34,7 +38,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from . import structural_tag
 from .errors import clean_message
 from .spec import GrammarSpec
-from .validation import VALID, ValidationResult
+from .tag_segments import TagShape, contents, shapes_of
+from .validation import VALID, SchemaValidator, ValidationResult
 
 _MAX_MESSAGE_CHARS = 200
 # The byte vocabularies' stop token.
@@ -122,7 +127,15 @@ class OutputCheck:
                                      "read") from None
                 raise
             tag_compiled = _xgr_compiler().compile_grammar(tag_grammar)
-            return lambda text: self._xgr_verdict(tag_compiled, text)
+            shapes = shapes_of(structural_tag.normalize(spec.source))
+            validators = _content_validators(shapes or ())
+
+            def verdict(text: str) -> ValidationResult:
+                result = self._xgr_verdict(tag_compiled, text)
+                if not result.valid or shapes is None:
+                    return result
+                return _contents_verdict(shapes, validators, text)
+            return verdict
         assert isinstance(spec.source, str)
         grammar = (llguidance.LLMatcher.grammar_from_regex(spec.source) if spec.kind == "regex"
                    else llguidance.LLMatcher.grammar_from_lark(spec.source))
@@ -168,6 +181,34 @@ class OutputCheck:
             return self._check(text)
         except Exception as e:  # noqa: BLE001 - a checker fault must not fail the request
             return ValidationResult(False, message=f"output check failed: {_short(str(e))}", checked=False)
+
+
+def _content_validators(shapes: tuple[TagShape, ...]) -> dict[int, SchemaValidator]:
+    """Tag index -> the validator of its JSON content's schema (tags whose
+    schema it cannot read are left out: the grammar's verdict stands)."""
+    validators = {}
+    for i, shape in enumerate(shapes):
+        schema = {} if shape.schema is True else shape.schema
+        if shape.json and isinstance(schema, dict) and schema:
+            try:
+                validators[i] = SchemaValidator(schema)
+            except ValueError:
+                continue
+    return validators
+
+
+def _contents_verdict(shapes: tuple[TagShape, ...], validators: dict[int, SchemaValidator],
+                      text: str) -> ValidationResult:
+    """The first tag content of `text` that breaks its schema, or VALID."""
+    for tag, content in contents(shapes, text):
+        validator = validators.get(tag)
+        if validator is None:
+            continue
+        result = validator.validate_text(content)
+        if result.checked and not result.valid:
+            begin = shapes[tag].begin.decode("utf-8", "replace")
+            return dataclasses.replace(result, message=f"the content of tag {begin!r}: {result.message}")
+    return VALID
 
 
 def _short(text: str) -> str:

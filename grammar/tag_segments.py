@@ -242,3 +242,12 @@ class TagScanner:
             self._close(pieces, at)
         self._tag, self._pos = None, at + len(end)
         return True
+
+
+def contents(shapes: tuple[TagShape, ...], text: str) -> list[tuple[int, str]]:
+    """(tag index, content text) of every whole tag content in a finished output."""
+    scanner = TagScanner(shapes)
+    data = text.encode("utf-8")
+    scanner.feed(data)
+    return [(s.tag, data[s.start:s.end].decode("utf-8", "replace"))
+            for s in scanner.segments if s.end is not None]

@@ -223,12 +223,3 @@ class TagWatch:
         """(tag, content start, content end or None) of every tag read so far."""
         return [(s.tag, s.start, s.end) for s in self._scanner.segments]
 
-
-def contents(shapes: tuple[TagShape, ...], text: str) -> list[tuple[int, str]]:
-    """(tag index, content text) of every whole tag content in a finished output."""
-    scanner = TagScanner(shapes)
-    data = text.encode("utf-8")
-    scanner.feed(data)
-    return [(s.tag, data[s.start:s.end].decode("utf-8", "replace"))
-            for s in scanner.segments if s.end is not None]
-

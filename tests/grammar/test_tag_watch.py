@@ -8,9 +8,10 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grammar import structural_tag
-from grammar.tag_segments import Segment, TagScanner, TagShape, shapes_of
-from grammar.tag_watch import TagPlan, contents
+from grammar import GrammarSpec, structural_tag
+from grammar.output_check import OutputCheck
+from grammar.tag_segments import Segment, TagScanner, TagShape, contents, shapes_of
+from grammar.tag_watch import TagPlan
 from grammar.tool_calls import Tool, call_constraint
 from grammar.value_watch import Violation
 
@@ -135,3 +136,22 @@ def test_contents_of_a_finished_output():
     text = 'a <tool_call>\n{"name": "f", "arguments": {"xs": [1]}}\n</tool_call> b'
     plan = _tool_plan(Tool("f", UNIQUE))
     assert plan.shapes is not None and contents(plan.shapes, text) == [(0, '{"xs": [1]}')]
+
+
+def test_the_output_verdict_checks_each_tag_content_against_its_whole_schema():
+    # The grammar (xgrammar) ignores uniqueItems: the verdict reads the same
+    # contents as the value checks and validates each against its schema.
+    spec = call_constraint([Tool("f", UNIQUE)], "auto")
+    assert spec is not None
+    check = OutputCheck(spec)
+    assert check.validate_text("free [1, 1] " + _CALL.format('{"xs": [1, 2]}')).valid
+    bad = check.validate_text("free " + _CALL.format('{"xs": [1, 2]}') + " " + _CALL.format('{"xs": [3, 3]}'))
+    assert bad.checked and not bad.valid and bad.keyword == "uniqueItems" and bad.instance_path == "/xs"
+    assert "<tool_call>" in bad.message
+    legacy = OutputCheck(GrammarSpec.structural_tag({"structures": [
+        {"begin": "<n>", "schema": NOT_ONE, "end": "</n>"}], "triggers": ["<n"]}))
+    assert legacy.validate_text("1 <n>2</n>").valid
+    assert legacy.validate_text("<n>1</n> x").keyword == "not"
+
+
+_CALL = '<tool_call>\n{{"name": "f", "arguments": {}}}\n</tool_call>'
