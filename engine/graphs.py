@@ -4,7 +4,8 @@ A decode step of a small model on a GPU is bound by its kernel launches, not
 by the GPU (hundreds of launches, each a few microseconds of host time). So
 decode-only batches (every sequence one token, one step: no prompt chunks, no
 forced-token runs, no prompt log-probabilities) replay a graph captured once
-per batch-size bucket, over static buffers:
+per batch-size bucket, over static buffers (with graphs on, the scheduler feeds
+forced runs a token per step, so constrained batches replay graphs too):
 
 - buckets 1, 2, 4, 8, then every 16 up to the largest batch (`max_num_seqs`);
   a batch runs in the smallest bucket that holds it;

@@ -271,9 +271,9 @@ def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
     for out in outs:
         assert out.finish_reason == "eos" and _full_match(PATTERN, out.text), out.text
         assert out.forced_tokens > 0
-    # Above, nearly every step holds some row's forced run (q_len > 1), which
-    # runs eagerly. Free words force nothing: these decode steps replay graphs,
-    # and their masks are applied to the graph's logits.
+    # Free words force nothing: these decode steps replay graphs, and their
+    # masks are applied to the graph's logits. (Forced runs above are fed a
+    # token per step with graphs on, so those steps replay graphs too.)
     replays_before = sum(eng.graphs.replays.values())
     words = r"[a-z]{6,12}( [a-z]{6,12}){3}"
     outs = llm.generate(["words", "more words"], SamplingParams(temperature=0.0, max_new_tokens=60),
