@@ -9,7 +9,7 @@
   order: the raw library's own call on its native matcher (xgrammar
   `GrammarMatcher.fill_next_token_bitmask`, llguidance
   `llguidance.torch.fill_next_token_bitmask`) into a preallocated bitmask, our
-  `Matcher.fill_bitmask`, and the engine's per-step `StructuredOutput.fill` for
+  `Matcher.fill_bitmask`, and the engine's per-step `StepMasks.fill` for
   a one-row step (p50 / p99, µs; ratio = engine / raw). A 16-row batch step is
   timed too (µs per row), the library's batch call vs `fill_bitmasks`;
 - compile time: cold compiles (distinct cache keys) through `GrammarCompiler`
@@ -184,7 +184,7 @@ def _pct(samples: list[float], q: float) -> float:
 
 
 class _Row:
-    """The fields of a TextContext that `StructuredOutput.fill` reads."""
+    """The fields of a TextContext that `StepMasks.fill` reads."""
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
@@ -226,30 +226,30 @@ def _raw_pool(backend: str) -> Any:
 WAYS = ("raw", "matcher", "engine")
 
 
-def mask_times(structured: Any, name: str, backend: str, iters: int) -> dict[str, Any]:
+def mask_times(masks: Any, name: str, backend: str, iters: int) -> dict[str, Any]:
     """Per-token mask time of the raw library vs our two entry points, same matcher, same tokens.
 
     At each position of the instance the one matcher's mask is filled three
     ways, in an order that rotates with the position (so none always runs on
     warm caches): `raw`, the library's own call on its native matcher into a
     preallocated bitmask; `matcher`, `Matcher.fill_bitmask`; `engine`,
-    `StructuredOutput.fill` for a one-row step (what the engine runs per step,
+    `StepMasks.fill` for a one-row step (what the engine runs per step,
     PendingMask release included; the PendingMask is built outside the timing,
     as the engine builds it with the step's inputs).
     """
-    from engine.structured import PendingMask
+    from engine.step_masks import PendingMask
 
-    compiler = structured.compiler
+    compiler = masks._structured.compiler
     matcher = compiler.compile(_spec(name), backend=backend)
     tokens = compiler.tokenizer_data.encode(json.dumps(SCHEMAS[name][1], separators=(",", ":")))
     bitmask = compiler.allocate_bitmask(16)
     rows = [_Row(matcher)]
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     forced: list[float] = []
-    structured.fill(PendingMask(), rows)  # allocates the engine's bitmask once
+    masks.fill(PendingMask(), rows)  # allocates the engine's bitmask once
     # Every way writes the same memory (the engine's one-row view): a way that
     # wrote a buffer the others do not touch would pay cache misses they skip.
-    row_mask = structured._view(1)
+    row_mask = masks._view(1)
     position = 0
     for _ in range(iters):
         matcher.reset()
@@ -264,7 +264,7 @@ def mask_times(structured: Any, name: str, backend: str, iters: int) -> dict[str
                 elif way == "matcher":
                     matcher.fill_bitmask(row_mask, 0)
                 else:
-                    structured.fill(pending, rows)
+                    masks.fill(pending, rows)
                 times[way].append((time.perf_counter_ns() - t0) / 1e3)
             position += 1
             t1 = time.perf_counter_ns()
@@ -430,12 +430,12 @@ class _StepClock:
 
     def __enter__(self) -> _StepClock:
         import engine.pipeline as pipeline
-        from engine.structured import PendingMask, StructuredOutput
+        from engine.step_masks import PendingMask, StepMasks
 
         self._wrap(pipeline, "run_step", "run")  # a module: same __dict__ / setattr
         self._wrap(PendingMask, "wait", "wait", waits=True)
-        self._wrap(StructuredOutput, "fill", "fill")
-        self._wrap(StructuredOutput, "advance", "advance", static=True)
+        self._wrap(StepMasks, "fill", "fill")
+        self._wrap(StepMasks, "advance", "advance", static=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -530,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from engine.step_masks import StepMasks
     from engine.structured import StructuredOutput
     from grammar import GrammarCompiler, TokenizerData
 
@@ -546,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.compile(_spec("person"), backend="xgrammar")  # worker warm-up
                 for name in SCHEMAS:
                     for backend in BACKENDS:
-                        r = mask_times(structured, name, backend, args.iters)
+                        r = mask_times(StepMasks(structured, len(tokenizer)), name, backend, args.iters)
                         raw, ours, eng = r["raw"], r["matcher"], r["engine"]
                         mask_rows.append(
                             f"| {label} | {name} | {backend} | {r['tokens']} "
@@ -566,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             structured.close()
     print("### Mask time per token (µs, one CPU thread)\n")
     print("raw: the library's own fill on its matcher; matcher: `Matcher.fill_bitmask`; "
-          "engine: `StructuredOutput.fill` of a one-row step; ratio: engine / raw.\n")
+          "engine: `StepMasks.fill` of a one-row step; ratio: engine / raw.\n")
     print("| tokenizer | schema | backend | tokens | raw p50 | raw p99 | matcher p50 | matcher p99 "
           "| engine p50 | engine p99 | ratio p50 | ratio p99 | batch-16 per row raw | "
           "batch-16 per row ours | forced_tokens p50 |")

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grammar import SchemaStore
-from grammar.vocab import token_bytes
 
 from .attention import DenseDecodeAttention, choose_attention, make_attention
 from .config import EngineConfig
@@ -29,8 +28,8 @@ from .output import RequestOutput
 from .pipeline import TextGenerationPipeline
 from .postprocess import Postprocessor
 from .reasoning import ReasoningOptions, ReasoningParser
-from .requests import RequestSpec, check_request
-from .resample import Resampler, watch_for
+from .request_factory import RequestFactory
+from .requests import RequestSpec
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .speech import (
@@ -38,12 +37,10 @@ from .speech import (
     SpeechCodec,
     SpeechLayout,
     SpeechModel,
-    SpeechRequest,
-    SpeechUnavailable,
     TTSContext,
-    speech_context,
 )
 from .staging import Staging
+from .step_masks import StepMasks
 from .step_run import LaunchedStep
 from .structured import StructuredOutput
 from .token_buffer import TokenBuffer
@@ -169,9 +166,12 @@ class EngineCore:
                 self.reasoning = ReasoningParser.load(config.reasoning_parser, self.tokenizer.hf.get_vocab())
             except ValueError as e:
                 raise CheckpointError(str(e)) from None
+        # The grammar compile service (any thread) and the per-step mask path
+        # (engine and device threads) are separate owners.
         self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
                                            config.grammar_backend, config.grammar_compile_timeout_s,
-                                           SchemaStore.parse(config.schema_store), config.grammar_mask_threads)
+                                           SchemaStore.parse(config.schema_store))
+        self.masks = StepMasks(self.structured, mc.vocab_size, config.grammar_mask_threads)
         self.speech: SpeechModel | None = None
         if config.speech_codec:
             layout = SpeechLayout.for_model(config.model)
@@ -180,6 +180,9 @@ class EngineCore:
             except ValueError as e:
                 raise CheckpointError(f"{config.model} is not a speech model: {e}") from None
             self.speech = SpeechModel(layout, AudioGenerator(SpeechCodec(config.speech_codec, device)))
+        # What the event loop may call (checks, contexts): fixed facts only.
+        self.requests = RequestFactory(self.tokenizer, mc.vocab_size, max_len, self.eos_token_ids, self.reasoning,
+                                       config.max_thinking_tokens, self.speech)
         # One token-buffer row per request that can run at once.
         token_buffer = TokenBuffer(config.max_num_seqs, device)
         self.scheduler = Scheduler(
@@ -193,7 +196,7 @@ class EngineCore:
         self.postprocessor = Postprocessor(self.scheduler, self.kv_manager, self.tokenizer, self.executor, max_len,
                                            self.speech.audio if self.speech is not None else None)
         self.pipeline = TextGenerationPipeline(self.model, self.attention, self.kv_manager, token_buffer,
-                                               self.executor, self.structured, self.postprocessor,
+                                               self.executor, self.masks, self.postprocessor,
                                                mc.vocab_size, overlap=config.overlap, graphs=self.graphs)
         log.info("attention: %s (%s)", self.attention_choice.name, self.attention_choice.reason)
         if self.graphs is not None:
@@ -212,44 +215,20 @@ class EngineCore:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    # What any thread may call lives in `self.requests` (request_factory.py);
+    # these four are shortcuts to it, kept for offline callers.
     def check_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
                       request_id: str | None = None) -> RequestSpec:
-        """Check a tokenized prompt and its parameters (InvalidRequest names the field)."""
-        return check_request(prompt, params, request_id, self.vocab_size, self.max_model_len)
+        return self.requests.check(prompt, params, request_id)
 
     def context(self, spec: RequestSpec, matcher: Matcher | None = None,
                 resample: bool = True, reasoning: ReasoningOptions | None = None) -> TextContext:
-        """The context of a checked request; `matcher` is its compiled grammar, if constrained.
-
-        `resample` (JSON schemas, and the JSON inside structural tags and
-        tool calls): a value that breaks a keyword the grammar does not
-        enforce is rolled back and resampled (resample.py).
-        `reasoning`: how a server with a reasoning parser treats this
-        request's thought (reasoning.py; default: the constraint starts after
-        it, with the engine's default thinking budget). Without a parser it
-        must set no budget.
-        """
-        kwargs: dict[str, Any] = {"request_id": spec.request_id} if spec.request_id else {}
-        ctx = TextContext(tokens=spec.prompt, max_length=spec.max_length, sampling_params=spec.params,
-                          eos_token_ids=self.eos_token_ids, seed=spec.seed, matcher=matcher, **kwargs)
-        options = reasoning or ReasoningOptions()
-        if self.reasoning is not None and options.after_thought:
-            budget = options.max_thinking_tokens
-            ctx.gate = self.reasoning.gate(spec.prompt, self.config.max_thinking_tokens if budget is None else budget)
-        elif options.max_thinking_tokens is not None:
-            raise InvalidRequest("max_thinking_tokens", "applies on a server with a reasoning parser, "
-                                 "to a constraint that starts after the thought")
-        watch = watch_for(matcher) if resample and matcher is not None else None
-        if watch is not None:
-            assert matcher is not None
-            ctx.resampler = Resampler(watch, token_bytes(matcher.tokenizer))
-        return ctx
+        return self.requests.context(spec, matcher, resample, reasoning)
 
     def make_context(self, prompt: Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None, matcher: Matcher | None = None,
                      resample: bool = True, reasoning: ReasoningOptions | None = None) -> TextContext:
-        """`check_request` and `context` in one call, for callers with the matcher in hand."""
-        return self.context(self.check_request(prompt, params, request_id), matcher, resample, reasoning)
+        return self.requests.make_context(prompt, params, request_id, matcher, resample, reasoning)
 
     @property
     def serves_speech(self) -> bool:
@@ -264,17 +243,8 @@ class EngineCore:
         return self.speech.layout if self.speech is not None else None
 
     def make_speech_context(self, text: str, params: SamplingParams | None = None,
-                            request_id: str | None = None, chunk_frames: int = 4,
-                            max_audio_seconds: float = 30.0,
-                            audio_prompt_codes: Sequence[int] | None = None,
-                            audio_prompt_transcription: str = "") -> TTSContext:
-        """Check a speech request and build its context (see engine.speech.request)."""
-        if self.speech is None:
-            raise SpeechUnavailable("this server has no speech model")
-        req = SpeechRequest(text, params, request_id, chunk_frames, max_audio_seconds, audio_prompt_codes,
-                            audio_prompt_transcription)
-        return speech_context(req, self.speech, self.tokenizer, self.vocab_size, self.max_model_len,
-                              self.eos_token_ids)
+                            request_id: str | None = None, **options: Any) -> TTSContext:
+        return self.requests.make_speech_context(text, params, request_id, **options)
 
     def add_request(self, ctx: TextContext) -> None:
         if self.postprocessor.tracks(ctx.request_id):
@@ -317,7 +287,7 @@ class EngineCore:
         step is kept until the next call finishes it.
         """
         start = time.perf_counter()
-        self.structured.last_mask_seconds = None
+        self.masks.last_mask_seconds = None
         sched = self.scheduler.schedule()
         contexts = sched.contexts if sched is not None else []
         num_tokens = sum(c.active_length for c in contexts)  # before the launch moves the indices
@@ -336,7 +306,7 @@ class EngineCore:
         # Requests that ended outside a step (aborted, failed alone, or could never fit).
         outputs += self.postprocessor.outputs(self.scheduler.take_dropped())
         self.last_step = StepStats(time.perf_counter() - start, len(contexts), num_tokens,
-                                   self.structured.last_mask_seconds)
+                                   self.masks.last_mask_seconds)
         # What the step did to the prefix cache, to its listeners (a router's index).
         self.allocator.flush_events()
         return outputs

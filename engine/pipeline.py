@@ -26,8 +26,8 @@ from .output import RequestOutput
 from .postprocess import Postprocessor
 from .staging import Staging
 from .step_inputs import advance_with_placeholders, build_step_inputs
+from .step_masks import StepMasks
 from .step_run import LaunchedStep, StepModel, StepResult, run_step
-from .structured import StructuredOutput
 from .token_buffer import TokenBuffer
 
 Batch = Mapping[str, TextContext] | Sequence[TextContext]
@@ -37,7 +37,7 @@ class TextGenerationPipeline:
     """Runs scheduled steps of a Llama-family model over the paged KV cache."""
 
     def __init__(self, model: StepModel, attention: AttentionBackend, kv: KVCacheManager, buffer: TokenBuffer,
-                 executor: StepExecutor, structured: StructuredOutput, postprocessor: Postprocessor,
+                 executor: StepExecutor, masks: StepMasks, postprocessor: Postprocessor,
                  vocab_size: int, overlap: bool = False, graphs: DecodeGraphs | None = None):
         self.model = model
         self.attention = attention
@@ -47,7 +47,7 @@ class TextGenerationPipeline:
         self.kv = kv
         self.buffer = buffer
         self.executor = executor
-        self.structured = structured
+        self.masks = masks
         self.postprocessor = postprocessor
         self.vocab_size = vocab_size
         self.overlap = overlap
@@ -82,7 +82,7 @@ class TextGenerationPipeline:
             failed.set_exception(exc)
             return LaunchedStep(contexts, epochs, None, failed)
         job = self.executor.submit(partial(run_step, inputs, self.model, self.attention, self.buffer.tokens,
-                                           self.structured.apply, self.graphs))
+                                           self.masks.apply, self.graphs))
         return LaunchedStep(contexts, epochs, inputs, job)
 
     def fill_grammar(self, step: LaunchedStep) -> None:
@@ -96,7 +96,7 @@ class TextGenerationPipeline:
         if inputs is None or inputs.grammar is None:
             return
         live = [step.contexts[row] if step.live(row) else None for row in inputs.sampled]
-        self.structured.fill(inputs.grammar, live)
+        self.masks.fill(inputs.grammar, live)
 
     def finish(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's run and postprocess it."""

@@ -4,7 +4,7 @@ For every request of the step whose work still counts: realize its future
 tokens, record log-probabilities, apply the token-level stop rules
 (stopping.py), read them into its reasoning gate (reasoning.py: where a
 thought ends, a spent thinking budget), advance its grammar and append forced
-tokens (structured.py),
+tokens (step_masks.py),
 publish its finished KV pages, detokenize and match stop strings (output.py),
 decode its audio (speech). Then build each request's output and free what the
 finished requests hold. This is the one place a running request is finished;
@@ -32,9 +32,9 @@ from .kv_cache import KVCacheManager
 from .output import OutputStream, RequestOutput
 from .scheduler import Scheduler
 from .speech import AudioGenerator, TTSContext
+from .step_masks import StepMasks
 from .step_run import LaunchedStep, PromptLogprobs, StepResult
 from .stopping import token_verdict
-from .structured import StructuredOutput
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Postprocessor:
         if ctx.gate is not None:
             self._advance_gate(ctx)
         if ctx.constrained and not ctx.is_done:
-            verdict, forced = StructuredOutput.advance(ctx)
+            verdict, forced = StepMasks.advance(ctx)
             if verdict is None and forced:
                 last = ctx.end_idx - 1
                 verdict = token_verdict(ctx, int(ctx.tokens[last]), last, self.max_seq_len)
@@ -161,7 +161,7 @@ class Postprocessor:
         """Read ctx's known tokens into its reasoning gate. When the answer
         starts, the matcher's input starts there; a thought whose budget is
         spent, with nothing in flight, gets its end marker appended now (with
-        a step in flight, its mask forces it: structured.py)."""
+        a step in flight, its mask forces it: step_masks.py)."""
         gate = ctx.gate
         assert gate is not None
         opened = gate.observe(ctx.tokens, ctx.num_final_tokens)

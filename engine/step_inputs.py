@@ -34,7 +34,7 @@ from .graphs import DecodeGraphs
 from .kv_cache import KVCacheInputs, KVCacheManager
 from .sampler import SamplingBatch, build_sampling_batch
 from .staging import Staging
-from .structured import PendingMask
+from .step_masks import PendingMask
 from .token_buffer import TokenBuffer
 
 

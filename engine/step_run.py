@@ -23,7 +23,7 @@ from .graphs import DecodeGraphs
 from .sampler import SamplerOutput, SamplingBatch, count_tokens, sample
 from .staging import upload
 from .step_inputs import PromptLogprobTarget, SampleInputs, StepInputs
-from .structured import PendingMask
+from .step_masks import PendingMask
 
 
 class StepModel(Protocol):

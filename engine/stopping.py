@@ -3,7 +3,7 @@
 Pure: `token_verdict` says how a newly known token ends its request and the
 step's postprocess applies it. Stop strings are matched on text by the
 request's output stream (output.py); a constrained request's EOS is the
-grammar's to accept (structured.py).
+grammar's to accept (step_masks.py).
 """
 
 from __future__ import annotations

@@ -1,130 +1,37 @@
-"""Structured output inside the engine.
+"""The engine's grammar compile service: `StructuredOutput`.
 
-Before sampling, the rows of constrained requests get their grammar's token
-bitmask applied to the logits (on the device; other rows are untouched). The
-bitmask of a step is a `PendingMask`: filled on the engine thread once every
-matcher has seen the tokens before its sample position, awaited on the device
-thread just before sampling. After a token is known, the request's matcher
-advances (`advance`), and tokens the grammar forces are appended at once with
-`TextContext.jump_ahead`: they are output, and the next step feeds them to the
-model as one multi-token chunk, so a run of forced tokens costs one forward
-pass instead of one per token.
-
-`advance` never ends a request itself: it returns a verdict (complete, or
-failed and why) for the step's postprocess to apply. A token the matcher
-rejects fails the request: the engine never falls back to unconstrained output.
-
-A reasoning model's request (reasoning.py) is sampled freely while its thought
-is open: no grammar row, the matcher sees nothing. Its row is masked only to
-force the end marker once a thinking budget is spent, or to keep it from
-stopping before min_new_tokens; on the first token of a qwen3 output that may
-open a thought, the row is the grammar's plus the start marker.
+A constrained request's spec is compiled into a matcher before its context is
+made: by the service on the event loop (`compile_async`, awaited without
+blocking the loop; service/structured.py), or by the offline `LLM` on its own
+thread. The compiler (grammar.GrammarCompiler: cache, fair queue per tenant,
+killable worker processes) is started on first use; every method here is
+thread-safe. The per-step mask path is `step_masks.StepMasks`.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
-import torch
-
-from grammar import (
-    GrammarCompiler,
-    GrammarSpec,
-    Matcher,
-    SchemaStore,
-    allocate_bitmask,
-    apply_token_bitmask_inplace,
-)
-
-from .context import Failure, GenerationStatus, TextContext, Verdict
-
-log = logging.getLogger(__name__)
-
-
-class PendingMask:
-    """One step's grammar bitmask: filled on the engine thread, applied on the device thread.
-
-    `failed` holds the batch rows whose matcher could not compute its mask (the
-    step's postprocess fails those requests).
-
-    The hand-over is a lock held from construction until `set`: releasing a
-    plain `threading.Lock` is one C call, where `threading.Event.set` takes a
-    Python-level condition variable (several microseconds per step, on the
-    engine thread). A Lock may be released by a thread that did not acquire it.
-    """
-
-    __slots__ = ("_latch", "is_set", "_bitmask", "_rows", "failed")
-
-    def __init__(self) -> None:
-        self._latch = threading.Lock()
-        self._latch.acquire()
-        self.is_set = False  # read on every step: an attribute, not a property
-        self._bitmask: torch.Tensor | None = None
-        self._rows: list[int] = []
-        self.failed: dict[int, Failure] = {}
-
-    def set(self, bitmask: torch.Tensor | None, rows: list[int]) -> None:
-        """Publish the mask (once; a second call is ignored) and wake the device thread."""
-        if self.is_set:
-            return
-        self._bitmask, self._rows = bitmask, rows
-        self.is_set = True
-        self._latch.release()
-
-    def wait(self) -> float:
-        """Block until the mask is set; returns the seconds spent blocked (0.0 if it was)."""
-        if self.is_set:
-            return 0.0
-        start = time.perf_counter()
-        with self._latch:  # acquired only once `set` released it
-            pass
-        return time.perf_counter() - start
-
-    def apply(self, logits: torch.Tensor,
-              apply_mask: Callable[[torch.Tensor, torch.Tensor, list[int]], None]) -> None:
-        """Wait until the mask is filled, then mask `logits` with it."""
-        self.wait()
-        if self._bitmask is not None and self._rows:
-            apply_mask(logits, self._bitmask, self._rows)
-
-
-class _OneRow(NamedTuple):
-    """How a step with one constrained row fills it (see `StructuredOutput.fill`)."""
-
-    matcher: Matcher  # the request's, made once per request
-    fill: Callable[[], object]  # fills row 0 of `bitmask` for `matcher`
-    bitmask: torch.Tensor  # the step bitmask's one-row view
+from grammar import GrammarCompiler, GrammarSpec, Matcher, SchemaStore
 
 
 class StructuredOutput:
-    """The engine's grammar runtime: a lazily started compiler and per-step masking."""
+    """The engine's grammar compile service: a lazily started compiler, thread-safe."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
                  backend: str = "auto", compile_timeout_s: float = 10.0,
-                 schema_store: SchemaStore | None = None, mask_threads: int = 1):
+                 schema_store: SchemaStore | None = None):
         self._hf_tokenizer = hf_tokenizer
-        self.mask_threads = mask_threads
         self.schema_store = schema_store
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
         self._compiler: GrammarCompiler | None = None
-        self._one_row: _OneRow | None = None  # for the last matcher alone in a step
         self._lock = threading.Lock()
-        self._bitmask: torch.Tensor | None = None
-        self._views: dict[int, torch.Tensor] = {}
-        self._words: np.ndarray = np.zeros((0, 0), dtype=np.uint32)
-        # Seconds the last `fill` with constrained rows took (the engine resets
-        # it to None at the start of each step and reports it in StepStats).
-        self.last_mask_seconds: float | None = None
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -135,8 +42,7 @@ class StructuredOutput:
                                                  vocab_size=self.vocab_size,
                                                  eos_token_ids=self.eos_token_ids,
                                                  compile_timeout_s=self.compile_timeout_s,
-                                                 schema_store=self.schema_store,
-                                                 mask_threads=self.mask_threads)
+                                                 schema_store=self.schema_store)
             return self._compiler
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:
@@ -155,251 +61,5 @@ class StructuredOutput:
             if self._compiler is not None:
                 self._compiler.close()
                 self._compiler = None
-                self._one_row = None
 
     # -- per step -------------------------------------------------------------
-    def fill(self, mask: PendingMask, contexts: Sequence[TextContext | None]) -> None:
-        """Fill `mask` for the constrained contexts (None rows are skipped) and release it.
-
-        A context whose next token is already decided (`forced_next`, see
-        `advance`) gets a row allowing only it. A matcher that fails is
-        recorded in `mask.failed`; the others are filled all the same. Rows
-        inside a thought follow `_thought_row`.
-
-        This runs once per step on the engine thread, so it is kept lean: one
-        pass over the contexts, a bitmask view per batch size made once, and
-        forced rows written through a numpy view (torch indexing costs
-        microseconds per call).
-        """
-        start = time.perf_counter()
-        try:
-            ctx = contexts[0] if len(contexts) == 1 else None
-            if ctx is not None and ctx.constrained and ctx.forced_next is None \
-                    and ctx.resampler is None and (ctx.gate is None or ctx.gate.answering):
-                # One constrained request sampling freely (a lone client): its
-                # row without the batch bookkeeping below, through a fill made
-                # once per request (for xgrammar a native call with no Python
-                # frame: grammar.BitmaskFiller.row_filler).
-                one = self._one_row
-                assert ctx.matcher is not None
-                if one is None or one.matcher is not ctx.matcher:
-                    bitmask = self._view(1)
-                    one = self._one_row = _OneRow(ctx.matcher, self.compiler.filler.row_filler(
-                        ctx.matcher, bitmask, 0), bitmask)
-                try:
-                    one.fill()
-                except Exception:  # noqa: BLE001 - terminated (xgrammar refuses) or failing
-                    self._one_row_failed(one, mask)
-                mask.set(one.bitmask, [0])
-                self.last_mask_seconds = time.perf_counter() - start
-                return
-            rows: list[int] = []
-            free: list[int] = []
-            matchers: list[Matcher] = []
-            also: list[tuple[int, int]] = []  # (row, token): the grammar's row plus this token
-            blocked: list[tuple[int, frozenset[int]]] = []  # (row, tokens): any token but these
-            for i, ctx in enumerate(contexts):
-                if ctx is None:
-                    continue
-                gate = ctx.gate
-                if gate is not None and gate.thinking and ctx.forced_next is None:
-                    stops = _thought_row(ctx)
-                    if ctx.forced_next is None and not stops:
-                        continue  # sampled freely
-                    rows.append(i)
-                    if stops:
-                        blocked.append((i, stops))
-                    continue
-                if ctx.forced_next is not None:
-                    rows.append(i)
-                elif ctx.constrained:
-                    assert ctx.matcher is not None
-                    rows.append(i)
-                    free.append(i)
-                    matchers.append(ctx.matcher)
-                    if gate is not None and gate.undecided:
-                        also.append((i, gate.parser.start_id))
-            if not rows:
-                mask.set(None, [])
-                return
-            bitmask = self._view(len(contexts))
-            if matchers:
-                compiler = self._compiler or self.compiler  # set once a matcher exists
-                try:
-                    compiler.fill_bitmasks(matchers, bitmask, free)
-                except Exception:  # noqa: BLE001 - one matcher's fault must not fail the batch
-                    self._fill_one_by_one(matchers, bitmask, free, mask)
-            words = self._words
-            if len(free) < len(rows):
-                for i in rows:
-                    token = contexts[i].forced_next  # type: ignore[union-attr]
-                    if token is not None:
-                        words[i] = 0  # allow exactly `token`
-                        words[i, token >> 5] = 1 << (token & 31)
-            for i, token in also:
-                words[i, token >> 5] |= np.uint32(1 << (token & 31))
-            for i, tokens in blocked:
-                words[i] = np.uint32(0xFFFFFFFF)
-                for token in tokens:
-                    if token < self.vocab_size:
-                        words[i, token >> 5] &= ~np.uint32(1 << (token & 31))
-            _mask_resampled(contexts, bitmask, free)
-            mask.set(bitmask, rows)
-            self.last_mask_seconds = time.perf_counter() - start
-        finally:
-            if not mask.is_set:  # the device thread must never wait for ever
-                mask.set(None, [])
-
-    def _one_row_failed(self, one: _OneRow, mask: PendingMask) -> None:
-        """The one-row fill raised: fill (or record the failure) the general
-        way, which knows a terminated matcher, and use that way from now on."""
-        fill = functools.partial(self.compiler.filler.fill, (one.matcher,), one.bitmask, (0,))
-        self._one_row = one._replace(fill=fill)
-        self._fill_one_by_one([one.matcher], one.bitmask, [0], mask)
-
-    def _view(self, batch: int) -> torch.Tensor:
-        """The first `batch` rows of the step bitmask (allocated, or grown, on demand).
-
-        One buffer is enough: a step's bitmask is filled only after the
-        previous step (its last reader) has finished. Views are cached per
-        batch size, so the batch filler sees the same tensor object each step.
-        """
-        view = self._views.get(batch)
-        if view is None:
-            if self._bitmask is None or self._bitmask.shape[0] < batch:
-                # Not through the compiler: a thinking budget masks rows of
-                # requests that never start one (its worker processes).
-                self._bitmask = allocate_bitmask(max(batch, 64), self.vocab_size)
-                self._views.clear()
-                self._one_row = None  # its fill wrote the old buffer
-                # Shares memory with the bitmask; unsigned, so bit 31 needs no sign trick.
-                self._words = self._bitmask.numpy().view(np.uint32)
-            view = self._views[batch] = self._bitmask[:batch]
-        return view
-
-    def _fill_one_by_one(self, matchers: Sequence[Matcher | None], bitmask: torch.Tensor,
-                         rows: Sequence[int], mask: PendingMask) -> None:
-        """After a failed batch fill: each row on its own; the failures are recorded
-        (those rows are left as they are: their tokens will be discarded)."""
-        for matcher, row in zip(matchers, rows, strict=True):
-            try:
-                self.compiler.fill_bitmasks([matcher], bitmask, [row])
-            except Exception:  # noqa: BLE001
-                log.exception("computing a grammar mask failed (row %d)", row)
-                mask.failed[row] = Failure("internal error while computing the grammar mask; "
-                                           "see the server log")
-
-    @staticmethod
-    def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Mask disallowed tokens of `rows` of `logits` in place (on its device)."""
-        apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), rows)
-
-    @staticmethod
-    def advance(ctx: TextContext) -> tuple[Verdict | None, bool]:
-        """Feed ctx's newly known tokens to its matcher, then append forced tokens.
-
-        Returns (verdict, forced): how the grammar ends the request (None: it
-        goes on) and whether forced tokens were appended. The matcher only sees
-        tokens in order, up to the first placeholder. When one placeholder
-        remains (the step in flight samples the next position), the grammar's
-        first forced token is what that step will sample (its mask allows
-        nothing else), so only the rest are appended behind it.
-        """
-        matcher = ctx.matcher
-        assert matcher is not None
-        end = ctx.num_final_tokens
-        while ctx.grammar_idx < end:
-            token = int(ctx.tokens[ctx.grammar_idx])
-            if ctx.forced_next is not None:
-                # The in-flight step was masked to this one token.
-                if token != ctx.forced_next:
-                    return Failure(f"token {token} differs from the forced token {ctx.forced_next}"), False
-                ctx.forced_next = None
-            if not matcher.accept_token(token):
-                return _rejected(matcher, token), False
-            ctx.grammar_idx += 1
-            verdict = _grammar_verdict(matcher)
-            if verdict is not None:
-                return verdict, False
-        in_flight = ctx.end_idx - ctx.grammar_idx
-        if in_flight > 1:
-            return None, False  # tokens behind a placeholder are consumed when it is realized
-        room = ctx.max_length - ctx.end_idx
-        usable = room + in_flight  # the in-flight position, then the room behind it
-        forced = matcher.forced_tokens(max_tokens=usable) if usable > 0 else []
-        if in_flight == 1 and forced:
-            # The step in flight samples the placeholder's position. Its mask is
-            # narrowed to exactly the first forced token (a grammar may also
-            # allow other tokenizations of the forced text, such as a shorter
-            # prefix), so the tokens appended behind it are what follows.
-            ctx.forced_next = forced[0]
-            ctx.forced_positions.add(ctx.end_idx - 1)
-            forced = forced[1:]
-        for token in forced[:max(room, 0)]:
-            ctx.jump_ahead(token)
-            if in_flight == 0:
-                if not matcher.accept_token(token):
-                    return _rejected(matcher, token), True
-                ctx.grammar_idx += 1
-        return None, bool(forced)
-
-
-def _thought_row(ctx: TextContext) -> frozenset[int]:
-    """The mask of a row whose thought is open, for the token it samples now
-    (the request's first placeholder). A spent thinking budget forces the end
-    marker (`forced_next`, which the caller writes); a request with a grammar
-    that may not stop yet (min_new_tokens) gets its stop tokens blocked here
-    (the sampler's launch-time block leaves rows with a grammar alone).
-    Returns the tokens to block (empty: none)."""
-    gate = ctx.gate
-    assert gate is not None
-    position = ctx.num_final_tokens
-    if gate.budget_spent(position):
-        ctx.forced_next = gate.parser.end_id
-        ctx.forced_positions.add(position)
-        return frozenset()
-    params = ctx.sampling_params
-    if ctx.matcher is not None and position - ctx.prompt_len < params.min_new_tokens:
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= ctx.eos_token_ids
-        return frozenset(stops)
-    return frozenset()
-
-
-def _grammar_verdict(matcher: Matcher) -> Verdict | None:
-    message = matcher.error()
-    if message:
-        return Failure(f"the grammar library stopped: {message}", cause="constraint")
-    if matcher.is_terminated():
-        # The grammar accepted a stop token: the output is complete (even with
-        # ignore_eos, nothing else may follow).
-        return GenerationStatus.END_OF_SEQUENCE
-    return None
-
-
-def _rejected(matcher: Matcher, token: int) -> Failure:
-    """The matcher refused a token the mask (or the grammar's forced run) had
-    allowed. A library limit is the constraint's fault; anything else is a
-    disagreement between mask and matcher, a server fault."""
-    message = matcher.error()
-    if message:
-        return Failure(f"the grammar library stopped: {message}", cause="constraint")
-    reason = matcher.rejection_reason(token)
-    if reason:
-        return Failure(f"the grammar library refused token {token}: {reason}", cause="constraint")
-    return Failure(f"token {token} was rejected by the grammar")
-
-
-def _mask_resampled(contexts: Sequence[TextContext | None], bitmask: torch.Tensor,
-                    rows: Sequence[int]) -> None:
-    """Rows resampling a value that broke the schema: their banned choices go
-    (engine/resample.py). Kept apart from the mask fill above on purpose."""
-    for i in rows:
-        resampler = contexts[i].resampler  # type: ignore[union-attr]
-        if resampler is not None:
-            try:
-                resampler.mask(contexts[i], bitmask[i])  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - a ban is a preference; the grammar's mask stands
-                log.exception("masking a resampled value failed (row %d)", i)
-

@@ -249,13 +249,13 @@ def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
     eng = llm.engine
     assert eng.graphs is not None
     devices: list[str] = []
-    real_apply = eng.structured.apply
+    real_apply = eng.masks.apply
 
     def recording(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         devices.append(logits.device.type)
         real_apply(logits, bitmask, rows)
 
-    monkeypatch.setattr(eng.structured, "apply", recording)
+    monkeypatch.setattr(eng.masks, "apply", recording)
     n = 9
     temps = [0.0, 0.7, 1.0]
     params = [SamplingParams(temperature=temps[i % 3], seed=i, max_new_tokens=80) for i in range(n)]

@@ -153,7 +153,7 @@ def test_a_failing_matcher_fails_only_its_request(make_llm, where, overlap):
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_a_lone_request_whose_mask_fails_ends_alone(make_llm, backend):
     # A step with one constrained row takes its own short path
-    # (StructuredOutput.fill); a mask failure there fails the request, not
+    # (StepMasks.fill); a mask failure there fails the request, not
     # the engine, which then serves the next request as usual.
     llm = make_llm("tiny-llama", grammar_backend=backend)
     eng = llm.engine
