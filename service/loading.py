@@ -38,7 +38,7 @@ def warm_up(engine: EngineCore, grammar: bool = False) -> None:
     prompts = ["Hello", "Warm-up request with a somewhat longer prompt."]
     for i, text in enumerate(prompts + (["Yes or no?"] if grammar else [])):
         ids = tok.encode(text)[: engine.max_model_len - 3]
-        ctx = engine.make_context(ids, SamplingParams(temperature=0.0, max_new_tokens=2),
+        ctx = engine.requests.make_context(ids, SamplingParams(temperature=0.0, max_new_tokens=2),
                                   request_id=f"stencild-warmup-{i}",
                                   matcher=matcher if i == len(prompts) else None)
         engine.add_request(ctx)
@@ -49,7 +49,7 @@ def warm_up(engine: EngineCore, grammar: bool = False) -> None:
 def warm_up_speech(engine: EngineCore) -> None:
     """Speak a few frames, in one-frame chunks, so the first Synthesize pays no
     start-up cost in the speech LM or the audio decoder."""
-    ctx = engine.make_speech_context("Warm-up.", SamplingParams(temperature=0.0),
+    ctx = engine.requests.make_speech_context("Warm-up.", SamplingParams(temperature=0.0),
                                      request_id="stencild-warmup-speech", chunk_frames=1,
                                      max_audio_seconds=0.5)
     engine.add_request(ctx)

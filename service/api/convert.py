@@ -230,7 +230,7 @@ def prepare_generate(req: pb.GenerateRequest, engine: EngineCore, request_id: st
     reasoning = reasoning_options(req, engine)
     ids, input_field = prompt_ids(req, engine.tokenizer, tools.template_entries if tools is not None else None)
     try:
-        spec = engine.check_request(ids, params, request_id)
+        spec = engine.requests.check(ids, params, request_id)
     except InvalidRequest as err:
         raise invalid_request(err, input_field) from None
     r = req.response

@@ -179,7 +179,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         [matcher] = await self.state.compile_constraint(prepared.constraint)
         # 3. Build its context, once, and hand it to the engine thread.
         assert self.state.constraints is not None
-        ctx = loop.engine.context(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint),
+        ctx = loop.engine.requests.context(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint),
                                   prepared.reasoning)
         stream = loop.submit(ctx)
         self.state.call_started()

@@ -110,7 +110,7 @@ def prepare_synthesize(req: pb.SynthesizeRequest, engine: EngineCore, request_id
     chunk_frames = req.chunk_frames if req.HasField("chunk_frames") else DEFAULT_CHUNK_FRAMES
     seconds = req.max_audio_seconds if req.HasField("max_audio_seconds") else DEFAULT_MAX_AUDIO_SECONDS
     try:
-        ctx = engine.make_speech_context(req.input, params, request_id, chunk_frames=chunk_frames,
+        ctx = engine.requests.make_speech_context(req.input, params, request_id, chunk_frames=chunk_frames,
                                          max_audio_seconds=seconds, audio_prompt_codes=codes,
                                          audio_prompt_transcription=req.audio_prompt_transcription)
     except InvalidRequest as err:

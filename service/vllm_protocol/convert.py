@@ -186,7 +186,7 @@ def prepare_generate(req: vpb.GenerateRequest, engine: EngineCore, request_id: s
         ids = ids[-keep:]  # vLLM keeps the end of the prompt
     specs = []
     try:
-        first = engine.check_request(ids, params, request_id)
+        first = engine.requests.check(ids, params, request_id)
         specs.append(first)
         for i in range(1, n):
             specs.append(RequestSpec(first.prompt, first.params, f"{request_id}/{i}", first.max_length,

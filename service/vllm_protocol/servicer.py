@@ -95,7 +95,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         def start(i: int) -> None:
             spec = prepared.specs[i]
             # vLLM's request has no resample field: the server's default applies.
-            ctx = loop.engine.context(spec, matchers[i], compiler.resamples(prepared.constraint),
+            ctx = loop.engine.requests.context(spec, matchers[i], compiler.resamples(prepared.constraint),
                                       prepared.reasoning)
             stream = loop.submit(ctx)
             seq = _Sequence(i, ctx.request_id, stream,

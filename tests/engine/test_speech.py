@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine import SpeechUnavailable
 from engine.errors import InvalidRequest
 from engine.presets import ensure_preset
-from engine.speech import CODES_PER_FRAME
+from engine.speech import CODES_PER_FRAME, SpeechUnavailable
 
 from .reference import hf_greedy  # noqa: F401  (keeps the reference models importable)
 
