@@ -186,10 +186,13 @@ def _pct(samples: list[float], q: float) -> float:
 class _Row:
     """The fields of a TextContext that `StepMasks.fill` reads."""
 
+    constrained = True
+
     def __init__(self, matcher: Any) -> None:
+        from engine.context import GrammarState
+
         self.matcher = matcher
-        self.forced_next: int | None = None
-        self.resampler = None
+        self.grammar = GrammarState(grammar_idx=0)
 
 
 def _raw_fill(backend: str, native: Any, bitmask: Any) -> None:

@@ -98,9 +98,61 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+@dataclass
+class GrammarState:
+    """What the grammar path owns of a request: the matcher's progress, forced
+    tokens, the resampler and the reasoning gate. Written on the engine thread
+    by the matcher's advance (step_masks.py), the gate (reasoning.py) and the
+    resampler (resample.py); the index core's `jump_ahead`, `rollback` and
+    `drop_futures` keep it in step with the tokens."""
+
+    grammar_idx: int  # tokens [prompt_len, grammar_idx) have been fed to the matcher
+    # The token an in-flight step must sample (the grammar forces it).
+    forced_next: int | None = None
+    # Positions of tokens the grammar forced (output without a model choice).
+    forced_positions: set[int] = field(default_factory=set)
+    # Forced tokens appended without a forward pass sampling them
+    # (jump_ahead): each one is a decode step saved.
+    num_jumped: int = 0
+    # Resampling JSON requests whose grammar leaves keywords unenforced:
+    # rolls back and resamples a value that breaks one (resample.py); None otherwise.
+    resampler: Resampler | None = None
+    # With a reasoning parser: where the thought ends and the answer (and
+    # the grammar) starts (reasoning.py); None: the output is all answer.
+    gate: ReasoningGate | None = None
+
+
+@dataclass
+class OutputState:
+    """What the postprocess owns: log-probabilities and the stage times."""
+
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    times: RequestTimes = field(default_factory=RequestTimes)
+
+
+@dataclass
+class ScheduleState:
+    """What scheduling and recovery own: the token-buffer row, resets, suspicion, cache hits."""
+
+    # This request's row in the device token buffer (see TokenBuffer).
+    buffer_row: int | None = None
+    # Bumped by every reset: a launched step whose rows carry an older epoch
+    # was computed for work that has been thrown away.
+    epoch: int = 0
+    # Set when a step this request was in failed: it then runs alone until
+    # one of its steps succeeds, so a request that breaks steps is found
+    # and ended without taking its batch with it (see EngineCore.step).
+    suspect: bool = False
+    num_cached_prompt_tokens: int = 0
+
+
 @dataclass(eq=False)
 class TextContext:
-    """A request's tokens, indices, parameters and status."""
+    """A request's tokens, indices, parameters and status (the index core, which
+    the step's phases move: docs/structures.md lists who moves what), and the
+    parts each owned by one phase: `grammar` (GrammarState), `output`
+    (OutputState) and `sched` (ScheduleState)."""
 
     tokens: np.ndarray
     max_length: int
@@ -128,38 +180,46 @@ class TextContext:
         # Positions of placeholders, oldest first. Forced tokens may follow a
         # placeholder, so futures are not always at the tail.
         self._futures: deque[int] = deque()
-        # Tokens [prompt_len, grammar_idx) have been fed to the matcher.
-        self.grammar_idx = self.prompt_len
-        # The token an in-flight step must sample (the grammar forces it).
-        self.forced_next: int | None = None
-        # This request's row in the device token buffer (see TokenBuffer).
-        self.buffer_row: int | None = None
-        # Positions of tokens the grammar forced (output without a model choice).
-        self.forced_positions: set[int] = set()
-        self.num_cached_prompt_tokens = 0
-        # Bumped by every reset: a launched step whose rows carry an older epoch
-        # was computed for work that has been thrown away.
-        self.epoch = 0
-        # Set when a step this request was in failed: it then runs alone until
-        # one of its steps succeeds, so a request that breaks steps is found
-        # and ended without taking its batch with it (see EngineCore.step).
-        self.suspect = False
+        # The parts of a request each owned by one phase (docs/structures.md).
+        self.grammar = GrammarState(grammar_idx=self.prompt_len)
+        self.output = OutputState()
+        self.sched = ScheduleState()
         # What ERROR was caused by: "constraint" when the request's grammar hit
         # a library limit (the client's to fix), None for a server fault.
         self.error_cause: str | None = None
-        self.logprobs: list[TokenLogprobs] = []
-        self.prompt_logprobs: list[TokenLogprobs | None] = []
-        self.times = RequestTimes()
-        # Forced tokens appended without a forward pass sampling them
-        # (jump_ahead): each one is a decode step saved.
-        self.num_jumped = 0
-        # Resampling requests whose grammar leaves keywords unenforced (JSON, or
-        # the JSON inside structural tags): rolls back and resamples a value
-        # that breaks one (resample.py); None otherwise.
-        self.resampler: Resampler | None = None
-        # With a reasoning parser: where the thought ends and the answer (and
-        # the grammar) starts (reasoning.py); None: the output is all answer.
-        self.gate: ReasoningGate | None = None
+
+    # -- names kept for callers outside the engine (their owners are the parts) --
+    @property
+    def gate(self) -> ReasoningGate | None:
+        return self.grammar.gate
+
+    @gate.setter
+    def gate(self, gate: ReasoningGate | None) -> None:
+        self.grammar.gate = gate
+
+    @property
+    def resampler(self) -> Resampler | None:
+        return self.grammar.resampler
+
+    @property
+    def forced_positions(self) -> set[int]:
+        return self.grammar.forced_positions
+
+    @property
+    def epoch(self) -> int:
+        return self.sched.epoch
+
+    @property
+    def buffer_row(self) -> int | None:
+        return self.sched.buffer_row
+
+    @property
+    def times(self) -> RequestTimes:
+        return self.output.times
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        return self.sched.num_cached_prompt_tokens
 
     # -- views -------------------------------------------------------------
     @property
@@ -211,7 +271,7 @@ class TextContext:
 
     @property
     def num_forced_tokens(self) -> int:
-        return len(self.forced_positions)
+        return len(self.grammar.forced_positions)
 
     # -- the grammar and the thought ------------------------------------------
     @property
@@ -221,21 +281,21 @@ class TextContext:
         or may start with the next token). Every rule that differs between
         constrained and free sampling asks this (scheduler, stop rules, masks,
         the matcher's advance)."""
-        return self.matcher is not None and (self.gate is None or not self.gate.thinking)
+        return self.matcher is not None and (self.grammar.gate is None or not self.grammar.gate.thinking)
 
     @property
     def needs_mask(self) -> bool:
         """Whether a step sampling this request may need a mask for it: it has
         a grammar (whose answer may start while the step is in flight), or a
         thinking budget that may force the end of its thought."""
-        gate = self.gate
+        gate = self.grammar.gate
         return self.matcher is not None or (gate is not None and gate.budget is not None and not gate.answering)
 
     @property
     def grammar_start(self) -> int | None:
         """Position of the first token the matcher reads (the answer's); None
         while a thought is open."""
-        gate = self.gate
+        gate = self.grammar.gate
         if gate is None or gate.undecided:
             return self.prompt_len
         return gate.answer_start
@@ -266,7 +326,7 @@ class TextContext:
             raise ValueError("a prefix hit must leave at least one token to compute")
         self.start_idx += num_tokens
         self.active_idx = self.end_idx
-        self.num_cached_prompt_tokens = min(self.start_idx, self.prompt_len)
+        self.sched.num_cached_prompt_tokens = min(self.start_idx, self.prompt_len)
 
     def mark_chunk_done(self) -> None:
         """next_tokens were computed but were not the last pending ones: no sample."""
@@ -281,10 +341,10 @@ class TextContext:
 
     def jump_ahead(self, token: int) -> None:
         """Append a grammar-forced token: it is output, and computed in the next step."""
-        self.forced_positions.add(self.end_idx)
+        self.grammar.forced_positions.add(self.end_idx)
         self._append(int(token))
         self.active_idx = self.end_idx
-        self.num_jumped += 1
+        self.grammar.num_jumped += 1
 
     def update_with_future_token(self) -> None:
         """Like update(), with a placeholder for a token not yet on the host."""
@@ -307,8 +367,8 @@ class TextContext:
             return
         cut = self._futures[0]
         self._futures.clear()
-        self.forced_next = None
-        self.forced_positions = {p for p in self.forced_positions if p < cut}
+        self.grammar.forced_next = None
+        self.grammar.forced_positions = {p for p in self.grammar.forced_positions if p < cut}
         self.end_idx = cut
         self.active_idx = min(self.active_idx, cut)
         self.start_idx = min(self.start_idx, max(cut - 1, 0))
@@ -322,15 +382,15 @@ class TextContext:
         self.end_idx -= num_tokens
         while self._futures and self._futures[-1] >= self.end_idx:
             self._futures.pop()
-        self.forced_positions = {p for p in self.forced_positions if p < self.end_idx}
+        self.grammar.forced_positions = {p for p in self.grammar.forced_positions if p < self.end_idx}
         # The last remaining token is recomputed to get fresh logits after it.
         self.start_idx = min(self.start_idx, self.end_idx - 1)
         self.active_idx = self.end_idx
         self.committed_idx = min(self.committed_idx, self.start_idx)
-        del self.logprobs[self.num_generated:]
-        self.grammar_idx = min(self.grammar_idx, self.end_idx)
-        if self.gate is not None:
-            self.gate.rewind(self.tokens, self.end_idx)
+        del self.output.logprobs[self.num_generated:]
+        self.grammar.grammar_idx = min(self.grammar.grammar_idx, self.end_idx)
+        if self.grammar.gate is not None:
+            self.grammar.gate.rewind(self.tokens, self.end_idx)
 
     def recompute_from(self, position: int) -> None:
         """Tokens from `position` on must be computed again (their keys and values
@@ -342,7 +402,7 @@ class TextContext:
     @property
     def schema_retries(self) -> int:
         """Values resampled because they broke the schema (see resample.py)."""
-        return self.resampler.retries if self.resampler is not None else 0
+        return self.grammar.resampler.retries if self.grammar.resampler is not None else 0
 
     def reset(self) -> None:
         """After preemption: everything known is recomputed from scratch."""
@@ -351,7 +411,7 @@ class TextContext:
         self.start_idx = 0
         self.active_idx = self.end_idx
         self.committed_idx = 0
-        self.epoch += 1
+        self.sched.epoch += 1
 
     def can_multi_step(self) -> bool:
         """Whether this request can take several decode steps with no host work

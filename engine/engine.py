@@ -250,7 +250,7 @@ class EngineCore:
         if self.postprocessor.tracks(ctx.request_id):
             raise InvalidRequest("request_id", f"request {ctx.request_id} is already running")
         self.postprocessor.track(ctx)
-        ctx.times.arrival = time.monotonic()
+        ctx.output.times.arrival = time.monotonic()
         self.scheduler.add(ctx)
 
     def abort(self, request_id: str) -> bool:

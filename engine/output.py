@@ -101,7 +101,7 @@ class OutputStream:
         # The split of self.text (reasoning requests): the thought is
         # text[_thought_from:_thought_to], the answer text[_answer_from:]
         # (None: not known yet, the text so far is thought).
-        gate = ctx.gate
+        gate = ctx.grammar.gate
         params = ctx.sampling_params
         self._start_text = self._end_text = ""
         if gate is not None:
@@ -111,7 +111,7 @@ class OutputStream:
         self._reset_split()
 
     def _reset_split(self) -> None:
-        gate = self.ctx.gate
+        gate = self.ctx.grammar.gate
         self._thought_from = 0
         no_thought = gate is None or (gate.answering and gate.thought_start is None)
         self._thought_to: int | None = 0 if no_thought else None
@@ -141,7 +141,7 @@ class OutputStream:
         if ctx.status in _STOP_TOKEN_ENDS and end == ctx.end_idx \
                 and not ctx.sampling_params.include_stop_str_in_output:
             end -= 1  # the stop token that ended the output is not text (vLLM's rule)
-        gate = ctx.gate
+        gate = ctx.grammar.gate
         while ctx.prompt_len + self.decoded_tokens < end:
             position = ctx.prompt_len + self.decoded_tokens
             tok = int(ctx.tokens[position])
@@ -211,27 +211,27 @@ class OutputStream:
             self.stop_reason = int(ctx.tokens[ctx.end_idx - 1])
         limit = len(self.text) if done or not self.stops else max(self.sent_chars, len(self.text) - self.hold)
         final_tokens = ctx.num_final_tokens - ctx.prompt_len
-        if ctx.resampler is not None and not done and ctx.grammar_start is not None:
+        if ctx.grammar.resampler is not None and not done and ctx.grammar_start is not None:
             # What a rollback may still take back is held back (resample.py).
-            final_tokens = min(final_tokens, ctx.resampler.stable_tokens(ctx))
+            final_tokens = min(final_tokens, ctx.grammar.resampler.stable_tokens(ctx))
             text_end = self._text_ends[final_tokens - 1] if 0 < final_tokens <= len(self._text_ends) else 0
             limit = max(self.sent_chars, min(limit, text_end))
         reasoning, answer = self._parts(self.sent_chars, limit)
-        gate = ctx.gate
+        gate = ctx.grammar.gate
         out = RequestOutput(
             request_id=ctx.request_id,
             token_ids=ctx.tokens[ctx.prompt_len + self.sent_tokens:ctx.prompt_len + final_tokens].tolist(),
             text=answer,
             reasoning=reasoning,
             reasoning_tokens=gate.reasoning_tokens(ctx.num_final_tokens) if gate is not None else 0,
-            thought=gate.outcome(ctx.forced_positions) if gate is not None and done else None,
-            logprobs=ctx.logprobs[self.sent_logprobs:final_tokens],
+            thought=gate.outcome(ctx.grammar.forced_positions) if gate is not None and done else None,
+            logprobs=ctx.output.logprobs[self.sent_logprobs:final_tokens],
             finished=done,
             status=ctx.status,
             stop_reason=self.stop_reason if done else None,
             prompt_tokens=ctx.prompt_len,
             completion_tokens=final_tokens,
-            cached_prompt_tokens=ctx.num_cached_prompt_tokens,
+            cached_prompt_tokens=ctx.sched.num_cached_prompt_tokens,
             forced_tokens=ctx.num_forced_tokens,
             error=ctx.error,
             error_cause=ctx.error_cause,
@@ -239,10 +239,10 @@ class OutputStream:
             schema_retries=ctx.schema_retries,
         )
         if not self.prompt_logprobs_sent and ctx.sampling_params.prompt_logprobs is not None \
-                and len(ctx.prompt_logprobs) >= ctx.prompt_len:
-            out.prompt_logprobs = ctx.prompt_logprobs[:ctx.prompt_len]
+                and len(ctx.output.prompt_logprobs) >= ctx.prompt_len:
+            out.prompt_logprobs = ctx.output.prompt_logprobs[:ctx.prompt_len]
             self.prompt_logprobs_sent = True
         self.sent_chars = limit
         self.sent_tokens = final_tokens
-        self.sent_logprobs = min(len(ctx.logprobs), final_tokens)
+        self.sent_logprobs = min(len(ctx.output.logprobs), final_tokens)
         return out

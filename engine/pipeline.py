@@ -72,7 +72,7 @@ class TextGenerationPipeline:
         A failure building the inputs is the step's failure, handled by `finish`.
         """
         contexts = tuple(batch.values()) if isinstance(batch, Mapping) else tuple(batch)
-        epochs = tuple(c.epoch for c in contexts)
+        epochs = tuple(c.sched.epoch for c in contexts)
         try:
             inputs = build_step_inputs(contexts, num_steps, self.kv, self.buffer, self.attention, self.vocab_size,
                                        self.staging, self.graphs)

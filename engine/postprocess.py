@@ -94,7 +94,7 @@ class Postprocessor:
                                             None if target is None else target.first)
                 if k is not None:
                     self._advance(ctx, host, k)
-                    ctx.suspect = False  # it sampled in a step that worked
+                    ctx.sched.suspect = False  # it sampled in a step that worked
                 self.kv.commit(ctx)
             except Exception:  # noqa: BLE001 - this request's fault; the others go on
                 log.exception("request %s failed while its step was processed", ctx.request_id)
@@ -120,7 +120,7 @@ class Postprocessor:
                 self.scheduler.abort(ctx)
             else:
                 self.scheduler.requeue(ctx)
-                ctx.suspect = True
+                ctx.sched.suspect = True
         return []
 
     # -- one request ---------------------------------------------------------------
@@ -135,24 +135,24 @@ class Postprocessor:
                 n = params.logprobs
                 top = list(zip(top_ids[k, :n].tolist(), top_lp[k, :n].tolist(), strict=True)) \
                     if top_ids is not None and top_lp is not None else []
-                ctx.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
+                ctx.output.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
             status = token_verdict(ctx, tok, index, self.max_seq_len)
             if status is not None:
                 ctx.finish(status)
                 break
-        if ctx.gate is not None:
+        if ctx.grammar.gate is not None:
             self._advance_gate(ctx)
         if ctx.constrained and not ctx.is_done:
             verdict, forced = StepMasks.advance(ctx)
             if verdict is None and forced:
                 last = ctx.end_idx - 1
                 verdict = token_verdict(ctx, int(ctx.tokens[last]), last, self.max_seq_len)
-            if verdict is GenerationStatus.END_OF_SEQUENCE and ctx.resampler is not None \
+            if verdict is GenerationStatus.END_OF_SEQUENCE and ctx.grammar.resampler is not None \
                     and self._resample(ctx, at_end=True):
                 verdict = None  # the output broke its schema: rolled back instead
             if verdict is not None:
                 ctx.end(verdict)
-        if ctx.resampler is not None and ctx.constrained and not ctx.is_done:
+        if ctx.grammar.resampler is not None and ctx.constrained and not ctx.is_done:
             self._resample(ctx)
         if ctx.is_done:
             ctx.drop_futures()
@@ -162,7 +162,7 @@ class Postprocessor:
         starts, the matcher's input starts there; a thought whose budget is
         spent, with nothing in flight, gets its end marker appended now (with
         a step in flight, its mask forces it: step_masks.py)."""
-        gate = ctx.gate
+        gate = ctx.grammar.gate
         assert gate is not None
         opened = gate.observe(ctx.tokens, ctx.num_final_tokens)
         if not opened and not ctx.is_done and ctx.pending_futures == 0 and gate.budget_spent(ctx.end_idx) \
@@ -174,30 +174,30 @@ class Postprocessor:
                 ctx.finish(status)
         if opened:
             assert gate.answer_start is not None
-            ctx.grammar_idx = gate.answer_start
-            ctx.forced_next = None  # the forced end marker, now read
+            ctx.grammar.grammar_idx = gate.answer_start
+            ctx.grammar.forced_next = None  # the forced end marker, now read
 
     def _resample(self, ctx: TextContext, at_end: bool = False) -> bool:
         """Roll ctx back to the start of a value that broke its schema, if one
         just completed (`at_end`: the grammar accepted a stop token) and
         retries remain (see resample.py). Whether it rolled back."""
-        assert ctx.resampler is not None
+        assert ctx.grammar.resampler is not None
         stream = self._streams.get(ctx.request_id)
         floor = stream.sent_tokens if stream is not None else 0
-        to = ctx.resampler.check_end(ctx, floor) if at_end else ctx.resampler.check(ctx, floor)
+        to = ctx.grammar.resampler.check_end(ctx, floor) if at_end else ctx.grammar.resampler.check(ctx, floor)
         if to is None:
             return False
         log.debug("request %s: a value breaks %s; resampling from token %d (retry %d)",
                   ctx.request_id, to.keyword or "the schema", to.position - ctx.prompt_len,
-                  ctx.resampler.retries)
+                  ctx.grammar.resampler.retries)
         matcher = ctx.matcher
         assert matcher is not None
-        matcher.rollback(ctx.grammar_idx - to.position)
+        matcher.rollback(ctx.grammar.grammar_idx - to.position)
         ctx.rollback(ctx.end_idx - to.position)
-        ctx.forced_next = None
+        ctx.grammar.forced_next = None
         # A step launched with the old tokens (speculative constrained decoding)
         # computed work that is gone: its results for ctx are discarded.
-        ctx.epoch += 1
+        ctx.sched.epoch += 1
         self.kv.truncate(ctx)
         if stream is not None:
             stream.rolled_back()
@@ -205,8 +205,8 @@ class Postprocessor:
 
     @staticmethod
     def _store_prompt_logprobs(ctx: TextContext, item: PromptLogprobs | None, first: int | None) -> None:
-        if ctx.sampling_params.prompt_logprobs is not None and not ctx.prompt_logprobs:
-            ctx.prompt_logprobs.append(None)  # the first prompt token has no prediction
+        if ctx.sampling_params.prompt_logprobs is not None and not ctx.output.prompt_logprobs:
+            ctx.output.prompt_logprobs.append(None)  # the first prompt token has no prediction
         if item is None or first is None:
             return
         chosen, top_ids, top_lp = item
@@ -214,7 +214,7 @@ class Postprocessor:
         lp_h = top_lp.cpu().tolist() if top_lp is not None else None
         for j, value in enumerate(chosen.cpu().tolist()):
             top = list(zip(ids_h[j], lp_h[j], strict=True)) if ids_h is not None and lp_h is not None else []
-            ctx.prompt_logprobs.append(TokenLogprobs(int(ctx.tokens[first + j]), value, top))
+            ctx.output.prompt_logprobs.append(TokenLogprobs(int(ctx.tokens[first + j]), value, top))
 
     # -- outputs ------------------------------------------------------------------
     def outputs(self, touched: Sequence[TextContext]) -> list[RequestOutput]:
@@ -244,7 +244,7 @@ class Postprocessor:
             delta = stream.delta()
             if ctx.request_id in audio:
                 delta.audio = audio[ctx.request_id]
-            times = ctx.times
+            times = ctx.output.times
             if delta.token_ids and times.first_token is None:
                 times.first_token = now
             if delta.finished:

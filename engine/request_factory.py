@@ -68,14 +68,14 @@ class RequestFactory:
         options = reasoning or ReasoningOptions()
         if self.reasoning is not None and options.after_thought:
             budget = options.max_thinking_tokens
-            ctx.gate = self.reasoning.gate(spec.prompt, self.max_thinking_tokens if budget is None else budget)
+            ctx.grammar.gate = self.reasoning.gate(spec.prompt, self.max_thinking_tokens if budget is None else budget)
         elif options.max_thinking_tokens is not None:
             raise InvalidRequest("max_thinking_tokens", "applies on a server with a reasoning parser, "
                                  "to a constraint that starts after the thought")
         watch = watch_for(matcher) if resample and matcher is not None else None
         if watch is not None:
             assert matcher is not None
-            ctx.resampler = Resampler(watch, token_bytes(matcher.tokenizer))
+            ctx.grammar.resampler = Resampler(watch, token_bytes(matcher.tokenizer))
         return ctx
 
     def make_context(self, prompt: Sequence[int], params: SamplingParams | None = None,

@@ -88,14 +88,25 @@ def watch_for(matcher: Matcher) -> Watch | None:
     return None
 
 
+class Progress(Protocol):
+    """What a Resampler reads of a request's grammar state (context.GrammarState)."""
+
+    @property
+    def grammar_idx(self) -> int: ...
+
+    @property
+    def forced_positions(self) -> set[int]: ...
+
+
 class Output(Protocol):
     """What a Resampler reads of a request (a TextContext; a protocol so that
     context.py can refer to this module without an import cycle)."""
 
     tokens: np.ndarray
     prompt_len: int
-    grammar_idx: int
-    forced_positions: set[int]
+
+    @property
+    def grammar(self) -> Progress: ...
 
     @property
     def num_final_tokens(self) -> int: ...
@@ -136,7 +147,7 @@ class Resampler:
         `floor`: generated tokens already sent to the client (never taken back).
         """
         first = None
-        for pos in range(_origin(ctx) + len(self._ends), ctx.grammar_idx):
+        for pos in range(_origin(ctx) + len(self._ends), ctx.grammar.grammar_idx):
             found = self.watch.feed(self._token_bytes(int(ctx.tokens[pos])))
             self._ends.append(self.watch.size)
             first = first or found
@@ -168,7 +179,7 @@ class Resampler:
         (at or after it), if retries remain; whether it did. `floor` counts
         generated tokens (sent to the client)."""
         position = _origin(ctx) + keep
-        if (choice is None or choice in ctx.forced_positions or position - ctx.prompt_len < floor
+        if (choice is None or choice in ctx.grammar.forced_positions or position - ctx.prompt_len < floor
                 or self.retries >= MAX_RETRIES or self._tries.get(position, 0) >= MAX_RETRIES_PER_VALUE):
             return False
         # Bans and counts past this point described tokens that are going away.
@@ -189,7 +200,7 @@ class Resampler:
             if start_byte >= value_end:
                 return None
             pos = _origin(ctx) + i
-            if pos not in ctx.forced_positions:
+            if pos not in ctx.grammar.forced_positions:
                 return pos
         return None
 

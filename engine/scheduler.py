@@ -146,7 +146,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput | None:
-        suspect = next((c for c in (*self.running, *self.waiting) if c.suspect), None)
+        suspect = next((c for c in (*self.running, *self.waiting) if c.sched.suspect), None)
         if suspect is not None:
             return self._schedule_alone(suspect)
         budget = self.config.max_num_batched_tokens
@@ -259,8 +259,8 @@ class Scheduler:
             if lookup and self.kv.allocator.enable_prefix_caching:
                 self.prefix_cache_queries += queried
                 self.prefix_cache_hits += hit
-            if ctx.times.scheduled is None:
-                ctx.times.scheduled = time.monotonic()
+            if ctx.output.times.scheduled is None:
+                ctx.output.times.scheduled = time.monotonic()
             ctx.set_chunk(n)
             scheduled.append(ctx)
             budget -= n

@@ -149,8 +149,8 @@ class StepMasks:
         start = time.perf_counter()
         try:
             ctx = contexts[0] if len(contexts) == 1 else None
-            if ctx is not None and ctx.constrained and ctx.forced_next is None \
-                    and ctx.resampler is None and (ctx.gate is None or ctx.gate.answering):
+            if ctx is not None and ctx.constrained and ctx.grammar.forced_next is None \
+                    and ctx.grammar.resampler is None and (ctx.grammar.gate is None or ctx.grammar.gate.answering):
                 # One constrained request sampling freely (a lone client): its
                 # row without the batch bookkeeping below, through a fill made
                 # once per request (for xgrammar a native call with no Python
@@ -176,16 +176,16 @@ class StepMasks:
             for i, ctx in enumerate(contexts):
                 if ctx is None:
                     continue
-                gate = ctx.gate
-                if gate is not None and gate.thinking and ctx.forced_next is None:
+                gate = ctx.grammar.gate
+                if gate is not None and gate.thinking and ctx.grammar.forced_next is None:
                     stops = _thought_row(ctx)
-                    if ctx.forced_next is None and not stops:
+                    if ctx.grammar.forced_next is None and not stops:
                         continue  # sampled freely
                     rows.append(i)
                     if stops:
                         blocked.append((i, stops))
                     continue
-                if ctx.forced_next is not None:
+                if ctx.grammar.forced_next is not None:
                     rows.append(i)
                 elif ctx.constrained:
                     assert ctx.matcher is not None
@@ -206,7 +206,7 @@ class StepMasks:
             words = self._words
             if len(free) < len(rows):
                 for i in rows:
-                    token = contexts[i].forced_next  # type: ignore[union-attr]
+                    token = contexts[i].grammar.forced_next  # type: ignore[union-attr]
                     if token is not None:
                         words[i] = 0  # allow exactly `token`
                         words[i, token >> 5] = 1 << (token & 31)
@@ -281,20 +281,20 @@ class StepMasks:
         matcher = ctx.matcher
         assert matcher is not None
         end = ctx.num_final_tokens
-        while ctx.grammar_idx < end:
-            token = int(ctx.tokens[ctx.grammar_idx])
-            if ctx.forced_next is not None:
+        while ctx.grammar.grammar_idx < end:
+            token = int(ctx.tokens[ctx.grammar.grammar_idx])
+            if ctx.grammar.forced_next is not None:
                 # The in-flight step was masked to this one token.
-                if token != ctx.forced_next:
-                    return Failure(f"token {token} differs from the forced token {ctx.forced_next}"), False
-                ctx.forced_next = None
+                if token != ctx.grammar.forced_next:
+                    return Failure(f"token {token} differs from the forced token {ctx.grammar.forced_next}"), False
+                ctx.grammar.forced_next = None
             if not matcher.accept_token(token):
                 return _rejected(matcher, token), False
-            ctx.grammar_idx += 1
+            ctx.grammar.grammar_idx += 1
             verdict = _grammar_verdict(matcher)
             if verdict is not None:
                 return verdict, False
-        in_flight = ctx.end_idx - ctx.grammar_idx
+        in_flight = ctx.end_idx - ctx.grammar.grammar_idx
         if in_flight > 1:
             return None, False  # tokens behind a placeholder are consumed when it is realized
         room = ctx.max_length - ctx.end_idx
@@ -305,15 +305,15 @@ class StepMasks:
             # narrowed to exactly the first forced token (a grammar may also
             # allow other tokenizations of the forced text, such as a shorter
             # prefix), so the tokens appended behind it are what follows.
-            ctx.forced_next = forced[0]
-            ctx.forced_positions.add(ctx.end_idx - 1)
+            ctx.grammar.forced_next = forced[0]
+            ctx.grammar.forced_positions.add(ctx.end_idx - 1)
             forced = forced[1:]
         for token in forced[:max(room, 0)]:
             ctx.jump_ahead(token)
             if in_flight == 0:
                 if not matcher.accept_token(token):
                     return _rejected(matcher, token), True
-                ctx.grammar_idx += 1
+                ctx.grammar.grammar_idx += 1
         return None, bool(forced)
 
 
@@ -324,12 +324,12 @@ def _thought_row(ctx: TextContext) -> frozenset[int]:
     that may not stop yet (min_new_tokens) gets its stop tokens blocked here
     (the sampler's launch-time block leaves rows with a grammar alone).
     Returns the tokens to block (empty: none)."""
-    gate = ctx.gate
+    gate = ctx.grammar.gate
     assert gate is not None
     position = ctx.num_final_tokens
     if gate.budget_spent(position):
-        ctx.forced_next = gate.parser.end_id
-        ctx.forced_positions.add(position)
+        ctx.grammar.forced_next = gate.parser.end_id
+        ctx.grammar.forced_positions.add(position)
         return frozenset()
     params = ctx.sampling_params
     if ctx.matcher is not None and position - ctx.prompt_len < params.min_new_tokens:
@@ -369,7 +369,7 @@ def _mask_resampled(contexts: Sequence[TextContext | None], bitmask: torch.Tenso
     """Rows resampling a value that broke the schema: their banned choices go
     (engine/resample.py). Kept apart from the mask fill above on purpose."""
     for i in rows:
-        resampler = contexts[i].resampler  # type: ignore[union-attr]
+        resampler = contexts[i].grammar.resampler  # type: ignore[union-attr]
         if resampler is not None:
             try:
                 resampler.mask(contexts[i], bitmask[i])  # type: ignore[arg-type]

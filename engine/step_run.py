@@ -63,7 +63,7 @@ class LaunchedStep:
     def live(self, row: int) -> bool:
         """Whether row's work still counts (not ended, not reset since launch)."""
         ctx = self.contexts[row]
-        return not ctx.is_done and ctx.epoch == self.epochs[row]
+        return not ctx.is_done and ctx.sched.epoch == self.epochs[row]
 
 
 def run_step(inputs: StepInputs, model: StepModel, attention: AttentionBackend, token_buffer: torch.Tensor,

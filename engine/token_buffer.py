@@ -27,18 +27,18 @@ class TokenBuffer:
 
     def row(self, ctx: TextContext) -> int:
         """`ctx`'s row, assigned on first use."""
-        if ctx.buffer_row is None:
+        if ctx.sched.buffer_row is None:
             if not self._free:
                 # Rows are sized to the scheduler's cap on running requests.
                 raise RuntimeError("more running requests than token buffer rows")
-            ctx.buffer_row = self._free.pop()
-        return ctx.buffer_row
+            ctx.sched.buffer_row = self._free.pop()
+        return ctx.sched.buffer_row
 
     def free(self, ctx: TextContext) -> None:
         """Give `ctx`'s row back (safe to call twice)."""
-        if ctx.buffer_row is not None:
-            self._free.append(ctx.buffer_row)
-            ctx.buffer_row = None
+        if ctx.sched.buffer_row is not None:
+            self._free.append(ctx.sched.buffer_row)
+            ctx.sched.buffer_row = None
 
     @property
     def num_free(self) -> int:
