@@ -246,7 +246,7 @@ def request_fields(requests: Sequence[RequestStats]) -> dict[str, Any]:
     ttfts = [r.ttft for r in requests if r.ttft is not None]
     if ttfts:
         out["ttft_ms"] = _ms(min(ttfts))
-    times = first.ctx.output.times
+    times = first.ctx.times
     if times.arrival is not None and times.scheduled is not None:
         out["queue_ms"] = _ms(times.scheduled - times.arrival)
     if first.sample_rate:

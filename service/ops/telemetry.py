@@ -204,7 +204,7 @@ def _stages(record: CallRecord) -> list[Stage]:
         stages.append(Stage("grammar_compile", note.start, note.end))
     stats = record.request
     if stats is not None:
-        times = stats.ctx.output.times
+        times = stats.ctx.times
         end = times.finished if times.finished is not None else record.end or time.monotonic()
         if times.arrival is not None:
             stages.append(Stage("queue", times.arrival, times.scheduled or end))
@@ -326,7 +326,7 @@ class EngineObserver:
         stats.forced_tokens = out.forced_tokens
         if out.token_ids:
             if stats.ttft is None:
-                first = stats.ctx.output.times.first_token
+                first = stats.ctx.times.first_token
                 stats.ttft = (first if first is not None else now) - stats.start
                 if m is not None:
                     self._ttft.observe(stats.ttft)
@@ -350,7 +350,7 @@ class EngineObserver:
         m = self.metrics
         if m is None:
             return
-        times = stats.ctx.output.times
+        times = stats.ctx.times
         reason = VLLM_FINISH_REASONS.get(out.status.value, out.status.value)
         m.request_success.labels(*self.labels, reason).inc()
         self._e2e.observe((times.finished if times.finished is not None else now) - stats.start)
