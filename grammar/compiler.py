@@ -93,18 +93,6 @@ class CompileQueueFull(GrammarError):
         super().__init__(message, reason="timeout")
 
 
-@dataclass(eq=False)
-class _Pending:
-    """A compile in flight (its queue job) and, per tenant, the callers still waiting."""
-
-    job: Job
-    tenants: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def future(self) -> Future[_Artifact]:
-        return self.job.future
-
-
 @dataclass(frozen=True, eq=False)
 class _Artifact:
     backend: str
@@ -153,7 +141,9 @@ class GrammarCompiler:
         self.vocab_size = self.tokenizer_data.vocab_size
         cfg = self.config
         self._cache = cache or GrammarCache(cfg.cache_entries, cfg.cache_bytes)
-        self._inflight: dict[tuple[GrammarSpec, str], _Pending] = {}
+        # Compiles queued or running: each queue job counts, per tenant, the
+        # callers waiting for it (`Job.waiters`).
+        self._inflight: dict[tuple[GrammarSpec, str], Job] = {}
         self._lock = threading.Lock()
         self._queue = FairQueue(cfg.compile_workers, cfg.compiles_per_tenant, "grammar-compile")
         self._filler = BitmaskFiller(self.tokenizer_data, cfg.mask_threads)
@@ -238,7 +228,7 @@ class GrammarCompiler:
             return self._pending_of(tenant)
 
     def _pending_of(self, tenant: str) -> int:
-        return sum(1 for p in self._inflight.values() if p.tenants.get(tenant))
+        return sum(1 for job in self._inflight.values() if job.waiters.get(tenant))
 
     def backends_for(self, spec: GrammarSpec, backend: str | None = None) -> tuple[str, ...]:
         """The backends tried for `spec`, in order."""
@@ -252,7 +242,7 @@ class GrammarCompiler:
     def _artifact_future(
         self, spec: GrammarSpec, backend: str, tenant: str,
         max_pending: int | None = None, max_pending_per_tenant: int | None = None,
-    ) -> tuple[Future[_Artifact], tuple[tuple[GrammarSpec, str], _Pending] | None]:
+    ) -> tuple[Future[_Artifact], tuple[tuple[GrammarSpec, str], Job] | None]:
         """The artifact's future, and the in-flight compile the caller now
         waits on, with its key (None for a cache hit)."""
         if not isinstance(spec, GrammarSpec):
@@ -289,10 +279,9 @@ class GrammarCompiler:
                                              lambda: _busy(timeout))
                 except RuntimeError:  # shut down by a concurrent close()
                     raise GrammarError("grammar compiler is closed", reason="crashed") from None
-                pending = self._inflight[key] = _Pending(job)
+                pending = self._inflight[key] = job
             else:
-                self._queue.join(pending.job, tenant)
-            pending.tenants[tenant] = pending.tenants.get(tenant, 0) + 1
+                self._queue.join(pending, tenant)
         if created:
             # Outside the lock: a compile that already ended runs this at once.
             pending.future.add_done_callback(lambda f: self._forget(key, f))
@@ -304,15 +293,10 @@ class GrammarCompiler:
             if pending is not None and pending.future is fut:
                 del self._inflight[key]
 
-    def _abandon(self, key: tuple[GrammarSpec, str], pending: _Pending, tenant: str) -> None:
+    def _abandon(self, key: tuple[GrammarSpec, str], pending: Job, tenant: str) -> None:
         """A caller stopped waiting; drop the compile if it was the last and it has not started."""
         with self._lock:
-            left = pending.tenants.get(tenant, 0) - 1
-            if left > 0:
-                pending.tenants[tenant] = left
-            else:
-                pending.tenants.pop(tenant, None)
-            if not self._queue.leave(pending.job, tenant):
+            if not self._queue.leave(pending, tenant):
                 return
             if self._inflight.get(key) is pending:
                 del self._inflight[key]  # a new caller starts afresh
