@@ -29,7 +29,6 @@ from .pipeline import TextGenerationPipeline
 from .postprocess import Postprocessor
 from .reasoning import ReasoningOptions, ReasoningParser
 from .request_factory import RequestFactory
-from .requests import RequestSpec
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .speech import (
@@ -216,15 +215,7 @@ class EngineCore:
         return self.model_config.vocab_size
 
     # What any thread may call lives in `self.requests` (request_factory.py);
-    # these four are shortcuts to it, kept for offline callers.
-    def check_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                      request_id: str | None = None) -> RequestSpec:
-        return self.requests.check(prompt, params, request_id)
-
-    def context(self, spec: RequestSpec, matcher: Matcher | None = None,
-                resample: bool = True, reasoning: ReasoningOptions | None = None) -> TextContext:
-        return self.requests.context(spec, matcher, resample, reasoning)
-
+    # these two are shortcuts to it for offline callers (LLM, tests).
     def make_context(self, prompt: Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None, matcher: Matcher | None = None,
                      resample: bool = True, reasoning: ReasoningOptions | None = None) -> TextContext:

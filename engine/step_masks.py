@@ -111,8 +111,6 @@ class StepMasks:
     """
 
     def __init__(self, structured: StructuredOutput, vocab_size: int, mask_threads: int = 1):
-        if mask_threads < 1:
-            raise ValueError("mask_threads must be >= 1")
         self._structured = structured
         self.vocab_size = vocab_size
         self.mask_threads = mask_threads

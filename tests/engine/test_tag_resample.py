@@ -20,6 +20,7 @@ from grammar import GrammarSpec
 from grammar.tool_calls import CallReader, Tool, call_constraint
 
 from .scripted import scripted_by_position
+from .test_reasoning import CONFIGS
 
 BARE = [9, 5]
 IN_THOUGHT = [9, 5, THINK_ID]
@@ -27,11 +28,6 @@ UNIQUE = {"type": "object", "properties": {"xs": {"type": "array", "items": {"ty
                                                   "uniqueItems": True}},
           "required": ["xs"], "additionalProperties": False}
 TOOLS = [Tool("f", UNIQUE)]
-CONFIGS = [
-    {"overlap": False},
-    {"overlap": True},
-    {"overlap": True, "speculative_constrained": True},
-]
 
 
 @pytest.fixture(scope="module")

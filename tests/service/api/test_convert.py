@@ -83,7 +83,7 @@ def test_constrained_request_is_validated_before_compiling(engine: EngineCore) -
     prepared = prepare(req, engine)
     assert prepared.constraint is not None and prepared.constraint.field == "constraint.regex"
     matcher = engine.structured.compile(prepared.constraint.spec)  # compiled later, off the event loop
-    ctx = engine.context(prepared.spec, matcher)  # the context is built once, with its matcher
+    ctx = engine.requests.context(prepared.spec, matcher)  # the context is built once, with its matcher
     assert ctx.matcher is matcher and ctx.request_id == "c1"
     assert ctx.prompt_tokens.tolist() == prepared.spec.prompt.tolist()
     assert ctx.seed == prepared.spec.seed, "the seed is drawn once, when the request is checked"
