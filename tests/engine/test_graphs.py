@@ -122,6 +122,12 @@ def test_constrained_batches_replay_graphs_with_forced_tokens(make_llm, monkeypa
         "no graph step fed a forced token"
     # The plain path computes forced runs in multi-token passes.
     assert sum(1 for s in steps if max(s[1]) > 1) > len(batch)
+    # Alone, a request's short forced runs go a token per step too: graph
+    # steps in which no row samples.
+    steps.clear()
+    lone = graphs.generate(batch[:1], params, constraint=schema)
+    assert [o.token_ids for o in lone] == [o.token_ids for o in plain.generate(batch[:1], params, constraint=schema)]
+    assert any(graph and sampled == 0 for graph, _, sampled in steps), "no graph step without a sampled row"
 
 
 def test_preemption_and_prefix_cache_hits(make_llm) -> None:
