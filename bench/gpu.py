@@ -368,12 +368,18 @@ def run_stencild(key: str, model_dir: Path, args: argparse.Namespace, bound: flo
                 continue
             figures += guarded(report, f"[{key}] stencild {mode}", _stencild_config, key, model_dir, graphs,
                                overlap, mode, args, bound, report, info) or []
+    if not args.default_mode_only:
+        # The default mode with the model's pointwise steps as plain torch ops:
+        # what the fused Triton kernels (engine/kernels/triton_ops.py) are worth.
+        figures += guarded(report, f"[{key}] stencild {UNFUSED_MODE}", _stencild_config, key, model_dir, "auto",
+                           True, UNFUSED_MODE, args, bound, report, info, False) or []
     return figures
 
 
 def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode: str, args: argparse.Namespace,
-                     bound: float, report: Report, info: dict[str, Any]) -> list[Figure]:
-    """One engine configuration: every batch, and the schema run with graphs and overlap on."""
+                     bound: float, report: Report, info: dict[str, Any], fused: bool = True) -> list[Figure]:
+    """One engine configuration: every batch, and the schema run with graphs and
+    overlap on (`fused` False: the model's pointwise steps in torch ops)."""
     import torch
 
     from engine import LLM, SamplingParams
@@ -383,18 +389,30 @@ def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode
     max_batch = max(args.batches)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     start = time.perf_counter()
-    llm = LLM(str(model_dir), device=DEVICE, dtype="bfloat16", cuda_graphs=graphs, overlap=overlap,
-              max_num_seqs=max_batch, max_num_batched_tokens=args.max_num_batched_tokens, **kv_cache_kwargs(args))
+    saved = os.environ.get("STENCILD_NO_KERNELS")
+    if not fused:
+        os.environ["STENCILD_NO_KERNELS"] = "1"  # read once, when the engine picks its kernels
+    try:
+        llm = LLM(str(model_dir), device=DEVICE, dtype="bfloat16", cuda_graphs=graphs, overlap=overlap,
+                  max_num_seqs=max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                  **kv_cache_kwargs(args))
+    finally:
+        if saved is None:
+            os.environ.pop("STENCILD_NO_KERNELS", None)
+        else:
+            os.environ["STENCILD_NO_KERNELS"] = saved
     eng = llm.engine
     report(f"  [{key}] stencild {mode}: engine built in {time.perf_counter() - start:.1f} s; "
-           f"attention {eng.attention_choice.name} ({eng.attention_choice.reason}); decode graphs "
+           f"attention {eng.attention_choice.name} ({eng.attention_choice.reason}); pointwise kernels "
+           f"{eng.ops_choice}; decode graphs "
            f"{'captured, buckets ' + str(eng.graphs.buckets) if eng.graphs is not None else 'off'}")
     info.setdefault("attention", {})[mode] = {"name": eng.attention_choice.name,
                                               "reason": eng.attention_choice.reason}
+    info.setdefault("pointwise_kernels", {})[mode] = eng.ops_choice
     info.setdefault("graphs", {})[mode] = None if eng.graphs is None else \
         {"capture": eng.graphs.capture, "buckets": list(eng.graphs.buckets)}
     runs: list[tuple[int, Any, str]] = [(b, None, mode) for b in args.batches]
-    if graphs == "auto" and overlap:
+    if graphs == "auto" and overlap and fused:
         runs.append((max_batch, GrammarSpec.json_schema(json.dumps(BENCH_SCHEMA)), mode + ", JSON schema"))
     try:
         for batch, constraint, label in runs:
@@ -644,6 +662,7 @@ def _pick(figures: list[Figure], system: str, model: str, batch: int, mode: str 
 
 
 DEFAULT_MODE = "graphs on, overlap on"
+UNFUSED_MODE = DEFAULT_MODE + ", torch pointwise ops"
 
 
 def targets(figures: list[Figure], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -712,13 +731,17 @@ def targets(figures: list[Figure], args: argparse.Namespace) -> list[dict[str, A
 
 
 def figure_notes(f: Figure, figures: list[Figure]) -> str:
-    """The table's notes: gRPC's TTFT and share of offline, a schema run's forced tokens."""
+    """The table's notes: gRPC's TTFT and share of offline, a schema run's forced
+    tokens, what the fused pointwise kernels gain over torch ops."""
     if f.system == "stencild gRPC":
         off = _pick(figures, "stencild", f.model, f.batch, DEFAULT_MODE)
         share = f"{fmt_share(f.tok_s / off.tok_s)} of offline; " if off else ""
         return f"{share}TTFT p50 {f.extra['ttft_p50_ms']:.0f} ms"
     if f.system == "stencild" and "schema" in f.mode:
         return f"{f.extra['forced_tokens']} forced tokens"
+    if f.system == "stencild" and f.mode == UNFUSED_MODE:
+        fused = _pick(figures, "stencild", f.model, f.batch, DEFAULT_MODE)
+        return f"the fused kernels (default mode) run {fused.tok_s / f.tok_s:.2f}x this" if fused else ""
     return ""
 
 

@@ -18,7 +18,7 @@ from .context import GenerationStatus, TextContext
 from .errors import InvalidRequest
 from .executor import StepExecutor
 from .graphs import DecodeGraphs, graphs_mode
-from .kernels import cpu_ops
+from .kernels import model_ops
 from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_for_budget
 from .memory import empty_huge, kv_budget_gib
 from .models.config import CheckpointError, load_model_config
@@ -112,8 +112,10 @@ class EngineCore:
         config, mc = self.config, self.model_config
         device, dtype = config.torch_device, config.torch_dtype
         source = WeightSource(config.model)
-        self.model = LlamaFamilyModel(mc, source, device, dtype, cpu_ops() if device.type == "cpu" else None,
-                                      small_batch_gemm=config.cpu_small_batch_gemm)
+        self.attention_choice = choose_attention(device, dtype, config.attention)
+        # The model's pointwise kernels follow the attention's probe: Triton's where it runs.
+        ops, self.ops_choice = model_ops(device, dtype, triton=self.attention_choice.name == "triton")
+        self.model = LlamaFamilyModel(mc, source, device, dtype, ops, small_batch_gemm=config.cpu_small_batch_gemm)
         source.close()
         if wrap_model is not None:
             self.model = wrap_model(self.model)
@@ -147,7 +149,6 @@ class EngineCore:
             kv_blocks = torch.empty(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(kv_blocks, self.allocator)
-        self.attention_choice = choose_attention(device, dtype, config.attention)
         self.attention = make_attention(self.attention_choice, kv_blocks, mc.num_heads, mc.head_dim, max_len)
         self.graphs: DecodeGraphs | None = None
         if graph_mode is not None:
@@ -198,6 +199,7 @@ class EngineCore:
                                                self.executor, self.masks, self.postprocessor,
                                                mc.vocab_size, overlap=config.overlap, graphs=self.graphs)
         log.info("attention: %s (%s)", self.attention_choice.name, self.attention_choice.reason)
+        log.info("pointwise kernels: %s", self.ops_choice)
         if self.graphs is not None:
             stats = self.graphs.capture_all()
             log.info("decode graphs (%s): %d buckets up to batch %d, %.2f s, %.1f MiB of device memory",

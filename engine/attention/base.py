@@ -55,11 +55,19 @@ class CacheRows:
         pages = table_row[pos // self.page_size].astype(np.int64)
         return pages * (2 * self.layers * self.page_size) + pos % self.page_size
 
+    def key_offset(self, layer: int) -> int:
+        """What a layer-0 key row adds to be `layer`'s key row."""
+        return layer * self.page_size
+
+    def value_offset(self, layer: int) -> int:
+        """What a layer-0 key row adds to be `layer`'s value row."""
+        return (self.layers + layer) * self.page_size
+
     def key_rows(self, base: torch.Tensor, layer: int) -> torch.Tensor:
-        return base + layer * self.page_size
+        return base + self.key_offset(layer)
 
     def value_rows(self, base: torch.Tensor, layer: int) -> torch.Tensor:
-        return base + (self.layers + layer) * self.page_size
+        return base + self.value_offset(layer)
 
     def write(self, base: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's new keys and values at layer-0 rows `base`."""

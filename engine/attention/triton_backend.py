@@ -19,7 +19,7 @@ from engine.staging import Staging
 
 from .base import AttentionBackend, SeqSpan
 from .paged import PagedMetadata, paged_plan
-from .triton_kernels import default_num_splits, paged_attention, sm_count
+from .triton_kernels import default_num_splits, paged_attention, sm_count, write_kv
 
 
 class TritonAttention(AttentionBackend[PagedMetadata]):
@@ -35,6 +35,7 @@ class TritonAttention(AttentionBackend[PagedMetadata]):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                  meta: PagedMetadata) -> torch.Tensor:
         rows = meta.rows
-        rows.write(meta.write_rows, layer, k, v)
+        # One kernel for the layer's keys and values (CacheRows.write takes four).
+        write_kv(rows.flat, meta.write_rows, rows.key_offset(layer), rows.value_offset(layer), k, v)
         return paged_attention(q, rows.blocks, layer, meta.block_table, meta.seq_lens, meta.cu_q, meta.max_q,
                                self.scale, num_splits=self.decode_splits)

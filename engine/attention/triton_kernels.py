@@ -60,35 +60,19 @@ no tensor values on the host and allocate only shape-sized scratch, so
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs of PyTorch may lack Triton
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from engine.kernels.triton_base import interpreted, next_pow2, tl, triton, triton_available
+from engine.kernels.triton_base import jit as _jit
 
-__all__ = ["default_num_splits", "paged_attention", "sm_count", "triton_available"]
+__all__ = ["default_num_splits", "paged_attention", "sm_count", "triton_available", "write_kv"]
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 _MAX_SPLITS = 16
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def triton_available() -> bool:
-    """Whether Triton can be imported (it ships with CUDA builds of PyTorch)."""
-    return triton is not None
-
-
-def _jit(fn: Callable[..., Any]) -> Any:
-    """`triton.jit` when Triton is installed (this module imports without it)."""
-    return triton.jit(fn) if triton is not None else fn
 
 
 # ---------------------------------------------------------------------------
@@ -318,18 +302,27 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@_jit
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, rows_ptr, key_offset, value_offset,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cr, stride_ch, kv_heads, head_dim,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token `t`'s keys and values into the cache rows `rows[t] + key_offset`
+    and `rows[t] + value_offset` (rows of `[kv_heads, head_dim]`)."""
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    ok = (h < kv_heads)[:, None] & (d < head_dim)[None, :]
+    base = tl.load(rows_ptr + tok).to(tl.int64)
+    inner = h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=ok)
+    tl.store(cache_ptr + (base + key_offset) * stride_cr + inner, k, mask=ok)
+    v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=ok)
+    tl.store(cache_ptr + (base + value_offset) * stride_cr + inner, v, mask=ok)
+
+
 # ---------------------------------------------------------------------------
 # Launch wrappers (host ints and shapes only: no tensor value is read here)
 # ---------------------------------------------------------------------------
-
-
-def _interpreted() -> bool:
-    """Whether the kernels were decorated for Triton's interpreter."""
-    return type(_decode_kernel).__name__ == "InterpretedFunction"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -414,17 +407,17 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
     if keys.stride() != values.stride():
         raise ValueError("keys and values of kv_blocks must share strides")
     group = num_heads // kv_heads
-    block_d = max(16, _next_pow2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     tiles = _tiles(block_d, q.dtype)
-    upcast = q.dtype == torch.bfloat16 and _interpreted()
+    upcast = q.dtype == torch.bfloat16 and interpreted(_decode_kernel)
     ieee = q.dtype == torch.float32 or upcast
     kv_strides = keys.stride()
     common = dict(PAGE_SIZE=page_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_D=block_d,
                   UPCAST=upcast, IEEE=ieee, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
     if max_q > 1:
-        block_m = min(max(16, _next_pow2(max_q * group)), tiles.max_block_m)
-        block_m = max(block_m, _next_pow2(group))
+        block_m = min(max(16, next_pow2(max_q * group)), tiles.max_block_m)
+        block_m = max(block_m, next_pow2(group))
         block_q = block_m // group
         grid = (_cdiv(max_q, block_q), batch, kv_heads)
         _prefill_kernel[grid](
@@ -439,7 +432,7 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
         num_splits = default_num_splits(batch, kv_heads, block_table.shape[1] * page_size,
                                         sm_count(q.device), block_n)
     num_splits = min(max(1, num_splits), 4 * _MAX_SPLITS)  # the merge holds all splits in registers
-    block_h = max(16, _next_pow2(group))
+    block_h = max(16, next_pow2(group))
     min_split_pages = _cdiv(block_n, page_size)
     if num_splits == 1:
         part = lse = out  # unused by the kernel when NUM_SPLITS == 1
@@ -457,9 +450,31 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
             part, lse, cu_q, out, *part_strides, *lse_strides, *out.stride(),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d,
             num_warps=4)
     return out
+
+
+def write_kv(flat: torch.Tensor, rows: torch.Tensor, key_offset: int, value_offset: int,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """One kernel for a layer's new keys and values: `flat[rows + key_offset] = k`,
+    `flat[rows + value_offset] = v`, where `flat` is the cache as rows of
+    `[kv_heads, head_dim]` (contiguous), `rows` `[T]` int64 and k, v `[T, kv_heads,
+    head_dim]` of unit last stride (views of the fused projection are fine).
+    What `CacheRows.write` does in four kernels (two index adds, two index copies)."""
+    if triton is None:
+        raise RuntimeError("write_kv needs Triton, which is not installed")
+    num_tokens, kv_heads, head_dim = k.shape
+    if v.shape != k.shape or flat.shape[1:] != k.shape[1:] or not flat.is_contiguous() \
+            or k.stride(2) != 1 or v.stride(2) != 1 or flat.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError("write_kv: k and v [T, kv_heads, head_dim] of unit last stride, of the cache's dtype")
+    if num_tokens == 0:
+        return
+    block_h, block_d = next_pow2(kv_heads), next_pow2(head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, flat, rows, key_offset, value_offset, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        flat.stride(0), flat.stride(1), kv_heads, head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=1 if block_h * block_d <= 512 else 4)
 
 
 def _check(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: torch.Tensor,

@@ -1,9 +1,13 @@
-"""Native CPU kernels, compiled on first use and cached.
+"""Our kernels: the native CPU extension, and Triton's pointwise kernels for CUDA.
 
 `cpu_ops()` returns the compiled extension, or None when it cannot be built
 (no compiler) or is turned off with STENCILD_NO_KERNELS=1; callers then take
 the pure-torch path, which the tests also cover. The build lives under the
 stencild cache, keyed by the source hash and the CPU, and takes ~30 s once.
+
+`model_ops()` picks, once at start-up, the fused pointwise kernels a model
+runs with: the CPU extension on a CPU, the Triton kernels (triton_ops.py)
+where Triton runs, else none (torch ops).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import platform
 import threading
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 from engine.cpu_features import cpu_flags
 from engine.paths import cache_root
@@ -44,8 +50,6 @@ def _build_dir() -> Path:
     digest.update(platform.machine().encode())
     # -march=native code is specific to the CPU it was built on.
     digest.update(" ".join(sorted(cpu_flags())).encode())
-    import torch
-
     digest.update(torch.__version__.encode())
     return cache_root() / "kernels" / digest.hexdigest()[:16]
 
@@ -75,3 +79,23 @@ def cpu_ops() -> ModuleType | None:
             module = None
         _loaded["cpu"] = module
         return module
+
+
+def model_ops(device: torch.device, dtype: torch.dtype, triton: bool) -> tuple[ModuleType | None, str]:
+    """The fused pointwise kernels for a model on `device`, and a line for the
+    start-up log. `triton`: the attention probe found Triton working here (on
+    CUDA, or in its interpreter); its pointwise kernels are then probed too."""
+    if kernels_disabled():
+        return None, "torch ops (STENCILD_NO_KERNELS is set)"
+    if triton:
+        from . import triton_ops
+
+        problem = triton_ops.probe(device, dtype)
+        if problem is None:
+            return triton_ops, "triton (add+RMSNorm, SiLU*up and rotary embedding, one kernel each)"
+        if device.type != "cpu":
+            return None, f"torch ops ({problem})"
+    if device.type == "cpu":
+        ops = cpu_ops()
+        return ops, "the CPU extension" if ops is not None else "torch ops (the CPU extension did not build)"
+    return None, "torch ops (no Triton on this device)"

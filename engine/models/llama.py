@@ -36,7 +36,13 @@ class DecoderLayer:
 
 
 class LlamaFamilyModel:
-    """Forward pass of a Llama-family checkpoint; returns final hidden states."""
+    """Forward pass of a Llama-family checkpoint; returns final hidden states.
+
+    `ops` is a module of fused pointwise kernels (`add_rms_norm`, `silu_mul`,
+    `rotary_embedding`): the CPU extension on CPU, the Triton kernels
+    (engine/kernels/triton_ops.py) on CUDA; None takes plain torch ops. On CPU
+    its small-batch GEMM serves the linear layers too (`small_batch_gemm`).
+    """
 
     def __init__(self, config: ModelConfig, source: WeightSource, device: torch.device,
                  dtype: torch.dtype, ops: ModuleType | None = None, small_batch_gemm: bool = True):
@@ -45,8 +51,8 @@ class LlamaFamilyModel:
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.ops = ops if device.type == "cpu" else None
-        small = self.ops if small_batch_gemm else None
+        self.ops = ops
+        small = ops if small_batch_gemm and device.type == "cpu" else None
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, small_batch_ops=small)
@@ -95,7 +101,7 @@ class LlamaFamilyModel:
             self.lm_head = linear(load("lm_head.weight").to(device))
         self.rotations = rotation_table(config.rope, config.head_dim,
                                         config.max_position_embeddings).to(device)
-        # The CPU kernel reads the same table as (cos, sin) float pairs.
+        # The kernels of `ops` read the same table as (cos, sin) float pairs.
         self.rotation_pairs = torch.view_as_real(self.rotations).flatten(1) if self.ops is not None else None
 
     # -- building blocks --------------------------------------------------
@@ -103,7 +109,7 @@ class LlamaFamilyModel:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """residual += x; return rms_norm(residual) (fused on CPU)."""
+        """residual += x; return rms_norm(residual) (one kernel with `ops`)."""
         if self.ops is not None:
             self.ops.add_rms_norm(x, residual, weight, self.config.rms_norm_eps)
             return x
@@ -117,12 +123,12 @@ class LlamaFamilyModel:
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
     def _rope_input(self, positions: torch.Tensor) -> torch.Tensor:
-        """What `_rotate` takes for a step: the positions themselves for the CPU
-        kernel, else each token's rotation, gathered once for all layers."""
+        """What `_rotate` takes for a step: the positions themselves for the
+        kernel of `ops`, else each token's rotation, gathered once for all layers."""
         return positions.contiguous() if self.ops is not None else self.rotations[positions]
 
     def _rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """Rope on `x` `[T, heads, head_dim]`: in place on CPU, else into a new tensor."""
+        """Rope on `x` `[T, heads, head_dim]`: in place with `ops`, else into a new tensor."""
         if self.ops is not None:
             self.ops.rotary_embedding(x, self.rotation_pairs, rope)
             return x

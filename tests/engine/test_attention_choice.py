@@ -13,6 +13,7 @@ from engine import SamplingParams
 from engine.attention import TorchAttention, choose_attention, probe_triton
 from engine.attention.cpu_kernel import KernelAttention
 from engine.config import EngineConfig
+from engine.kernels import triton_ops
 
 from .reference import hf_greedy, prompts
 
@@ -75,18 +76,23 @@ def test_cpu_engines_log_their_choice(make_llm, caplog, attention, backend) -> N
     assert any(r.getMessage().startswith(f"attention: {llm.engine.attention_choice.name} (") for r in caplog.records)
 
 
-@pytest.mark.parametrize("cuda_graphs", ["off", "emulate"])
-def test_a_triton_engine_matches_transformers(make_llm, cuda_graphs: str) -> None:
-    """The Triton kernels in a whole engine (in the interpreter here): mixed
-    prefill/decode batches eagerly, decode steps through the graph path."""
-    llm = make_llm("tiny-llama", attention="triton", cuda_graphs=cuda_graphs, kv_cache_gib=0.05, max_num_seqs=4,
-                   page_size=5)
+@pytest.mark.parametrize(("preset", "cuda_graphs"), [("tiny-llama", "off"), ("tiny-llama", "emulate"),
+                                                     ("tiny-qwen2", "off"), ("tiny-qwen3", "emulate")])
+def test_a_triton_engine_matches_transformers(make_llm, caplog, preset: str, cuda_graphs: str) -> None:
+    """The Triton kernels in a whole engine (in the interpreter here): attention
+    and the fused pointwise kernels, mixed prefill/decode batches eagerly,
+    decode steps through the graph path; q/k/v biases (Qwen2) and q/k norms (Qwen3)."""
+    with caplog.at_level(logging.INFO, logger="engine.engine"):
+        llm = make_llm(preset, attention="triton", cuda_graphs=cuda_graphs, kv_cache_gib=0.05, max_num_seqs=4,
+                       page_size=5)
     assert llm.engine.attention.name == "triton"
+    assert llm.engine.model.ops is triton_ops
+    assert any(r.getMessage().startswith("pointwise kernels: triton") for r in caplog.records)
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     batch = prompts(3)
     results = llm.generate(batch, params)
     for prompt, res in zip(batch, results, strict=True):
-        assert res.token_ids == hf_greedy("tiny-llama", prompt, 6)
+        assert res.token_ids == hf_greedy(preset, prompt, 6)
     if cuda_graphs == "emulate":
         assert llm.engine.graphs is not None and sum(llm.engine.graphs.replays.values()) > 0
 

@@ -387,6 +387,18 @@ for dtype, head_dim, page_size, group in ((torch.float32, 80, 3, 4), (torch.floa
         cu_q = torch.arange(4, dtype=torch.int32) * max_q
         tk.paged_attention(q, kv, 1, torch.zeros(3, 8, dtype=torch.int32), torch.ones(3, dtype=torch.int32),
                            cu_q, max_q, 0.125, num_splits=splits)
+# The one-kernel KV write and the model's pointwise kernels, at Llama-3-8B's widths.
+from engine.kernels import triton_ops as to
+for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kernel"):
+    setattr(to, name, Compile(getattr(to, name)))
+tk._write_kv_kernel = Compile(tk._write_kv_kernel)
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    x = torch.zeros(2, 4096, dtype=dtype)
+    to.add_rms_norm(x, x.clone(), torch.zeros(4096, dtype=dtype), 1e-5)
+    to.silu_mul(torch.zeros(2, 2 * 14336, dtype=dtype))
+    to.rotary_embedding(torch.zeros(2, 40, 128, dtype=dtype), torch.zeros(10, 128), torch.zeros(2, dtype=torch.int64))
+    kv = torch.zeros(2, 8, 128, dtype=dtype)
+    tk.write_kv(torch.zeros(64, 8, 128, dtype=dtype), torch.zeros(2, dtype=torch.int64), 16, 48, kv, kv)
 print("compiled", len(compiled))
 """
 
@@ -411,5 +423,6 @@ def test_kernels_compile_for_gpus(tmp_path):
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, "80", "90"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    # 4 configurations x (decode, decode + merge, prefill) x 2 architectures.
-    assert result.stdout.split()[-1] == str(4 * 4 * 2)
+    # 4 configurations x (decode, decode + merge, prefill) x 2 architectures, then
+    # 3 dtypes x 4 pointwise kernels x 2 architectures.
+    assert result.stdout.split()[-1] == str(4 * 4 * 2 + 3 * 4 * 2)
