@@ -291,11 +291,13 @@ class EngineCore:
             launched = pipeline.launch(sched.contexts, sched.num_steps) if sched is not None else None
             previous, self._launched = self._launched, launched
             try:
-                outputs = pipeline.finish(previous) if previous is not None else []
+                touched = pipeline.advance(previous) if previous is not None else []
             finally:
                 if launched is not None:
-                    # Matchers have now seen step N's tokens: release N+1's sampling.
+                    # Matchers have now seen step N's tokens: release N+1's sampling,
+                    # which waits for this, before N's outputs are detokenized.
                     pipeline.fill_grammar(launched)
+            outputs = pipeline.report(touched)
         # Requests that ended outside a step (aborted, failed alone, or could never fit).
         outputs += self.postprocessor.outputs(self.scheduler.take_dropped())
         self.last_step = StepStats(time.perf_counter() - start, len(contexts), num_tokens,

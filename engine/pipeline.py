@@ -7,8 +7,11 @@ request. An overlap scheduler uses the phases separately: `launch` builds the
 inputs and submits the device job, `fill_grammar` completes the step's grammar
 mask once the matchers are up to date, and `finish` waits for the job and
 postprocesses; the engine launches step N+1 before it finishes step N, so host
-work of N hides behind the forward pass of N+1. With overlap off the same code
-runs in order, so outputs are identical either way.
+work of N hides behind the forward pass of N+1. `finish` is `advance` (wait,
+then move each request on by its tokens: stop rules, grammar) and `report`
+(detokenize, build outputs): between the two the engine fills N+1's grammar
+mask, since N+1's sampling waits for it and the outputs need not come first.
+With overlap off the same code runs in order, so outputs are identical either way.
 """
 
 from __future__ import annotations
@@ -100,9 +103,19 @@ class TextGenerationPipeline:
 
     def finish(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's run and postprocess it."""
+        return self.report(self.advance(step))
+
+    def advance(self, step: LaunchedStep) -> list[TextContext]:
+        """Wait for the step's run and move its requests on by what it sampled;
+        the requests to `report` on."""
         try:
             result = step.job.result()
         except Exception as exc:  # noqa: BLE001 - the step failed as a whole
-            return self.postprocessor.step_failed(step, exc)
+            self.postprocessor.step_failed(step, exc)
+            return []
         self.forward_passes += result.forward_passes
         return self.postprocessor.step_done(step, result)
+
+    def report(self, touched: Sequence[TextContext]) -> list[RequestOutput]:
+        """The outputs of requests a step moved on (detokenized; stop strings end them here)."""
+        return self.postprocessor.outputs(touched)

@@ -71,8 +71,9 @@ class Postprocessor:
         return request_id in self._streams
 
     # -- steps -----------------------------------------------------------------
-    def step_done(self, step: LaunchedStep, result: StepResult) -> list[RequestOutput]:
-        """Advance every live request of a completed step; their outputs."""
+    def step_done(self, step: LaunchedStep, result: StepResult) -> list[TextContext]:
+        """Advance every live request of a completed step; the requests to build
+        outputs for (`outputs`)."""
         assert step.inputs is not None
         self.failed_steps = 0
         host = [o.host() for o in result.outputs]
@@ -100,13 +101,14 @@ class Postprocessor:
                 log.exception("request %s failed while its step was processed", ctx.request_id)
                 ctx.fail(Failure("internal error while processing this request; see the server log"))
                 ctx.drop_futures()
-        return self.outputs(touched)
+        return touched
 
-    def step_failed(self, step: LaunchedStep, exc: BaseException) -> list[RequestOutput]:
-        """A step failed as a whole: find the request at fault without failing the rest."""
+    def step_failed(self, step: LaunchedStep, exc: BaseException) -> None:
+        """A step failed as a whole: find the request at fault without failing the
+        rest (a request it ends is reported through the scheduler's dropped list)."""
         live = [ctx for row, ctx in enumerate(step.contexts) if step.live(row)]
         if not live:
-            return []  # its work had been thrown away already
+            return  # its work had been thrown away already
         self.failed_steps += 1
         culprit = step.contexts[0] if len(step.contexts) == 1 else None
         log.error("a step of %d request(s) failed (%s); %s", len(step.contexts), type(exc).__name__,
@@ -121,7 +123,6 @@ class Postprocessor:
             else:
                 self.scheduler.requeue(ctx)
                 ctx.sched.suspect = True
-        return []
 
     # -- one request ---------------------------------------------------------------
     def _advance(self, ctx: TextContext, host: list, k: int) -> None:

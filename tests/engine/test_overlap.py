@@ -176,3 +176,32 @@ def test_xgrammar_forced_text_with_overlap(make_llm, whitespace):
             json.loads(x.text)
     on.close()
     off.close()
+
+
+def test_next_mask_is_filled_before_outputs_are_built(make_llm):
+    """With overlap, step N+1's sampling waits for its grammar mask, and that mask
+    only needs the matchers moved on by step N's tokens: it is filled before step
+    N's outputs are detokenized and built, which is off the device's path.
+    (Constrained requests scheduled ahead of their last token, as with graphs.)"""
+    llm = make_llm("tiny-llama", overlap=True, speculative_constrained=True, grammar_backend="xgrammar")
+    eng = llm.engine
+    calls: list[str] = []
+    fill, report, step = eng.masks.fill, eng.postprocessor.outputs, eng.step
+
+    def recording(name, fn):
+        def wrapped(*args, **kwargs):
+            # "r": outputs built for requests a step moved on ("-": none to build).
+            calls.append(name if name != "r" or args[0] else "-")
+            return fn(*args, **kwargs)
+        return wrapped
+
+    eng.masks.fill = recording("f", fill)
+    eng.postprocessor.outputs = recording("r", report)
+    eng.step = recording("s", step)
+    params = SamplingParams(temperature=0, max_new_tokens=48)
+    outs = llm.generate(prompts(3), params, constraint=SCHEMA)
+    assert all(o.token_ids for o in outs)
+    steps = "".join(calls).split("s")[1:]  # what each step called, in order
+    both = [s for s in steps if "f" in s and "r" in s]
+    assert len(both) >= 10, steps
+    assert all(s.index("f") < s.index("r") for s in both), steps
