@@ -114,6 +114,8 @@ BENCH_SCHEMA: dict[str, Any] = {
         "additionalProperties": False,
     },
 }
+# How long --profile-server samples the server, each of its two passes.
+PROFILE_SECONDS = 4.0
 # "No slower" allows this much run-to-run noise.
 SCHEMA_NOISE = 0.03
 
@@ -623,6 +625,8 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
             times.append(run[0])
             if best is None or run[1] / run[0] > best[1] / best[0]:
                 best = run
+        if args.profile_server:
+            profile_grpc(key, server, address, args, report)
     finally:
         server.stop()
         free_cuda()
@@ -632,6 +636,35 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
                   conc * bound, {"tokens": tokens, "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
                                  "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
                                  "messages_per_request": messages / conc})
+
+
+def profile_grpc(key: str, server: Any, address: str, args: argparse.Namespace, report: Report) -> None:
+    """py-spy on the server while the same streams run again (bench/pyspy.py): every
+    running thread's samples, then only the GIL holder's; raw files beside the log."""
+    from bench import pyspy
+    from bench.serve import run_grpc_level
+
+    if pyspy.available() is None:
+        report(f"  [{key}] --profile-server: py-spy is not installed; no profile")
+        return
+    conc = args.grpc_concurrency
+    for gil in (False, True):
+        out = report.log_path.with_name(f"{report.log_path.stem}-{key}-grpc-{'gil' if gil else 'threads'}.txt")
+        proc = pyspy.record(server.proc.pid, PROFILE_SECONDS, out, gil=gil)
+        assert proc is not None
+        rounds = 0
+        while proc.poll() is None:  # keep the streams running for as long as py-spy samples
+            asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 5000 + rounds)],
+                                       args.new_tokens))
+            rounds += 1
+        if proc.returncode != 0 or not out.exists():
+            err = proc.stderr.read().decode(errors="replace")[-300:] if proc.stderr else ""
+            report(f"  [{key}] py-spy failed ({proc.returncode}): {err}")
+            continue
+        report(f"  [{key}] server profile, {'GIL holder only' if gil else 'running threads'} "
+               f"({rounds} rounds of {conc} streams): {out.name}")
+        for line in pyspy.summary(out.read_text()):
+            report("    " + line)
 
 
 # -- tests ------------------------------------------------------------------------------------
@@ -789,6 +822,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="the 1.1B shape only, 64 new tokens, 2 repeats")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-grpc", action="store_true")
+    p.add_argument("--profile-server", action="store_true",
+                   help="after the gRPC runs, sample the server with py-spy (bench/pyspy.py) while they run again")
     p.add_argument("--with-tests", action="store_true", help="run `pytest -q tests/cuda` first and record it")
     p.add_argument("--default-mode-only", action="store_true",
                    help=f"stencild offline in its default mode only ({DEFAULT_MODE})")
