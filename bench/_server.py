@@ -15,10 +15,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServerProcess:
-    """`stencild serve <serve_args>` on a free port, for the duration of a benchmark."""
+    """`stencild serve <serve_args>` on a free port, for the duration of a benchmark
+    (`module`: what `python -m` runs, taking the same arguments)."""
 
-    def __init__(self, serve_args: Sequence[str]):
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", *serve_args]
+    def __init__(self, serve_args: Sequence[str], module: str = "service.cli"):
+        cmd = [sys.executable, "-m", module, "serve", "--port", "0", *serve_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)

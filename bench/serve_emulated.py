@@ -1,0 +1,147 @@
+"""gRPC serving vs the offline engine with the device emulated: the host's share alone.
+
+On a GPU the device does the math while the host runs the engine thread, the
+device thread's launches and the event loop, all under one GIL; on a CPU the
+model's compute hides that. Here the model's forward pass returns zeros (no
+CPU) and every device job then sleeps `--device-ms` (no CPU, no GIL), as a
+decode graph replaying on a GPU would. Everything else is the real code: the
+scheduler, step inputs, sampling, postprocessing, the gRPC server and its
+streams. So this measures, on any machine, how much of a device-bound step the
+serving path loses, and what a change to it does.
+
+Workload as bench/gpu.py's gRPC figure: C concurrent streams of one request
+each (random prompts, greedy, EOS ignored) against the offline engine with C
+prompts in one batch. Reports both throughputs, their ratio, time to first
+token and messages per request.
+
+    python bench/serve_emulated.py                    # 64 streams, 2.5 ms a step
+    python bench/serve_emulated.py --device-ms 4 --concurrency 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+DEVICE_MS_ENV = "STENCILD_BENCH_DEVICE_MS"
+
+
+def install(device_ms: float) -> None:
+    """Emulate the device in this process."""
+    import torch
+
+    from engine.executor import StepExecutor
+    from engine.models.llama import LlamaFamilyModel
+
+    delay = device_ms / 1000
+
+    def forward(self, input_ids, positions, attention, meta):  # type: ignore[no-untyped-def]
+        return torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=input_ids.device)
+
+    submit = StepExecutor.submit
+
+    def emulated_submit(self, job):  # type: ignore[no-untyped-def]
+        def run():  # type: ignore[no-untyped-def]
+            result = job()
+            time.sleep(delay)  # the device's share of the step: no CPU, no GIL
+            return result
+        return submit(self, run)
+
+    LlamaFamilyModel.forward = forward  # type: ignore[method-assign]
+    StepExecutor.submit = emulated_submit  # type: ignore[method-assign]
+
+
+def serve() -> int:
+    """`python -m bench.serve_emulated serve ...`: `stencild serve` on the emulated device."""
+    from service.cli import main as cli_main
+
+    install(float(os.environ[DEVICE_MS_ENV]))
+    return cli_main(sys.argv[1:])
+
+
+def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int, repeat: int) -> float:
+    from bench.serve import run_offline_level
+    from engine import LLM
+
+    install(float(os.environ[DEVICE_MS_ENV]))
+    llm = LLM(str(model_dir), kv_cache_gib=1.0, max_num_seqs=len(prompts))
+    try:
+        run_offline_level(llm, [prompts], 4)  # warm-up
+        best = 0.0
+        for _ in range(repeat):
+            secs, tokens = run_offline_level(llm, [prompts], new_tokens)
+            best = max(best, tokens / secs)
+    finally:
+        llm.close()
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device-ms", type=float, default=2.5, help="emulated device time per step")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=4, help="runs per figure, best kept")
+    p.add_argument("--preset", default="tiny-llama")
+    p.add_argument("--server-arg", action="append", default=[], help="one more `stencild serve` argument")
+    p.add_argument("--json", type=Path, default=REPO_ROOT / "bench/results/serve_emulated.json")
+    args = p.parse_args()
+
+    import multiprocessing as mp
+
+    from bench._server import ServerProcess
+    from bench.serve import make_prompts, pct, run_grpc_level
+    from engine.presets import ensure_preset
+
+    os.environ[DEVICE_MS_ENV] = str(args.device_ms)
+    model_dir = ensure_preset(args.preset)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    results = []
+    for conc in args.concurrency:
+        prompts = make_prompts(conc, args.prompt_len, vocab, seed=conc)
+        # The offline engine in a child, so this process stays a plain client.
+        with mp.get_context("spawn").Pool(1) as pool:
+            off = pool.apply(offline, (model_dir, prompts, args.new_tokens, args.repeat))
+        server = ServerProcess(["--preset", args.preset, "--kv-cache-gib", "1", "--max-num-seqs", str(conc),
+                                "--no-speech-model", "--no-embedding-model", "--metrics-port", "0", "--log-level", "INFO",
+                                *args.server_arg], module="bench.serve_emulated")
+        address = f"127.0.0.1:{server.port}"
+        try:
+            server.wait_serving(address)
+            asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, vocab, 999)], 4))
+            best = None
+            for r in range(args.repeat):
+                run = asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, vocab, 100 + r)],
+                                                 args.new_tokens))
+                if best is None or run[1] / run[0] > best[1] / best[0]:
+                    best = run
+        finally:
+            server.stop()
+        assert best is not None
+        secs, tokens, ttft, _, messages = best
+        row = {"concurrency": conc, "device_ms": args.device_ms, "offline_tok_s": round(off),
+               "grpc_tok_s": round(tokens / secs), "ratio": round(tokens / secs / off, 3),
+               "ttft_p50_ms": round(pct(ttft, 50), 1), "ttft_p99_ms": round(pct(ttft, 99), 1),
+               "messages_per_request": round(messages / conc, 1)}
+        results.append(row)
+        print(f"c={conc:<3} device {args.device_ms} ms/step: grpc {row['grpc_tok_s']:,} tok/s, offline "
+              f"{row['offline_tok_s']:,} tok/s = {row['ratio']:.1%}; TTFT p50/p99 {row['ttft_p50_ms']}/"
+              f"{row['ttft_p99_ms']} ms; {row['messages_per_request']} messages a request", flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"preset": args.preset, "prompt_len": args.prompt_len,
+                                     "new_tokens": args.new_tokens, "levels": results}, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve() if sys.argv[1:2] == ["serve"] else main())
