@@ -79,8 +79,8 @@ def summary(raw: str, top: int = 8) -> list[str]:
     for prof in sorted(parse(raw).values(), key=lambda p: -p.samples):
         lines.append(f"{prof.name}: {prof.samples} samples")
         lines += [f"    own {n:6d}  {frame}" for frame, n in prof.own.most_common(top)]
-        # Frames on every stack (the thread's entry point) say nothing.
-        partial = [(frame, n) for frame, n in prof.inclusive.most_common() if n < prof.samples]
+        # Frames on (nearly) every stack, the thread's entry points, say nothing.
+        partial = [(frame, n) for frame, n in prof.inclusive.most_common() if n < 0.8 * prof.samples]
         lines += [f"    in  {n:6d}  {frame}" for frame, n in partial[:top]]
     return lines
 
