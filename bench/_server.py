@@ -1,4 +1,4 @@
-"""A `stencild serve` subprocess for benchmarks that go through gRPC."""
+"""A `stencild serve` subprocess for benchmarks that go through gRPC, and its engine's step metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +62,51 @@ class ServerProcess:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a server's metrics endpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class EngineSteps:
+    """The server's engine steps so far, from its Prometheus metrics."""
+
+    steps: float
+    seconds: float
+    requests: float  # summed over steps: requests per step x steps
+
+    def since(self, earlier: EngineSteps) -> EngineSteps:
+        return EngineSteps(self.steps - earlier.steps, self.seconds - earlier.seconds,
+                           self.requests - earlier.requests)
+
+    def describe(self) -> str:
+        if not self.steps:
+            return "no engine steps"
+        return (f"{self.steps:.0f} engine steps, {1e3 * self.seconds / self.steps:.2f} ms a step, "
+                f"{self.requests / self.steps:.1f} requests a step")
+
+
+def engine_steps(metrics_port: int) -> EngineSteps:
+    """Read `stencil_engine_step_seconds` and `stencil_engine_batch_size` (summed
+    over the server's engines) from http://127.0.0.1:PORT/metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("stencil_engine_step_seconds_count", "stencil_engine_step_seconds_sum",
+                               "stencil_engine_batch_size_sum"):
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return EngineSteps(values.get("stencil_engine_step_seconds_count", 0.0),
+                       values.get("stencil_engine_step_seconds_sum", 0.0),
+                       values.get("stencil_engine_batch_size_sum", 0.0))

@@ -599,16 +599,17 @@ def _transformers_batch(model: Any, key: str, mode: str, batch: int, kwargs: dic
 def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, report: Report) -> Figure | None:
     """`stencild serve` on this GPU (the offline engine's settings): C concurrent
     Generate streams of one request each; best of --repeat after two warm-ups."""
-    from bench._server import ServerProcess
+    from bench._server import EngineSteps, ServerProcess, engine_steps, free_port
     from bench.serve import pct, run_grpc_level
 
     conc = args.grpc_concurrency
+    metrics_port = free_port()
     kv = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)] \
         if args.gpu_memory_utilization is not None else ["--kv-cache-gib", str(args.kv_cache_gib)]
     serve_args = ["--model", str(model_dir), "--device", DEVICE, "--dtype", "bfloat16", *kv,
                   "--max-num-seqs", str(max(conc, *args.batches)),
                   "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-speech-model",
-                  "--no-embedding-model", "--metrics-port", "0", "--log-level", "INFO"]
+                  "--no-embedding-model", "--metrics-port", str(metrics_port), "--log-level", "INFO"]
     start = time.perf_counter()
     server = ServerProcess(serve_args)
     address = f"127.0.0.1:{server.port}"
@@ -618,13 +619,18 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
         asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 30_000)], 8))
         asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 30_001)], args.new_tokens))
         best: tuple[float, int, list[float], list[float], int] | None = None
+        best_steps: EngineSteps | None = None
         times = []
         for r in range(args.repeat):
+            before = engine_steps(metrics_port)
             run = asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 3000 + r)],
                                              args.new_tokens))
             times.append(run[0])
             if best is None or run[1] / run[0] > best[1] / best[0]:
-                best = run
+                best, best_steps = run, engine_steps(metrics_port).since(before)
+        assert best_steps is not None
+        # Slower steps, or more of them (requests admitted over several)? The offline run's are in its figure.
+        report(f"  [{key}] gRPC best run: {best_steps.describe()} (the server's metrics)")
         if args.profile_server:
             profile_grpc(key, server, address, args, report)
     finally:
@@ -635,7 +641,8 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
     return Figure("stencild gRPC", key, f"{conc} concurrent streams", conc, args.new_tokens, tokens / secs, times,
                   conc * bound, {"tokens": tokens, "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
                                  "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-                                 "messages_per_request": messages / conc})
+                                 "messages_per_request": messages / conc, "server_steps": best_steps.steps,
+                                 "server_step_ms": 1e3 * best_steps.seconds / max(best_steps.steps, 1)})
 
 
 def profile_grpc(key: str, server: Any, address: str, args: argparse.Namespace, report: Report) -> None:

@@ -12,7 +12,8 @@ serving path loses, and what a change to it does.
 Workload as bench/gpu.py's gRPC figure: C concurrent streams of one request
 each (random prompts, greedy, EOS ignored) against the offline engine with C
 prompts in one batch. Reports both throughputs, their ratio, time to first
-token and messages per request.
+token, messages per request, and each side's engine steps (the server's from
+its metrics endpoint): how many, and how long a step took.
 
     python bench/serve_emulated.py                    # 64 streams, 2.5 ms a step
     python bench/serve_emulated.py --device-ms 4 --concurrency 16 64
@@ -67,7 +68,8 @@ def serve() -> int:
     return cli_main(sys.argv[1:])
 
 
-def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int, repeat: int) -> float:
+def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int, repeat: int) -> tuple[float, float, int]:
+    """The offline engine's best tok/s, and that run's seconds and engine steps."""
     from bench.serve import run_offline_level
     from engine import LLM
 
@@ -75,10 +77,12 @@ def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int, repeat: 
     llm = LLM(str(model_dir), kv_cache_gib=1.0, max_num_seqs=len(prompts))
     try:
         run_offline_level(llm, [prompts], 4)  # warm-up
-        best = 0.0
+        best = (0.0, 0.0, 0)
         for _ in range(repeat):
+            passes = llm.engine.pipeline.forward_passes
             secs, tokens = run_offline_level(llm, [prompts], new_tokens)
-            best = max(best, tokens / secs)
+            if tokens / secs > best[0]:
+                best = (tokens / secs, secs, llm.engine.pipeline.forward_passes - passes)
     finally:
         llm.close()
     return best
@@ -98,7 +102,7 @@ def main() -> int:
 
     import multiprocessing as mp
 
-    from bench._server import ServerProcess
+    from bench._server import ServerProcess, engine_steps, free_port
     from bench.serve import make_prompts, pct, run_grpc_level
     from engine.presets import ensure_preset
 
@@ -110,32 +114,38 @@ def main() -> int:
         prompts = make_prompts(conc, args.prompt_len, vocab, seed=conc)
         # The offline engine in a child, so this process stays a plain client.
         with mp.get_context("spawn").Pool(1) as pool:
-            off = pool.apply(offline, (model_dir, prompts, args.new_tokens, args.repeat))
+            off, off_secs, off_steps = pool.apply(offline, (model_dir, prompts, args.new_tokens, args.repeat))
+        metrics_port = free_port()
         server = ServerProcess(["--preset", args.preset, "--kv-cache-gib", "1", "--max-num-seqs", str(conc),
-                                "--no-speech-model", "--no-embedding-model", "--metrics-port", "0", "--log-level", "INFO",
-                                *args.server_arg], module="bench.serve_emulated")
+                                "--no-speech-model", "--no-embedding-model", "--metrics-port", str(metrics_port),
+                                "--log-level", "INFO", *args.server_arg], module="bench.serve_emulated")
         address = f"127.0.0.1:{server.port}"
         try:
             server.wait_serving(address)
             asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, vocab, 999)], 4))
             best = None
             for r in range(args.repeat):
+                before = engine_steps(metrics_port)
                 run = asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, vocab, 100 + r)],
                                                  args.new_tokens))
-                if best is None or run[1] / run[0] > best[1] / best[0]:
-                    best = run
+                if best is None or run[1] / run[0] > best[0][1] / best[0][0]:
+                    best = (run, engine_steps(metrics_port).since(before))
         finally:
             server.stop()
         assert best is not None
-        secs, tokens, ttft, _, messages = best
+        (secs, tokens, ttft, _, messages), steps = best
         row = {"concurrency": conc, "device_ms": args.device_ms, "offline_tok_s": round(off),
                "grpc_tok_s": round(tokens / secs), "ratio": round(tokens / secs / off, 3),
                "ttft_p50_ms": round(pct(ttft, 50), 1), "ttft_p99_ms": round(pct(ttft, 99), 1),
-               "messages_per_request": round(messages / conc, 1)}
+               "messages_per_request": round(messages / conc, 1),
+               "server_steps": steps.steps, "server_step_ms": round(1e3 * steps.seconds / max(steps.steps, 1), 2),
+               "offline_steps": off_steps, "offline_step_ms": round(1e3 * off_secs / max(off_steps, 1), 2)}
         results.append(row)
         print(f"c={conc:<3} device {args.device_ms} ms/step: grpc {row['grpc_tok_s']:,} tok/s, offline "
               f"{row['offline_tok_s']:,} tok/s = {row['ratio']:.1%}; TTFT p50/p99 {row['ttft_p50_ms']}/"
-              f"{row['ttft_p99_ms']} ms; {row['messages_per_request']} messages a request", flush=True)
+              f"{row['ttft_p99_ms']} ms; {row['messages_per_request']} messages a request\n"
+              f"      server: {steps.describe()}; offline: {off_steps} steps, {row['offline_step_ms']} ms a step",
+              flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"preset": args.preset, "prompt_len": args.prompt_len,
                                      "new_tokens": args.new_tokens, "levels": results}, indent=2) + "\n")

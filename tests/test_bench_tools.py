@@ -1,0 +1,60 @@
+"""Helpers of the benchmarks: bench/pyspy.py reads py-spy's raw output per
+thread (what bench/gpu.py --profile-server writes to its log); bench/_server.py
+reads a server's engine steps from its metrics endpoint."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+
+from bench import pyspy
+from bench._server import EngineSteps, engine_steps, free_port
+
+RAW = """\
+thread (11): stencild-engine;_bootstrap (threading.py:1012);step (engine/engine.py:292);wait (threading.py:327) 30
+thread (11): stencild-engine;_bootstrap (threading.py:1012);step (engine/engine.py:292);decode (engine/output.py:149) 10
+thread (11): stencild-engine;_bootstrap (threading.py:1012);send (selector_events.py:139) 5
+thread (11): stencild-engine;_bootstrap (threading.py:1012);get (queue.py:171) 15
+thread (7): MainThread;run (runners.py:118);Generate (service/api/generation.py:198) 12
+not a stack line
+"""
+
+
+def test_parse_counts_samples_per_thread_and_frame():
+    threads = pyspy.parse(RAW)
+    engine = threads["thread (11): stencild-engine"]
+    assert engine.samples == 60
+    assert engine.own["wait (threading.py:327)"] == 30
+    assert engine.inclusive["step (engine.py:292)"] == 40
+    assert engine.inclusive["_bootstrap (threading.py:1012)"] == 60
+    assert threads["thread (7): MainThread"].samples == 12
+
+
+def test_summary_puts_the_busiest_thread_first_and_skips_frames_on_nearly_every_stack():
+    lines = pyspy.summary(RAW, top=2)
+    assert lines[0] == "thread (11): stencild-engine: 60 samples"
+    assert "    own     30  wait (threading.py:327)" in lines
+    assert "    in      40  step (engine.py:292)" in lines
+    assert not any("_bootstrap" in line for line in lines)
+    assert lines.index("thread (7): MainThread: 12 samples") > 0
+
+
+def test_engine_steps_sums_the_step_histograms_of_every_engine():
+    registry = CollectorRegistry()
+    steps = Histogram("stencil_engine_step_seconds", "", ("model_name",), registry=registry)
+    batch = Histogram("stencil_engine_batch_size", "", ("model_name",), registry=registry)
+    for model, seconds, size in (("a", 0.002, 64), ("a", 0.004, 32), ("b", 0.010, 1)):
+        steps.labels(model).observe(seconds)
+        batch.labels(model).observe(size)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        first = engine_steps(port)
+        assert (first.steps, round(first.seconds, 6), first.requests) == (3, 0.016, 97)
+        steps.labels("a").observe(0.003)
+        batch.labels("a").observe(63)
+        later = engine_steps(port).since(first)
+        assert (later.steps, round(later.seconds, 6), later.requests) == (1, 0.003, 63)
+        assert later.describe() == "1 engine steps, 3.00 ms a step, 63.0 requests a step"
+    finally:
+        server.shutdown()
+    assert EngineSteps(0, 0, 0).describe() == "no engine steps"
