@@ -12,7 +12,8 @@ grace period, then aborts the rest (their streams end UNAVAILABLE) and stops.
 An engine thread that dies (a failure no single request explains: requests
 that break a step are ended one by one, see EngineCore.step) takes the whole
 server down: everything turns NOT_SERVING at once, its calls end INTERNAL, the
-others are cut short, and `serve` returns EXIT_ENGINE_FAILED so the process
+others are cut short, new calls are refused (UNAVAILABLE) for FAILURE_HOLD_S
+before the port closes, and `serve` returns EXIT_ENGINE_FAILED so the process
 exits non-zero and its supervisor (Kubernetes, systemd) starts a fresh one.
 The engine is not restarted in-process: whatever broke it (the device, the KV
 cache, a native library) cannot be trusted, and a restart loop inside one
@@ -63,6 +64,11 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 # Process exit codes of `serve`: a model that could not load, an engine that died.
 EXIT_LOAD_FAILED = 1
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE
+# After an engine failure the port stays open this long, refusing new calls
+# with UNAVAILABLE, before the server stops: a client that sends its next call
+# as the failure happens gets a clear, retryable status instead of a call that
+# gRPC cancels while the server closes (CANCELLED), or a refused connection.
+FAILURE_HOLD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -369,23 +375,26 @@ class StencilServer:
             log.critical("an engine failed (%s: %s); the server stops so that it can be restarted",
                          type(exc).__name__, exc)
         self._spawn(self.health.shut_down())
-        self.drain(0.0)
+        self.drain(0.0, hold_s=FAILURE_HOLD_S)
 
     async def wait_ready(self) -> bool:
         """Wait until the models are loaded (True) or failed to load (False)."""
         await self._ready.wait()
         return self.load_error is None and self.models is not None
 
-    def drain(self, grace_period_s: float | None = None) -> asyncio.Task[None]:
-        """Start a graceful shutdown (idempotent); a second call with grace 0 hurries it."""
+    def drain(self, grace_period_s: float | None = None, hold_s: float = 0.0) -> asyncio.Task[None]:
+        """Start a graceful shutdown (idempotent); a second call with grace 0 hurries it.
+
+        `hold_s`: once the calls in flight are over, keep the port open that
+        long, refusing new calls with UNAVAILABLE, before stopping."""
         if self._draining is None:
             grace = self.config.grace_period_s if grace_period_s is None else grace_period_s
-            self._draining = asyncio.get_running_loop().create_task(self._drain(grace))
+            self._draining = asyncio.get_running_loop().create_task(self._drain(grace, hold_s))
         elif grace_period_s == 0:
             self._force.set()
         return self._draining
 
-    async def _drain(self, grace: float) -> None:
+    async def _drain(self, grace: float, hold_s: float) -> None:
         state = self.state
         state.draining = True
         log.info("draining: %d calls in flight, grace period %.1fs",
@@ -401,6 +410,8 @@ class StencilServer:
             # The aborted streams end within one engine step; bounded anyway.
             await asyncio.wait([idle], timeout=10.0)
         idle.cancel()
+        if hold_s > 0 and not force.done():
+            await asyncio.wait([force], timeout=hold_s)
         force.cancel()
         if self._server is not None:
             # Only unary calls and health watches can remain: give them a moment.
