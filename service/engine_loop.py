@@ -94,10 +94,28 @@ class RequestStream:
         self.abort_sent = False
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._ready = asyncio.Event()
+        self._pause: asyncio.Future[None] | None = None
 
     def _push(self, item: RequestOutput | BaseException) -> None:
         self._items.append(item)
         self._ready.set()
+        if self._pause is not None and (isinstance(item, BaseException) or item.finished):
+            _wake(self._pause)  # the last message goes out now, not after the pause
+
+    async def pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less if the request ends meanwhile (its last
+        output or its failure arrives): a paced stream's outputs gather while
+        it waits, but its end is never held back."""
+        if self.finished:
+            return
+        loop = asyncio.get_running_loop()
+        self._pause = loop.create_future()
+        timer = loop.call_later(seconds, _wake, self._pause)
+        try:
+            await self._pause
+        finally:
+            timer.cancel()
+            self._pause = None
 
     async def next_outputs(self) -> list[RequestOutput]:
         """Wait for output; return everything delivered since the last call."""
@@ -112,6 +130,11 @@ class RequestStream:
                 raise item
             out.append(item)
         return out
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class LoopObserver(Protocol):
@@ -195,14 +218,14 @@ class EngineLoop:
     def pending_tokens(self) -> int:
         return self._pending_tokens
 
-    async def pace(self) -> None:
-        """After a stream sent a message: wait its share of the loop's message
-        budget (nothing while few streams run)."""
+    async def pace(self, stream: RequestStream) -> None:
+        """After `stream` sent a message: wait its share of the loop's message
+        budget (nothing while few streams run; less if the request ends)."""
         if self.stream_messages_per_s <= 0:
             return
         delay = len(self._streams) / self.stream_messages_per_s
         if delay >= _MIN_PACE_S:
-            await asyncio.sleep(delay)
+            await stream.pause(delay)
 
     # -- requests (event loop) ----------------------------------------------
     def submit(self, ctx: TextContext) -> RequestStream:

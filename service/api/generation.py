@@ -197,7 +197,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if chunk is not None:
                     await context.write(chunk)
                     if final is None:
-                        await loop.pace()  # what comes meanwhile goes out in the next chunk
+                        await loop.pace(stream)  # what comes meanwhile goes out in the next chunk
                 if final is not None:
                     done = convert.complete_response(rid, final)
                     if validate:

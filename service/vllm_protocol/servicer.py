@@ -128,7 +128,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     if msg is not None:
                         await context.write(msg)
                         if final is None and running == 1:
-                            await loop.pace()
+                            await loop.pace(seq.stream)
                 if final is not None:
                     running -= 1
                     await context.write(vllm_convert.complete(seq.state, final, prepared, request.stream,

@@ -137,3 +137,37 @@ def test_stop_ends_streams_still_registered(engine: EngineCore) -> None:
             await drain(stream)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
     asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+
+
+def test_pacing_never_holds_back_a_streams_end(engine: EngineCore) -> None:
+    # A budget of one message every 5 s for the lone stream: each pause would
+    # outlast the whole request. The last output ends the pause at once.
+    async def body(loop: EngineLoop) -> tuple[float, int]:
+        stream = loop.submit(ctx(engine, "paced", n=12))
+        start = asyncio.get_running_loop().time()
+        messages = tokens = 0
+        while True:
+            outs = await stream.next_outputs()
+            messages += 1
+            tokens += sum(len(o.token_ids) for o in outs)
+            if outs[-1].finished:
+                assert tokens == 12
+                return asyncio.get_running_loop().time() - start, messages
+            await loop.pace(stream)
+
+    elapsed, messages = run(engine, body, stream_messages_per_s=0.2)
+    assert messages == 2, "the first message, then everything else once the request ended"
+    assert elapsed < 2.5, elapsed
+
+
+def test_a_pause_ends_on_failure_and_is_skipped_once_finished(engine: EngineCore) -> None:
+    async def body(loop: EngineLoop) -> None:
+        stream = RequestStream("r", cost=1)
+        pause = asyncio.ensure_future(stream.pause(30.0))
+        await asyncio.sleep(0)
+        stream._push(EngineFailed("the engine failed"))
+        await asyncio.wait_for(pause, 1.0)
+        stream.finished = True
+        await asyncio.wait_for(stream.pause(30.0), 1.0)
+
+    run(engine, body)
