@@ -1,0 +1,120 @@
+"""KvEventHub against a real engine loop: batches are numbered on the engine
+thread, cross to the event loop only while someone subscribes, and a
+subscriber that joins while the engine runs misses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine import EngineConfig, EngineCore, SamplingParams
+from service.engine_loop import EngineLoop, RequestStream
+from service.gen.vllm import common_pb2 as cpb
+from service.vllm_protocol.kv_events import KvEventHub
+
+TIMEOUT = 60.0
+
+
+def _engine(preset) -> EngineCore:  # type: ignore[no-untyped-def]
+    return EngineCore(EngineConfig(str(preset("tiny-llama")), kv_cache_gib=0.02, page_size=4))
+
+
+def _run(engine: EngineCore, body: Any) -> Any:
+    async def main() -> Any:
+        loop = EngineLoop(engine)
+        loop.start()
+        hub = KvEventHub()
+        try:
+            await hub.attach(loop)
+            return await asyncio.wait_for(body(loop, hub), TIMEOUT)
+        finally:
+            await loop.stop()
+    return asyncio.run(main())
+
+
+def _submit(loop: EngineLoop, i: int, n: int = 24) -> RequestStream:
+    engine = loop.engine
+    ctx = engine.make_context(engine.tokenizer.encode(f"request number {i} with a prompt of a few pages"),
+                              SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+    return loop.submit(ctx)
+
+
+async def _finish(stream: RequestStream) -> None:
+    while not any(o.finished for o in await stream.next_outputs()):
+        pass
+
+
+def _apply(state: dict[int, list[int]], batch: cpb.KvEventBatch) -> None:
+    for ev in batch.events:
+        if ev.HasField("stored"):
+            state.update({b.block_hash: list(b.token_ids) for b in ev.stored.blocks})
+        elif ev.HasField("removed"):
+            for h in ev.removed.block_hashes:
+                state.pop(h, None)
+        elif ev.HasField("cleared"):
+            state.clear()
+
+
+def test_without_subscribers_batches_are_numbered_on_the_engine_thread_only(preset) -> None:  # type: ignore[no-untyped-def]
+    async def body(loop: EngineLoop, hub: KvEventHub) -> None:
+        published: list[int] = []
+        publish = hub._publish
+        hub._publish = lambda number, events: (published.append(number), publish(number, events))  # type: ignore[method-assign]
+        await _finish(_submit(loop, 0))
+        assert hub.sequence > 0 and published == []
+        # With a subscriber they cross, numbered on from there.
+        sub = hub.subscribe()
+        snapshot = await sub.__anext__()
+        assert snapshot.HasField("snapshot") and snapshot.sequence_number == hub.sequence
+        await _finish(_submit(loop, 1))
+        live = await asyncio.wait_for(sub.__anext__(), TIMEOUT)
+        assert live.sequence_number == snapshot.sequence_number + 1 and published[0] == live.sequence_number
+        await sub.aclose()
+        assert hub.num_subscribers == 0 and hub._listening == 0
+
+    _run(_engine(preset), body)
+
+
+def test_subscribers_joining_mid_run_see_every_batch_after_their_snapshot(preset) -> None:  # type: ignore[no-untyped-def]
+    async def body(loop: EngineLoop, hub: KvEventHub) -> None:
+        running = True
+
+        async def traffic() -> None:  # the cache changes in (nearly) every step
+            i = 0
+            while running:
+                await asyncio.gather(*(_finish(_submit(loop, 100 * i + j)) for j in range(4)))
+                i += 1
+
+        feeder = asyncio.ensure_future(traffic())
+        try:
+            for _ in range(6):
+                await asyncio.sleep(0.005)
+                sub = hub.subscribe()
+                snapshot = await sub.__anext__()
+                state: dict[int, list[int]] = {}
+                _apply(state, snapshot)
+                numbers = [snapshot.sequence_number]
+                for _ in range(5):
+                    batch = await asyncio.wait_for(sub.__anext__(), TIMEOUT)
+                    numbers.append(batch.sequence_number)
+                    _apply(state, batch)
+                assert numbers == list(range(numbers[0], numbers[0] + 6)), numbers
+                # The snapshot plus what followed is the cache as it was at
+                # the last batch: checked between steps, with the stream still on.
+                def now(engine: EngineCore) -> tuple[int, dict[int, list[int]]]:
+                    engine.allocator.flush_events()
+                    return hub.sequence, {p.hashes[0]: list(p.tokens[0]) for p in engine.allocator.snapshot()}
+
+                last, actual = await loop.call(now)
+                while numbers[-1] < last:
+                    batch = await asyncio.wait_for(sub.__anext__(), TIMEOUT)
+                    numbers.append(batch.sequence_number)
+                    _apply(state, batch)
+                assert numbers[-1] == last and state == actual
+                await sub.aclose()
+        finally:
+            running = False
+            await feeder
+        assert hub._listening == 0
+
+    _run(_engine(preset), body)
