@@ -316,6 +316,7 @@ class StencilServer:
                               observer=self.telemetry.observer(engine, self.state.model_name),
                               stream_messages_per_s=self.config.stream_messages_per_s)
             loop.start()
+            self._watch_threads(loop, 0)
             cfg = self.config
             self.state.constraints = ConstraintCompiler(engine.structured,
                                                         cfg.admission.max_pending_requests,
@@ -364,9 +365,17 @@ class StencilServer:
                           observer=self.telemetry.observer(models.speech, self.speech.options.model_name, 1),
                           stream_messages_per_s=self.config.stream_messages_per_s)
         loop.start()
+        self._watch_threads(loop, 1)
         self.state.speech_loop = self.speech.loop = loop
         # It runs on the generation engine's device thread, which dies with that engine.
         self.speech.alive = lambda: loop.alive and self._engine_alive()
+
+    def _watch_threads(self, loop: EngineLoop, index: int) -> None:
+        """Export the CPU time of the event loop and of `loop`'s engine and device threads."""
+        self.telemetry.watch_thread("event_loop", threading.current_thread())
+        engine_thread, device_thread = loop.threads
+        self.telemetry.watch_thread(f"engine_{index}", engine_thread)
+        self.telemetry.watch_thread(f"device_{index}", device_thread)
 
     def _on_engine_failure(self, exc: BaseException) -> None:
         """An engine thread died: NOT_SERVING now, then shut down (see the module docstring)."""

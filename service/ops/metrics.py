@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -126,6 +133,47 @@ class EngineCollector(Collector):
         yield from (running, waiting, usage, info, queries, hits, preemptions)
 
 
+def thread_cpu_seconds(thread: threading.Thread) -> float | None:
+    """CPU seconds `thread` has used (None where the platform cannot say, or
+    once the thread has ended)."""
+    ident = thread.ident
+    # An ended thread's id may name another thread by now (or nothing).
+    if ident is None or not thread.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except OSError:  # it ended just now
+        return None
+
+
+class ThreadCpuCollector(Collector):
+    """CPU seconds of the server's own threads (the event loop, each engine
+    thread and its device thread), read at scrape time: a thread near one CPU
+    second a second is saturated, and with the GIL the event loop's and the
+    engine's time add up. Labelled by role (`event_loop`, `engine_0`,
+    `device_0`, ...); a thread two roles share is counted once, under the first."""
+
+    def __init__(self) -> None:
+        self._threads: list[tuple[str, threading.Thread]] = []
+        self._lock = threading.Lock()
+
+    def add(self, label: str, thread: threading.Thread | None) -> None:
+        with self._lock:
+            if thread is not None and all(t is not thread and name != label for name, t in self._threads):
+                self._threads.append((label, thread))
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            threads = list(self._threads)
+        family = CounterMetricFamily("stencil_thread_cpu_seconds",
+                                     "CPU seconds used by each of the server's threads.", labels=("thread",))
+        for label, thread in threads:
+            seconds = thread_cpu_seconds(thread)
+            if seconds is not None:
+                family.add_metric([label], seconds)
+        yield family
+
+
 class ServerMetrics:
     """Every metric of one server, in its own registry (see the module docstring).
 
@@ -219,6 +267,10 @@ class ServerMetrics:
                                     registry=r, buckets=BATCH_BUCKETS)
         self.engines = EngineCollector()
         r.register(self.engines)
+        self.threads = ThreadCpuCollector()
+        r.register(self.threads)
+        # process_cpu_seconds_total, process_resident_memory_bytes, ... (Linux).
+        ProcessCollector(registry=r)
 
 
 class MetricsServer:

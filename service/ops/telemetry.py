@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -116,6 +117,11 @@ class Telemetry:
             self.metrics.engines.add(EngineSource(engine, model_name, str(index)))
         rate = engine.audio.decoder_sample_rate if engine.audio is not None else 0
         return EngineObserver(self.metrics, labels, rate)
+
+    def watch_thread(self, label: str, thread: threading.Thread | None) -> None:
+        """Export `thread`'s CPU time as stencil_thread_cpu_seconds{thread=label}."""
+        if self.metrics is not None:
+            self.metrics.threads.add(label, thread)
 
     # -- calls ----------------------------------------------------------------------
     def begin(self, method: str, request: Any, context: grpc.aio.ServicerContext,

@@ -213,6 +213,18 @@ def test_prefix_cache_counters(msrv: ServerHandle) -> None:
     assert queries >= hits + 2
 
 
+def test_thread_and_process_cpu(msrv: ServerHandle) -> None:
+    before = scrape(msrv)
+    generate(msrv.stub, greedy("count the cpu", max_new_tokens=16))
+    after = scrape(msrv)
+    assert {lab["thread"] for lab in after.labels_of("stencil_thread_cpu_seconds_total")} == \
+        {"event_loop", "engine_0", "device_0"}
+    for thread in ("event_loop", "engine_0", "device_0"):
+        assert delta(before, after, "stencil_thread_cpu_seconds_total", thread=thread) > 0, thread
+    assert after.get("process_cpu_seconds_total") >= after.get("stencil_thread_cpu_seconds_total")
+    assert after.get("process_resident_memory_bytes") > 0
+
+
 def test_metrics_stop_with_the_server(make_server: Callable[..., ServerHandle]) -> None:
     handle = make_server(telemetry=TelemetryConfig(metrics_port=0))
     url = metrics_url(handle)
@@ -245,6 +257,9 @@ def test_embed_and_speech_metrics(make_server: Callable[..., ServerHandle]) -> N
     assert delta(before, after, "stencil_speech_requests_total", **speech) == 1
     assert delta(before, after, "stencil_speech_audio_seconds_total", **speech) == pytest.approx(audio)
     assert delta(before, after, "stencil_speech_time_to_first_audio_seconds_count", **speech) == 1
+    # The speech engine has a thread of its own; it shares the device thread.
+    assert {lab["thread"] for lab in after.labels_of("stencil_thread_cpu_seconds_total")} == \
+        {"event_loop", "engine_0", "device_0", "engine_1"}
     # The speech engine has gauges of its own.
     assert {lab["model_name"] for lab in after.labels_of("vllm:num_requests_running")} == \
         {"tiny-llama", "demo-speech"}
