@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -75,26 +75,35 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class EngineSteps:
-    """The server's engine steps so far, from its Prometheus metrics."""
+    """The server's engine steps so far, and its threads' CPU seconds, from its Prometheus metrics."""
 
     steps: float
     seconds: float
     requests: float  # summed over steps: requests per step x steps
+    cpu: dict[str, float] = field(default_factory=dict)  # by thread: event_loop, engine_0, ...
 
     def since(self, earlier: EngineSteps) -> EngineSteps:
         return EngineSteps(self.steps - earlier.steps, self.seconds - earlier.seconds,
-                           self.requests - earlier.requests)
+                           self.requests - earlier.requests,
+                           {k: v - earlier.cpu.get(k, 0.0) for k, v in self.cpu.items()})
+
+    def cpu_ms_per_step(self) -> dict[str, float]:
+        return {k: round(1e3 * v / self.steps, 3) for k, v in self.cpu.items()} if self.steps else {}
 
     def describe(self) -> str:
         if not self.steps:
             return "no engine steps"
-        return (f"{self.steps:.0f} engine steps, {1e3 * self.seconds / self.steps:.2f} ms a step, "
+        text = (f"{self.steps:.0f} engine steps, {1e3 * self.seconds / self.steps:.2f} ms a step, "
                 f"{self.requests / self.steps:.1f} requests a step")
+        if self.cpu:
+            text += "; CPU ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in self.cpu_ms_per_step().items())
+        return text
 
 
 def engine_steps(metrics_port: int) -> EngineSteps:
     """Read `stencil_engine_step_seconds` and `stencil_engine_batch_size` (summed
-    over the server's engines) from http://127.0.0.1:PORT/metrics."""
+    over the server's engines) and `stencil_thread_cpu_seconds` (by thread) from
+    http://127.0.0.1:PORT/metrics."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -102,11 +111,14 @@ def engine_steps(metrics_port: int) -> EngineSteps:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
     values: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in ("stencil_engine_step_seconds_count", "stencil_engine_step_seconds_sum",
                                "stencil_engine_batch_size_sum"):
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            elif sample.name == "stencil_thread_cpu_seconds_total":
+                cpu[sample.labels["thread"]] = sample.value
     return EngineSteps(values.get("stencil_engine_step_seconds_count", 0.0),
                        values.get("stencil_engine_step_seconds_sum", 0.0),
-                       values.get("stencil_engine_batch_size_sum", 0.0))
+                       values.get("stencil_engine_batch_size_sum", 0.0), cpu)

@@ -13,7 +13,11 @@ Workload as bench/gpu.py's gRPC figure: C concurrent streams of one request
 each (random prompts, greedy, EOS ignored) against the offline engine with C
 prompts in one batch. Reports both throughputs, their ratio, time to first
 token, messages per request, and each side's engine steps (the server's from
-its metrics endpoint): how many, and how long a step took.
+its metrics endpoint): how many, how long a step took, and the CPU time each
+thread spent per step (the server's event loop, engine and device threads; the
+offline engine's caller and device threads): with one GIL between them, the
+CPU figures are the steadier measure of what a change to the serving path
+costs or saves.
 
     python bench/serve_emulated.py                    # 64 streams, 2.5 ms a step
     python bench/serve_emulated.py --device-ms 4 --concurrency 16 64
@@ -68,21 +72,35 @@ def serve() -> int:
     return cli_main(sys.argv[1:])
 
 
-def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int, repeat: int) -> tuple[float, float, int]:
-    """The offline engine's best tok/s, and that run's seconds and engine steps."""
+def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int,
+            repeat: int) -> tuple[float, float, int, dict[str, float]]:
+    """The offline engine's best tok/s, and that run's seconds, engine steps and
+    CPU seconds of its two threads (the caller's, which steps the engine, and
+    the device thread)."""
     from bench.serve import run_offline_level
     from engine import LLM
+    from service.ops.metrics import thread_cpu_seconds
 
     install(float(os.environ[DEVICE_MS_ENV]))
     llm = LLM(str(model_dir), kv_cache_gib=1.0, max_num_seqs=len(prompts))
+    device = getattr(llm.engine.executor, "_thread", None)
+
+    def cpu() -> dict[str, float]:
+        out = {"engine_0": time.thread_time()}
+        seconds = thread_cpu_seconds(device) if device is not None else None
+        if seconds is not None:
+            out["device_0"] = seconds
+        return out
+
     try:
         run_offline_level(llm, [prompts], 4)  # warm-up
-        best = (0.0, 0.0, 0)
+        best: tuple[float, float, int, dict[str, float]] = (0.0, 0.0, 0, {})
         for _ in range(repeat):
-            passes = llm.engine.pipeline.forward_passes
+            passes, before = llm.engine.pipeline.forward_passes, cpu()
             secs, tokens = run_offline_level(llm, [prompts], new_tokens)
             if tokens / secs > best[0]:
-                best = (tokens / secs, secs, llm.engine.pipeline.forward_passes - passes)
+                used = {k: v - before[k] for k, v in cpu().items()}
+                best = (tokens / secs, secs, llm.engine.pipeline.forward_passes - passes, used)
     finally:
         llm.close()
     return best
@@ -114,7 +132,8 @@ def main() -> int:
         prompts = make_prompts(conc, args.prompt_len, vocab, seed=conc)
         # The offline engine in a child, so this process stays a plain client.
         with mp.get_context("spawn").Pool(1) as pool:
-            off, off_secs, off_steps = pool.apply(offline, (model_dir, prompts, args.new_tokens, args.repeat))
+            off, off_secs, off_steps, off_cpu = pool.apply(offline, (model_dir, prompts, args.new_tokens,
+                                                                     args.repeat))
         metrics_port = free_port()
         server = ServerProcess(["--preset", args.preset, "--kv-cache-gib", "1", "--max-num-seqs", str(conc),
                                 "--no-speech-model", "--no-embedding-model", "--metrics-port", str(metrics_port),
@@ -139,12 +158,15 @@ def main() -> int:
                "ttft_p50_ms": round(pct(ttft, 50), 1), "ttft_p99_ms": round(pct(ttft, 99), 1),
                "messages_per_request": round(messages / conc, 1),
                "server_steps": steps.steps, "server_step_ms": round(1e3 * steps.seconds / max(steps.steps, 1), 2),
-               "offline_steps": off_steps, "offline_step_ms": round(1e3 * off_secs / max(off_steps, 1), 2)}
+               "offline_steps": off_steps, "offline_step_ms": round(1e3 * off_secs / max(off_steps, 1), 2),
+               "server_cpu_ms_per_step": steps.cpu_ms_per_step(),
+               "offline_cpu_ms_per_step": {k: round(1e3 * v / max(off_steps, 1), 3) for k, v in off_cpu.items()}}
         results.append(row)
         print(f"c={conc:<3} device {args.device_ms} ms/step: grpc {row['grpc_tok_s']:,} tok/s, offline "
               f"{row['offline_tok_s']:,} tok/s = {row['ratio']:.1%}; TTFT p50/p99 {row['ttft_p50_ms']}/"
               f"{row['ttft_p99_ms']} ms; {row['messages_per_request']} messages a request\n"
-              f"      server: {steps.describe()}; offline: {off_steps} steps, {row['offline_step_ms']} ms a step",
+              f"      server: {steps.describe()}\n      offline: {off_steps} steps, {row['offline_step_ms']} ms a "
+              f"step; CPU ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in row["offline_cpu_ms_per_step"].items()),
               flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"preset": args.preset, "prompt_len": args.prompt_len,

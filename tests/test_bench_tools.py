@@ -4,7 +4,7 @@ reads a server's engine steps from its metrics endpoint."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from bench import pyspy
 from bench._server import EngineSteps, engine_steps, free_port
@@ -42,6 +42,9 @@ def test_engine_steps_sums_the_step_histograms_of_every_engine():
     registry = CollectorRegistry()
     steps = Histogram("stencil_engine_step_seconds", "", ("model_name",), registry=registry)
     batch = Histogram("stencil_engine_batch_size", "", ("model_name",), registry=registry)
+    cpu = Counter("stencil_thread_cpu_seconds", "", ("thread",), registry=registry)
+    cpu.labels("event_loop").inc(1.0)
+    cpu.labels("engine_0").inc(2.0)
     for model, seconds, size in (("a", 0.002, 64), ("a", 0.004, 32), ("b", 0.010, 1)):
         steps.labels(model).observe(seconds)
         batch.labels(model).observe(size)
@@ -50,11 +53,15 @@ def test_engine_steps_sums_the_step_histograms_of_every_engine():
     try:
         first = engine_steps(port)
         assert (first.steps, round(first.seconds, 6), first.requests) == (3, 0.016, 97)
+        assert first.cpu == {"event_loop": 1.0, "engine_0": 2.0}
         steps.labels("a").observe(0.003)
         batch.labels("a").observe(63)
+        cpu.labels("event_loop").inc(0.0005)
+        cpu.labels("engine_0").inc(0.00125)
         later = engine_steps(port).since(first)
         assert (later.steps, round(later.seconds, 6), later.requests) == (1, 0.003, 63)
-        assert later.describe() == "1 engine steps, 3.00 ms a step, 63.0 requests a step"
+        assert later.describe() == ("1 engine steps, 3.00 ms a step, 63.0 requests a step; "
+                                    "CPU ms a step: event_loop 0.50, engine_0 1.25")
     finally:
         server.shutdown()
     assert EngineSteps(0, 0, 0).describe() == "no engine steps"
