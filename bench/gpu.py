@@ -642,7 +642,8 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
                   conc * bound, {"tokens": tokens, "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
                                  "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
                                  "messages_per_request": messages / conc, "server_steps": best_steps.steps,
-                                 "server_step_ms": 1e3 * best_steps.seconds / max(best_steps.steps, 1)})
+                                 "server_step_ms": 1e3 * best_steps.seconds / max(best_steps.steps, 1),
+                                 "server_cpu_ms_per_step": best_steps.cpu_ms_per_step()})
 
 
 def profile_grpc(key: str, server: Any, address: str, args: argparse.Namespace, report: Report) -> None:
