@@ -11,10 +11,15 @@ constrained batches as it does on a GPU.
 
 Reports, best of --repeat, wall milliseconds per step at batch B without a
 constraint and with bench/gpu.py's JSON schema, and their ratio (the GPU
-target: no slower per request than without a schema).
+target: no slower per request than without a schema), and the CPU time per
+step of the engine thread (the caller's, offline) and the device thread.
+`--forward zeros` skips the model's compute too (the forward pass returns
+zeros, as bench/serve_emulated.py's does): then every figure is host work
+alone, as with a GPU fast enough that the host sets the pace.
 
     python bench/schema_emulated.py
     python bench/schema_emulated.py --batch 16 --device-ms 3
+    python bench/schema_emulated.py --forward zeros --device-ms 1
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--preset", default="tiny-llama")
+    p.add_argument("--forward", choices=("real", "zeros"), default="real",
+                   help="the model's forward pass, or zeros (host work alone)")
     args = p.parse_args()
 
     from bench.gpu import BENCH_SCHEMA
@@ -44,12 +51,18 @@ def main() -> int:
     from engine.models.llama import LlamaFamilyModel
     from engine.presets import ensure_preset
     from grammar import GrammarSpec
+    from service.ops.metrics import thread_cpu_seconds
 
     delay = args.device_ms / 1000
     forward = LlamaFamilyModel.forward
+    zeros = args.forward == "zeros"
 
-    def emulated(self, *a, **k):  # type: ignore[no-untyped-def]
-        out = forward(self, *a, **k)
+    def emulated(self, input_ids, *a, **k):  # type: ignore[no-untyped-def]
+        if zeros:
+            import torch
+            out = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype)
+        else:
+            out = forward(self, input_ids, *a, **k)
         time.sleep(delay)  # the device's share of the step: no CPU, no GIL
         return out
 
@@ -60,19 +73,33 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     schema = GrammarSpec.json_schema(json.dumps(BENCH_SCHEMA))
     llm.generate(prompts[:4], params, constraint=schema)  # warm-up, the schema compiled
-    best: dict[str, float] = {}
+    device = getattr(llm.engine.executor, "_thread", None)
+
+    def cpu() -> tuple[float, float]:
+        return time.thread_time(), (thread_cpu_seconds(device) or 0.0) if device is not None else 0.0
+
+    best: dict[str, tuple[float, float, float, int]] = {}  # ms a step, engine / device CPU ms a step, steps
     try:
         for _ in range(args.repeat):
             for name, constraint in (("none", None), ("schema", schema)):
                 passes = llm.engine.pipeline.forward_passes
-                start = time.perf_counter()
+                (engine0, device0), start = cpu(), time.perf_counter()
                 llm.generate(prompts, params, constraint=constraint)
-                per_step = (time.perf_counter() - start) / (llm.engine.pipeline.forward_passes - passes)
-                best[name] = min(best.get(name, float("inf")), 1e3 * per_step)
+                wall, (engine1, device1) = time.perf_counter() - start, cpu()
+                steps = llm.engine.pipeline.forward_passes - passes
+                figures = (1e3 * wall / steps, 1e3 * (engine1 - engine0) / steps, 1e3 * (device1 - device0) / steps,
+                           steps)
+                if name not in best or figures[0] < best[name][0]:
+                    best[name] = figures
     finally:
         llm.close()
-    print(f"batch {args.batch}, device {args.device_ms} ms a step: {best['none']:.2f} ms a step without a "
-          f"constraint, {best['schema']:.2f} ms with the JSON schema ({best['schema'] / best['none']:.2f}x)")
+    none, with_schema = best["none"], best["schema"]
+    print(f"batch {args.batch}, device {args.device_ms} ms a step, forward {args.forward}:")
+    for name, (ms, engine_cpu, device_cpu, steps) in best.items():
+        print(f"  {name:6}: {ms:.2f} ms a step over {steps} steps; CPU ms a step: engine {engine_cpu:.2f}, "
+              f"device {device_cpu:.2f}")
+    print(f"  schema / none: {with_schema[0] / none[0]:.2f}x a step, "
+          f"{with_schema[0] * with_schema[3] / (none[0] * none[3]):.2f}x a request")
     return 0
 
 
