@@ -88,21 +88,29 @@ def build_step_inputs(contexts: Sequence[TextContext], num_steps: int, kv: KVCac
     """The inputs of one step over `contexts` (their next_tokens, set by the
     scheduler), as host tensors. With `graphs`, a decode-only step is planned
     for a graph replay instead of the eager backend."""
-    host_ids = np.concatenate([c.next_tokens for c in contexts])
+    # One pass over the contexts for their indices; the rest is whole-batch
+    # numpy (at batch 64 this function runs every step on the engine thread).
+    n = len(contexts)
+    starts = np.fromiter((c.start_idx for c in contexts), np.int64, n)
+    actives = np.fromiter((c.active_idx for c in contexts), np.int64, n)
+    ends = np.fromiter((c.end_idx for c in contexts), np.int64, n)
+    q_lens = actives - starts
+    if n and q_lens.min() == q_lens.max() == 1:  # decode: one token each
+        host_ids = np.fromiter((c.tokens[c.start_idx] for c in contexts), np.int64, n)
+        positions = starts
+    else:
+        host_ids = np.concatenate([c.next_tokens for c in contexts])
+        positions = np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), actives.tolist(), strict=True)])
     future_rows = np.flatnonzero(host_ids == FUTURE_TOKEN)
-    future_buffer_rows: list[int] = []
-    for ctx in contexts:
-        future_buffer_rows += [buffer.row(ctx)] * int(np.count_nonzero(ctx.next_tokens == FUTURE_TOKEN))
-    spans, q_start = [], 0
-    for i, ctx in enumerate(contexts):
-        spans.append(SeqSpan(i, q_start, q_start + ctx.active_length, ctx.start_idx))
-        q_start += ctx.active_length
-    positions = np.concatenate([np.arange(c.start_idx, c.active_idx) for c in contexts])
+    # Each placeholder is read from its request's token-buffer row.
+    owners = np.repeat(np.arange(n), q_lens)[future_rows]
+    future_buffer_rows = [buffer.row(contexts[i]) for i in owners.tolist()]
+    q_ends = np.cumsum(q_lens)
+    spans = [SeqSpan(i, q_end - q_len, q_end, start) for i, (q_end, q_len, start)
+             in enumerate(zip(q_ends.tolist(), q_lens.tolist(), starts.tolist(), strict=True))]
     table = kv.lookup_table(contexts)
-    cache_lengths = np.array([c.start_idx for c in contexts], dtype=np.int32)
-    q_lens = np.array([c.active_length for c in contexts], dtype=np.int32)
-    kv_inputs = kv.inputs(table, cache_lengths, q_lens, num_steps, staging)
-    sampled = [i for i, c in enumerate(contexts) if c.active_idx == c.end_idx]
+    kv_inputs = kv.inputs(table, starts.astype(np.int32), q_lens.astype(np.int32), num_steps, staging)
+    sampled = np.flatnonzero(actives == ends).tolist()
     sample = _sample_inputs([contexts[i] for i in sampled], [spans[i] for i in sampled], buffer, vocab_size,
                             staging, num_steps) if sampled else None
     grammar = PendingMask() if any(contexts[i].needs_mask for i in sampled) else None
