@@ -214,10 +214,13 @@ def test_engine_failure_is_internal_then_unavailable(make_server) -> None:
     assert codes == [grpc.StatusCode.INTERNAL] * MAX_FAILED_STEPS
     # The server itself refuses the calls that follow (not a closed port, nor a
     # call cancelled as the server stops) for a while before it goes away.
-    for i in range(10):
-        err = _generate_error(server.stub, greedy(f"after {i}", max_new_tokens=4))
+    # (Calls are sent for half the hold, so a slow machine cannot outrun it.)
+    deadline, sent = time.monotonic() + FAILURE_HOLD_S / 2, 0
+    while sent == 0 or time.monotonic() < deadline:
+        err = _generate_error(server.stub, greedy(f"after {sent}", max_new_tokens=4))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         assert err.details() in ("the server is shutting down", "the engine is not running")
+        sent += 1
         time.sleep(FAILURE_HOLD_S / 20)
     assert server.server.health.status() == health_pb2.HealthCheckResponse.NOT_SERVING
     server.runner.run(server.server.wait_stopped())
