@@ -52,10 +52,10 @@ class EngineConfig(DeviceOptions):
     cpu_small_batch_gemm: bool = True
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 10.0
-    # Native threads filling a step's bitmask rows. On an H200 host (16 cores,
-    # batch 64, a JSON schema) 4 threads were slower than 1 for xgrammar and
-    # no faster for llguidance: the fill is not what bounds such a step.
-    grammar_mask_threads: int = 1
+    # Native threads filling a step's bitmask rows (grammar.CompilerConfig.
+    # mask_threads); None: chosen from the host's cores at start-up
+    # (cpu_features.mask_threads_for), and logged.
+    grammar_mask_threads: int | None = None
     # Documents a JSON schema's `$ref` may name by URI, as "URI_PREFIX=DIR"
     # (grammar.schema_store): read from disk, never fetched.
     schema_store: tuple[str, ...] = ()
@@ -88,7 +88,7 @@ class EngineConfig(DeviceOptions):
             raise ValueError("grammar_backend must be auto, xgrammar or llguidance")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
-        if self.grammar_mask_threads < 1:
+        if self.grammar_mask_threads is not None and self.grammar_mask_threads < 1:
             raise ValueError("grammar_mask_threads must be >= 1")
         SchemaStore.parse(self.schema_store)  # ValueError: a bad mapping or a missing directory
         if self.overlap and self.num_steps > 1:

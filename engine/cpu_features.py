@@ -10,6 +10,7 @@ branch the test machine does not take.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 # The instructions oneDNN's bf16 reorder and GEMM require (either set).
@@ -38,3 +39,19 @@ def onednn_bf16_supported(flags: frozenset[str] | None = None) -> bool:
 
         return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     return _ONEDNN_BF16_NE_CONVERT in flags or flags >= _ONEDNN_BF16_AVX512
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def mask_threads_for(cores: int) -> int:
+    """Grammar-mask threads for a host with `cores` usable cores: a quarter of
+    them, 1 to 8. The event loop, the engine and device threads and the
+    compile workers keep the rest; on a small host a second fill thread only
+    takes a core from them (measured on 2 cores: no faster)."""
+    return max(1, min(8, cores // 4))

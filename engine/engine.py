@@ -15,6 +15,7 @@ from grammar import SchemaStore
 from .attention import DenseDecodeAttention, choose_attention, make_attention
 from .config import EngineConfig
 from .context import GenerationStatus, TextContext
+from .cpu_features import mask_threads_for, usable_cores
 from .errors import InvalidRequest
 from .executor import StepExecutor
 from .graphs import DecodeGraphs, graphs_mode
@@ -168,10 +169,11 @@ class EngineCore:
                 raise CheckpointError(str(e)) from None
         # The grammar compile service (any thread) and the per-step mask path
         # (engine and device threads) are separate owners.
+        mask_threads = config.grammar_mask_threads or mask_threads_for(usable_cores())
         self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
                                            config.grammar_backend, config.grammar_compile_timeout_s,
-                                           SchemaStore.parse(config.schema_store))
-        self.masks = StepMasks(self.structured, mc.vocab_size, config.grammar_mask_threads)
+                                           SchemaStore.parse(config.schema_store), mask_threads)
+        self.masks = StepMasks(self.structured, mc.vocab_size)
         self.speech: SpeechModel | None = None
         if config.speech_codec:
             layout = SpeechLayout.for_model(config.model)
@@ -200,6 +202,8 @@ class EngineCore:
                                                mc.vocab_size, overlap=config.overlap, graphs=self.graphs)
         log.info("attention: %s (%s)", self.attention_choice.name, self.attention_choice.reason)
         log.info("pointwise kernels: %s", self.ops_choice)
+        log.info("grammar masks: %d fill thread(s)%s", mask_threads,
+                 "" if config.grammar_mask_threads else f" (chosen for {usable_cores()} usable cores)")
         if self.graphs is not None:
             stats = self.graphs.capture_all()
             log.info("decode graphs (%s): %d buckets up to batch %d, %.2f s, %.1f MiB of device memory",

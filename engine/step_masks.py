@@ -110,10 +110,9 @@ class StepMasks:
     after it has waited for step N's result).
     """
 
-    def __init__(self, structured: StructuredOutput, vocab_size: int, mask_threads: int = 1):
+    def __init__(self, structured: StructuredOutput, vocab_size: int):
         self._structured = structured
         self.vocab_size = vocab_size
-        self.mask_threads = mask_threads
         self._filler: BitmaskFiller | None = None  # made once a matcher (so a compiler) exists
         self._one_row: _OneRow | None = None  # for the last matcher alone in a step
         self._bitmask: torch.Tensor | None = None
@@ -127,7 +126,7 @@ class StepMasks:
     def filler(self) -> BitmaskFiller:
         """This path's bitmask filler (the compiler's tokenizer data; started on first use)."""
         if self._filler is None:
-            self._filler = BitmaskFiller(self._structured.compiler.tokenizer_data, self.mask_threads)
+            self._filler = BitmaskFiller(self._structured.compiler.tokenizer_data, self._structured.mask_threads)
         return self._filler
 
     # -- per step (engine thread; `apply` on the device thread) ----------------

@@ -23,13 +23,16 @@ class StructuredOutput:
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
                  backend: str = "auto", compile_timeout_s: float = 10.0,
-                 schema_store: SchemaStore | None = None):
+                 schema_store: SchemaStore | None = None, mask_threads: int = 1):
         self._hf_tokenizer = hf_tokenizer
         self.schema_store = schema_store
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
+        # Threads of a step's batch mask fill; llguidance grammars keep a
+        # template copy per thread (grammar.CompilerConfig.mask_threads).
+        self.mask_threads = mask_threads
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
@@ -42,7 +45,8 @@ class StructuredOutput:
                                                  vocab_size=self.vocab_size,
                                                  eos_token_ids=self.eos_token_ids,
                                                  compile_timeout_s=self.compile_timeout_s,
-                                                 schema_store=self.schema_store)
+                                                 schema_store=self.schema_store,
+                                                 mask_threads=self.mask_threads)
             return self._compiler
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:

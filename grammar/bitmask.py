@@ -104,7 +104,9 @@ class BitmaskFiller:
     Rows with no matcher (unconstrained requests) are set to all-allowed.
     Meant for one thread at a time (the scheduler's). Measured here:
     llguidance's executor releases the GIL while it works, xgrammar's batch
-    call (through tvm_ffi) largely does not.
+    call (through tvm_ffi) largely does not. llguidance matchers copied from
+    one template share its lexer, so its threads only help across template
+    copies (`Matcher.replica`): rows are handed over grouped by copy.
     """
 
     def __init__(self, tokenizer: TokenizerData, num_threads: int = 1) -> None:
@@ -178,7 +180,7 @@ class BitmaskFiller:
                 xgr_m.append(native)
                 xgr_rows.append(int(row))
             elif matcher.backend == "llguidance":
-                llg_pairs.append((native, int(row)))
+                llg_pairs.append((matcher.replica, native, int(row)))
             else:
                 matcher.fill_bitmask(bitmask, row)
         if len(xgr_m) == 1:
@@ -190,14 +192,24 @@ class BitmaskFiller:
                 self._xgr_batch = xgr.BatchGrammarMatcher(max_threads=self._num_threads)
             self._xgr_batch.batch_fill_next_token_bitmask(xgr_m, bitmask, xgr_rows)
         if len(llg_pairs) == 1:
-            native, row = llg_pairs[0]
+            _, native, row = llg_pairs[0]
             native.unsafe_compute_mask_ptr(self._base + row * row_bytes, row_bytes)
         elif llg_pairs:
             if self._llg_exec is None:
                 import llguidance
 
                 self._llg_exec = llguidance.LLExecutor(num_threads=self._num_threads)
-            self._llg_exec.unsafe_compute_mask_ptr(llg_pairs, self._base, row_bytes, batch)
+            if self._num_threads > 1:
+                # The executor splits its list into runs, one per thread: rows
+                # of one template copy together, so threads seldom wait on
+                # each other's lexer (CompilerConfig.mask_threads).
+                llg_pairs.sort(key=_replica_of)
+            self._llg_exec.unsafe_compute_mask_ptr([(native, row) for _, native, row in llg_pairs],
+                                                   self._base, row_bytes, batch)
+
+
+def _replica_of(entry: tuple[int, Any, int]) -> int:
+    return entry[0]
 
 
 def check_bitmask(bitmask: torch.Tensor, words: int) -> None:

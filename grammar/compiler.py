@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 import time
 import weakref
@@ -99,6 +100,9 @@ class _Artifact:
     spec: GrammarSpec
     native: Any  # xgrammar CompiledGrammar, or llguidance template LLMatcher
     size_bytes: int
+    # llguidance with several mask threads: more template LLMatchers of the
+    # same grammar, each with a lexer of its own (CompilerConfig.mask_threads).
+    replicas: tuple[Any, ...] = ()
     # JSON kinds: what the grammar leaves to the validator, and the validator.
     unenforced: tuple[str, ...] = ()
     validator: Any = None  # SchemaValidator (JSON kinds) or OutputCheck (the others)
@@ -147,6 +151,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._queue = FairQueue(cfg.compile_workers, cfg.compiles_per_tenant, "grammar-compile")
         self._filler = BitmaskFiller(self.tokenizer_data, cfg.mask_threads)
+        self._replica_turn = itertools.count()  # next() is atomic under the GIL
         self._pool: WorkerPool | None = None
         self._native_runner: ThreadPoolExecutor | None = None
         if cfg.isolation == "process":
@@ -491,21 +496,25 @@ class GrammarCompiler:
         tok = self.tokenizer_data
         if backend == "xgrammar":
             if "compiled" in payload:
-                native, size = payload["compiled"], payload["size"]
-            else:
-                native, size = _xgr.load(payload, tok)
-        else:
-            native = _llg.new_template(_llg.ll_tokenizer(tok), spec, payload["grammar"])
-            # The template's lexer cache grows as masks are computed; a rough bound.
-            size = 16 * payload["size"] + (256 << 10)
-        return _Artifact(backend, spec, native, size)
+                return _Artifact(backend, spec, payload["compiled"], payload["size"])
+            return _Artifact(backend, spec, *_xgr.load(payload, tok))
+        ll_tok = _llg.ll_tokenizer(tok)
+        templates = [_llg.new_template(ll_tok, spec, payload["grammar"])
+                     for _ in range(self.config.mask_threads)]
+        # Each template's lexer cache grows as masks are computed; a rough bound.
+        size = len(templates) * (16 * payload["size"] + (256 << 10))
+        return _Artifact(backend, spec, templates[0], size, tuple(templates[1:]))
 
     def _new_matcher(self, artifact: _Artifact) -> Matcher:
         matcher: Matcher
         if artifact.backend == "xgrammar":
             matcher = _xgr.XGrammarMatcher(artifact.spec, self.tokenizer_data, artifact.native)
         else:
-            matcher = _llg.LLGuidanceMatcher(artifact.spec, self.tokenizer_data, artifact.native)
+            # Requests take the template copies in turn (one copy: always the same).
+            replica = next(self._replica_turn) % (1 + len(artifact.replicas))
+            template = artifact.replicas[replica - 1] if replica else artifact.native
+            matcher = _llg.LLGuidanceMatcher(artifact.spec, self.tokenizer_data, template)
+            matcher.replica = replica
         matcher.unenforced_keywords = artifact.unenforced
         matcher.validator = artifact.validator
         matcher.validator_error = artifact.validator_error

@@ -52,6 +52,10 @@ class Matcher(ABC):
     # Structural tags: the value checks of the JSON inside their tags, for
     # resampling requests too (grammar/tag_watch.py).
     tag_plan: TagPlan | None = None
+    # Which of its grammar's template copies this matcher was made from
+    # (llguidance with several mask threads, see CompilerConfig.mask_threads):
+    # a batch fill hands each thread the rows of one copy.
+    replica: int = 0
 
     def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData) -> None:
         self.spec = spec

@@ -122,6 +122,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("structured output")
     g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
                    help="default grammar library for constrained requests (a request may pick one)")
+    g.add_argument("--grammar-mask-threads", type=int, default=None, metavar="N",
+                   help="threads filling a step's grammar masks (default: a quarter of the usable "
+                        "cores, 1 to 8; the start-up log says how many)")
     g.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a constraint may compile; slower ones fail with INVALID_ARGUMENT")
     g.add_argument("--schema-store", action="append", default=[], metavar="URI_PREFIX=DIR",
@@ -266,6 +269,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
             model=str(model_dir), kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
             grammar_backend=args.grammar_backend, grammar_compile_timeout_s=args.grammar_timeout,
+            grammar_mask_threads=args.grammar_mask_threads,
             schema_store=tuple(args.schema_store), reasoning_parser=args.reasoning_parser,
             max_thinking_tokens=args.max_thinking_tokens,
             # One engine for text and speech: the codec makes it serve speech too.

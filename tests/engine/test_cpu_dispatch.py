@@ -54,3 +54,9 @@ def test_fp32_linear_is_prepacked_on_any_x86(monkeypatch: pytest.MonkeyPatch) ->
     lin = Linear(w, b)
     assert (lin.packed is not None) == linear_module._onednn_usable(w)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_mask_threads_follow_the_usable_cores():
+    assert cpu_features.usable_cores() >= 1
+    assert [cpu_features.mask_threads_for(n) for n in (1, 2, 4, 7, 8, 16, 32, 64, 256)] == \
+        [1, 1, 1, 1, 2, 4, 8, 8, 8]

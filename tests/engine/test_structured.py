@@ -110,3 +110,25 @@ def test_model_that_wants_invalid_tokens_still_follows_the_grammar(make_llm):
     assert out.finish_reason == "eos"
     jsonschema.validate(json.loads(out.text), PERSON)
     llm.close()
+
+
+def test_mask_threads_change_no_token(make_llm, monkeypatch):
+    # Several fill threads (llguidance: a template copy per thread, rows grouped
+    # by copy) give the tokens one thread gives, sampled rows included; left
+    # unset, the count follows the host's cores.
+    from engine import cpu_features
+    from engine import engine as engine_module
+
+    spec = GrammarSpec.json_schema(json.dumps(PERSON))
+    params = [SamplingParams(temperature=t, seed=i, max_new_tokens=60) for i, t in enumerate([0, 0.8, 1.0] * 3)]
+    texts = []
+    for threads in (1, 3):
+        llm = make_llm("demo", grammar_backend="llguidance", grammar_mask_threads=threads)
+        assert llm.engine.structured.mask_threads == threads
+        outs = llm.generate([f"prompt {i}" for i in range(len(params))], params, constraint=spec)
+        assert {o.finish_reason for o in outs} <= {"eos", "length"}
+        texts.append([o.text for o in outs])
+    assert texts[0] == texts[1]
+    assert len(set(texts[0])) > 1  # the rows differ, so a row given another's mask would show
+    monkeypatch.setattr(engine_module, "usable_cores", lambda: 16)
+    assert make_llm("demo").engine.structured.mask_threads == cpu_features.mask_threads_for(16) == 4

@@ -149,3 +149,41 @@ def test_one_row_fill_matches_the_matchers_own(compiler, backend):
     assert allowed(bitmask, 3) == set(STOP_IDS)
     with pytest.raises(IndexError):
         filler.fill([m], bitmask, [4])
+
+
+def test_llguidance_template_copies_per_mask_thread(tokenizer):
+    # With two mask threads each llguidance grammar keeps two templates (a
+    # lexer each) and requests take them in turn; a batch fill groups rows by
+    # template, yet every row still gets its own matcher's mask.
+    from grammar import GrammarCompiler
+
+    with GrammarCompiler(tokenizer, backend="llguidance", vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS,
+                         isolation="thread", mask_threads=2) as two:
+        tok = two.tokenizer_data
+        spec = GrammarSpec.json_schema({"type": "object", "properties": {"name": {"type": "string"}}})
+        matchers = [two.compile(spec) for _ in range(6)]
+        assert [m.replica for m in matchers] == [0, 1, 0, 1, 0, 1]
+        templates = {id(m._template) for m in matchers}  # type: ignore[attr-defined]
+        assert len(templates) == 2
+        # Different states, so a row filled from another row's matcher would differ.
+        prefixes = ['{"name":', '{"name":"a', "{", '{"name":"ab"', '{"na', '{"name":"x"}']
+        for m, p in zip(matchers, prefixes, strict=True):
+            assert m.accept_tokens(tok.encode(p)) == len(tok.encode(p))
+        rows = [5, 0, 3, 1, 4, 2]  # replicas 0 and 1 interleaved across the rows
+        bitmask = two.allocate_bitmask(6)
+        bitmask.zero_()
+        two.fill_bitmasks(matchers, bitmask, rows)
+        single = two.allocate_bitmask(1)
+        masks = set()
+        for m, row in zip(matchers, rows, strict=True):
+            m.fill_bitmask(single, 0)
+            assert torch.equal(bitmask[row], single[0]), (row, m.replica)
+            masks.add(tuple(single[0].tolist()))
+        assert len(masks) >= 4  # the states differ, so the check above can fail
+
+
+def test_one_mask_thread_keeps_one_template(compiler):
+    spec = GrammarSpec.regex("[a-z]+")
+    matchers = [compiler.compile(spec, backend="llguidance") for _ in range(3)]
+    assert {m.replica for m in matchers} == {0}
+    assert len({id(m._template) for m in matchers}) == 1  # type: ignore[attr-defined]
