@@ -407,7 +407,9 @@ def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode
     report(f"  [{key}] stencild {mode}: engine built in {time.perf_counter() - start:.1f} s; "
            f"attention {eng.attention_choice.name} ({eng.attention_choice.reason}); pointwise kernels "
            f"{eng.ops_choice}; decode graphs "
-           f"{'captured, buckets ' + str(eng.graphs.buckets) if eng.graphs is not None else 'off'}")
+           f"{'captured, buckets ' + str(eng.graphs.buckets) if eng.graphs is not None else 'off'}; "
+           f"grammar mask threads {eng.structured.mask_threads}")
+    info["grammar_mask_threads"] = eng.structured.mask_threads
     info.setdefault("attention", {})[mode] = {"name": eng.attention_choice.name,
                                               "reason": eng.attention_choice.reason}
     info.setdefault("pointwise_kernels", {})[mode] = eng.ops_choice

@@ -44,6 +44,8 @@ def main() -> int:
     p.add_argument("--preset", default="tiny-llama")
     p.add_argument("--forward", choices=("real", "zeros"), default="real",
                    help="the model's forward pass, or zeros (host work alone)")
+    p.add_argument("--mask-threads", type=int, default=None,
+                   help="grammar mask fill threads (default: the engine's choice for this host)")
     args = p.parse_args()
 
     from bench.gpu import BENCH_SCHEMA
@@ -67,7 +69,20 @@ def main() -> int:
         return out
 
     LlamaFamilyModel.forward = emulated  # type: ignore[method-assign]
-    llm = LLM(ensure_preset(args.preset), kv_cache_gib=0.25, max_num_seqs=args.batch, cuda_graphs="emulate")
+    llm = LLM(ensure_preset(args.preset), kv_cache_gib=0.25, max_num_seqs=args.batch, cuda_graphs="emulate",
+              grammar_mask_threads=args.mask_threads)
+    # Wall time of each step's mask fill (the engine thread waits for it).
+    fill_seconds = [0.0]
+    masks, fill = llm.engine.masks, llm.engine.masks.fill
+
+    def timed_fill(*a, **k):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        try:
+            fill(*a, **k)
+        finally:
+            fill_seconds[0] += time.perf_counter() - start
+
+    masks.fill = timed_fill  # type: ignore[method-assign]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 8000, size=32).tolist() for _ in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -78,26 +93,27 @@ def main() -> int:
     def cpu() -> tuple[float, float]:
         return time.thread_time(), (thread_cpu_seconds(device) or 0.0) if device is not None else 0.0
 
-    best: dict[str, tuple[float, float, float, int]] = {}  # ms a step, engine / device CPU ms a step, steps
+    best: dict[str, tuple[float, float, float, int, float]] = {}  # ms a step, engine / device CPU, steps, fill ms
     try:
         for _ in range(args.repeat):
             for name, constraint in (("none", None), ("schema", schema)):
-                passes = llm.engine.pipeline.forward_passes
+                passes, fill_seconds[0] = llm.engine.pipeline.forward_passes, 0.0
                 (engine0, device0), start = cpu(), time.perf_counter()
                 llm.generate(prompts, params, constraint=constraint)
                 wall, (engine1, device1) = time.perf_counter() - start, cpu()
                 steps = llm.engine.pipeline.forward_passes - passes
                 figures = (1e3 * wall / steps, 1e3 * (engine1 - engine0) / steps, 1e3 * (device1 - device0) / steps,
-                           steps)
+                           steps, 1e3 * fill_seconds[0] / steps)
                 if name not in best or figures[0] < best[name][0]:
                     best[name] = figures
     finally:
         llm.close()
     none, with_schema = best["none"], best["schema"]
-    print(f"batch {args.batch}, device {args.device_ms} ms a step, forward {args.forward}:")
-    for name, (ms, engine_cpu, device_cpu, steps) in best.items():
+    print(f"batch {args.batch}, device {args.device_ms} ms a step, forward {args.forward}, "
+          f"{llm.engine.structured.mask_threads} mask thread(s):")
+    for name, (ms, engine_cpu, device_cpu, steps, fill_ms) in best.items():
         print(f"  {name:6}: {ms:.2f} ms a step over {steps} steps; CPU ms a step: engine {engine_cpu:.2f}, "
-              f"device {device_cpu:.2f}")
+              f"device {device_cpu:.2f}; mask fill {fill_ms:.2f} ms a step")
     print(f"  schema / none: {with_schema[0] / none[0]:.2f}x a step, "
           f"{with_schema[0] * with_schema[3] / (none[0] * none[3]):.2f}x a request")
     return 0
