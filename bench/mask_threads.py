@@ -65,7 +65,8 @@ def main() -> int:
     ids = tok.hf.encode(json.dumps([item] * 8, separators=(",", ":")), add_special_tokens=False)
     cores = usable_cores()
     print(f"{args.batch} rows, {args.backend}, {len(ids)}-token document, {cores} usable cores "
-          f"(the engine's default here: {mask_threads_for(cores)} thread(s))")
+          f"(the engine's default here: {mask_threads_for(cores, 'cuda')} thread(s) beside a GPU, "
+          f"{mask_threads_for(cores, 'cpu')} for a model on the CPU)")
     base = None
     for threads in (int(t) for t in args.threads.split(",")):
         times = np.array(fill_times(tok.hf, args.backend, threads, args.batch, ids, args.lag)) * 1e3

@@ -53,8 +53,8 @@ class EngineConfig(DeviceOptions):
     grammar_backend: str = "auto"
     grammar_compile_timeout_s: float = 10.0
     # Native threads filling a step's bitmask rows (grammar.CompilerConfig.
-    # mask_threads); None: chosen from the host's cores at start-up
-    # (cpu_features.mask_threads_for), and logged.
+    # mask_threads); None: chosen from the host's cores and the device at
+    # start-up (cpu_features.mask_threads_for), and logged.
     grammar_mask_threads: int | None = None
     # Documents a JSON schema's `$ref` may name by URI, as "URI_PREFIX=DIR"
     # (grammar.schema_store): read from disk, never fetched.

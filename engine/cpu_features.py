@@ -49,9 +49,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def mask_threads_for(cores: int) -> int:
-    """Grammar-mask threads for a host with `cores` usable cores: a quarter of
-    them, 1 to 8. The event loop, the engine and device threads and the
-    compile workers keep the rest; on a small host a second fill thread only
-    takes a core from them (measured on 2 cores: no faster)."""
+def mask_threads_for(cores: int, device_type: str) -> int:
+    """Grammar-mask threads for a host with `cores` usable cores whose model
+    runs on `device_type`: on an accelerator, a quarter of the cores (1 to 8;
+    the event loop, the engine and device threads and the compile workers keep
+    the rest); on the CPU one, since the forward pass the fill overlaps already
+    takes every core (measured on 2 cores: a second fill thread, no faster)."""
+    if device_type == "cpu":
+        return 1
     return max(1, min(8, cores // 4))

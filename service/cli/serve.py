@@ -123,8 +123,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
                    help="default grammar library for constrained requests (a request may pick one)")
     g.add_argument("--grammar-mask-threads", type=int, default=None, metavar="N",
-                   help="threads filling a step's grammar masks (default: a quarter of the usable "
-                        "cores, 1 to 8; the start-up log says how many)")
+                   help="threads filling a step's grammar masks (default: 1 on the CPU, else a quarter "
+                        "of the usable cores, 1 to 8; the start-up log says how many)")
     g.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="longest a constraint may compile; slower ones fail with INVALID_ARGUMENT")
     g.add_argument("--schema-store", action="append", default=[], metavar="URI_PREFIX=DIR",

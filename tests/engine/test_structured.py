@@ -115,7 +115,7 @@ def test_model_that_wants_invalid_tokens_still_follows_the_grammar(make_llm):
 def test_mask_threads_change_no_token(make_llm, monkeypatch):
     # Several fill threads (llguidance: a template copy per thread, rows grouped
     # by copy) give the tokens one thread gives, sampled rows included; left
-    # unset, the count follows the host's cores.
+    # unset, the engine asks mask_threads_for with the host's cores.
     from engine import cpu_features
     from engine import engine as engine_module
 
@@ -130,5 +130,10 @@ def test_mask_threads_change_no_token(make_llm, monkeypatch):
         texts.append([o.text for o in outs])
     assert texts[0] == texts[1]
     assert len(set(texts[0])) > 1  # the rows differ, so a row given another's mask would show
+    # Unset: one thread for a model on the CPU, however many cores; on an
+    # accelerator a quarter of them (the choice itself: test_cpu_dispatch.py).
     monkeypatch.setattr(engine_module, "usable_cores", lambda: 16)
-    assert make_llm("demo").engine.structured.mask_threads == cpu_features.mask_threads_for(16) == 4
+    assert make_llm("demo").engine.structured.mask_threads == 1
+    monkeypatch.setattr(engine_module, "mask_threads_for",
+                        lambda cores, device_type: cpu_features.mask_threads_for(cores, "cuda"))
+    assert make_llm("demo").engine.structured.mask_threads == 4
