@@ -169,7 +169,8 @@ class EngineCore:
                 raise CheckpointError(str(e)) from None
         # The grammar compile service (any thread) and the per-step mask path
         # (engine and device threads) are separate owners.
-        mask_threads = config.grammar_mask_threads or mask_threads_for(usable_cores(), device.type)
+        cores = usable_cores()
+        mask_threads = config.grammar_mask_threads or mask_threads_for(cores, device.type)
         self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
                                            config.grammar_backend, config.grammar_compile_timeout_s,
                                            SchemaStore.parse(config.schema_store), mask_threads)
@@ -203,7 +204,7 @@ class EngineCore:
         log.info("attention: %s (%s)", self.attention_choice.name, self.attention_choice.reason)
         log.info("pointwise kernels: %s", self.ops_choice)
         log.info("grammar masks: %d fill thread(s)%s", mask_threads,
-                 "" if config.grammar_mask_threads else f" (chosen for {usable_cores()} usable cores, {device.type})")
+                 "" if config.grammar_mask_threads else f" (chosen for {cores} usable cores, {device.type})")
         if self.graphs is not None:
             stats = self.graphs.capture_all()
             log.info("decode graphs (%s): %d buckets up to batch %d, %.2f s, %.1f MiB of device memory",

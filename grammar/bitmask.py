@@ -166,7 +166,7 @@ class BitmaskFiller:
         self._check(bitmask)
         batch = self._batch
         row_bytes = self._tok.bitmask_words * 4
-        xgr_m, xgr_rows, llg_pairs = [], [], []
+        xgr_m, xgr_rows, llg_pairs, llg_copies = [], [], [], []
         for matcher, row in zip(matchers, rows, strict=True):
             if not 0 <= row < batch:
                 raise IndexError(f"row {row} out of range for a bitmask of {batch} rows")
@@ -180,7 +180,8 @@ class BitmaskFiller:
                 xgr_m.append(native)
                 xgr_rows.append(int(row))
             elif matcher.backend == "llguidance":
-                llg_pairs.append((matcher.replica, native, int(row)))
+                llg_pairs.append((native, int(row)))
+                llg_copies.append(matcher.replica)
             else:
                 matcher.fill_bitmask(bitmask, row)
         if len(xgr_m) == 1:
@@ -192,7 +193,7 @@ class BitmaskFiller:
                 self._xgr_batch = xgr.BatchGrammarMatcher(max_threads=self._num_threads)
             self._xgr_batch.batch_fill_next_token_bitmask(xgr_m, bitmask, xgr_rows)
         if len(llg_pairs) == 1:
-            _, native, row = llg_pairs[0]
+            native, row = llg_pairs[0]
             native.unsafe_compute_mask_ptr(self._base + row * row_bytes, row_bytes)
         elif llg_pairs:
             if self._llg_exec is None:
@@ -203,13 +204,9 @@ class BitmaskFiller:
                 # The executor splits its list into runs, one per thread: rows
                 # of one template copy together, so threads seldom wait on
                 # each other's lexer (CompilerConfig.mask_threads).
-                llg_pairs.sort(key=_replica_of)
-            self._llg_exec.unsafe_compute_mask_ptr([(native, row) for _, native, row in llg_pairs],
-                                                   self._base, row_bytes, batch)
-
-
-def _replica_of(entry: tuple[int, Any, int]) -> int:
-    return entry[0]
+                order = sorted(range(len(llg_pairs)), key=llg_copies.__getitem__)
+                llg_pairs = [llg_pairs[i] for i in order]
+            self._llg_exec.unsafe_compute_mask_ptr(llg_pairs, self._base, row_bytes, batch)
 
 
 def check_bitmask(bitmask: torch.Tensor, words: int) -> None:
