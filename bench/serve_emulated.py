@@ -21,6 +21,7 @@ costs or saves.
 
     python bench/serve_emulated.py                    # 64 streams, 2.5 ms a step
     python bench/serve_emulated.py --device-ms 4 --concurrency 16 64
+    python bench/serve_emulated.py --device-ms 1 --server-arg=--engine-process
 """
 
 from __future__ import annotations
@@ -64,12 +65,21 @@ def install(device_ms: float) -> None:
     StepExecutor.submit = emulated_submit  # type: ignore[method-assign]
 
 
+def install_from_env() -> None:
+    """Emulate the device as the benchmark's environment says (an engine process's setup)."""
+    install(float(os.environ[DEVICE_MS_ENV]))
+
+
 def serve() -> int:
-    """`python -m bench.serve_emulated serve ...`: `stencild serve` on the emulated device."""
+    """`python -m bench.serve_emulated serve ...`: `stencild serve` on the emulated device
+    (with --engine-process, in the engine process too)."""
     from service.cli import main as cli_main
 
-    install(float(os.environ[DEVICE_MS_ENV]))
-    return cli_main(sys.argv[1:])
+    install_from_env()
+    argv = sys.argv[1:]
+    if "--engine-process" in argv:
+        argv += ["--engine-setup", "bench.serve_emulated:install_from_env"]
+    return cli_main(argv)
 
 
 def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int,

@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grammar import SchemaStore
-
 from .attention import DenseDecodeAttention, choose_attention, make_attention
 from .config import EngineConfig
 from .context import GenerationStatus, TextContext
@@ -66,13 +64,17 @@ class StepStats:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """The engine's queues and KV cache at one moment (read from any thread;
-    each number is exact, together they may be a step apart)."""
+    """The engine's queues, KV cache and prefix-cache counters at one moment
+    (read from any thread; each number is exact, together they may be a step
+    apart)."""
 
     running: int
     waiting: int
     kv_pages_used: int
     kv_pages_total: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found there
+    num_preemptions: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -171,9 +173,8 @@ class EngineCore:
         # (engine and device threads) are separate owners.
         cores = usable_cores()
         mask_threads = config.grammar_mask_threads or mask_threads_for(cores, device.type)
-        self.structured = StructuredOutput(self.tokenizer.hf, mc.vocab_size, sorted(self.eos_token_ids),
-                                           config.grammar_backend, config.grammar_compile_timeout_s,
-                                           SchemaStore.parse(config.schema_store), mask_threads)
+        self.structured = StructuredOutput.for_engine(config, self.tokenizer.hf, mc.vocab_size,
+                                                      self.eos_token_ids, mask_threads)
         self.masks = StepMasks(self.structured, mc.vocab_size)
         self.speech: SpeechModel | None = None
         if config.speech_codec:
@@ -274,7 +275,8 @@ class EngineCore:
         engine thread (metrics read this at scrape time)."""
         sched = self.scheduler
         return EngineLoad(len(sched.running), len(sched.waiting), self.allocator.num_used,
-                          self.allocator.num_pages)
+                          self.allocator.num_pages, sched.prefix_cache_queries, sched.prefix_cache_hits,
+                          sched.num_preemptions)
 
     # -- stepping -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -24,7 +24,7 @@ vLLM matches them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -69,6 +69,14 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason if self.finished else None
+
+    def __reduce__(self) -> tuple[type[RequestOutput], tuple[object, ...]]:
+        # Sent every step from an engine in another process: the values alone,
+        # without a field name each, pickle in about half the time.
+        return (RequestOutput, tuple([getattr(self, name) for name in _OUTPUT_FIELDS]))
+
+
+_OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput))
 
 
 @dataclass(frozen=True)

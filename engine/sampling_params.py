@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
 from .errors import InvalidRequest
@@ -116,6 +116,13 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", f"must be in [0, 2^63), got {self.seed}")
 
+    def __reduce__(self) -> tuple[type[SamplingParams], tuple[object, ...]]:
+        # Pickled to an engine in another process: the read-only view of
+        # logit_bias cannot be pickled, its dict can (__post_init__ wraps it again).
+        values = [getattr(self, f.name) for f in fields(self)]
+        values[_LOGIT_BIAS] = dict(self.logit_bias)
+        return (SamplingParams, tuple(values))
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
@@ -124,3 +131,6 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+_LOGIT_BIAS = [f.name for f in fields(SamplingParams)].index("logit_bias")

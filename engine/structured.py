@@ -11,11 +11,13 @@ thread-safe. The per-step mask path is `step_masks.StepMasks`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from grammar import GrammarCompiler, GrammarSpec, Matcher, SchemaStore
+
+from .config import EngineConfig
 
 
 class StructuredOutput:
@@ -35,6 +37,14 @@ class StructuredOutput:
         self.mask_threads = mask_threads
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, hf_tokenizer: Any, vocab_size: int,
+                   eos_token_ids: Iterable[int], mask_threads: int = 1) -> StructuredOutput:
+        """The compile service an engine with `config` uses (and the server's
+        view of an engine in another process: the same grammars, the same cache keys)."""
+        return cls(hf_tokenizer, vocab_size, sorted(eos_token_ids), config.grammar_backend,
+                   config.grammar_compile_timeout_s, SchemaStore.parse(config.schema_store), mask_threads)
 
     @property
     def compiler(self) -> GrammarCompiler:

@@ -32,14 +32,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
 from engine import EngineCore, RequestOutput
 from engine.context import TextContext
+from engine.reasoning import ReasoningOptions
+from engine.requests import RequestSpec
 from service.errors import Reason, ServiceError, resource_exhausted, unavailable
 from service.ops.request_log import note_refusal
+
+if TYPE_CHECKING:
+    from grammar import Matcher
 
 log = logging.getLogger(__name__)
 
@@ -148,46 +153,142 @@ class LoopObserver(Protocol):
     def stepped(self, engine: EngineCore) -> None: ...
 
 
+class DriverSink(Protocol):
+    """Where an `EngineDriver` sends what the engine does, on the driving thread."""
+
+    def stepped(self, engine: EngineCore, outputs: list[RequestOutput]) -> None:
+        """After each step, with its outputs (maybe none)."""
+
+    def rejected(self, request_id: str, exc: Exception) -> None:
+        """The engine refused a request it was given; it fails alone."""
+
+    def failed(self, exc: BaseException) -> None:
+        """The engine failed; the driver has stopped (calls still queued have failed)."""
+
+
+class EngineDriver:
+    """Drives one EngineCore on the thread that calls `run`: commands between
+    steps, each step's outputs to a sink. The one owner of an engine's thread,
+    whether that thread is the server's (EngineLoop) or an engine process's
+    (service/engine_proc/child.py).
+
+    Commands: ("add", ctx), ("abort", request_id), ("call", fn, future), ("stop",).
+    """
+
+    def __init__(self, engine: EngineCore, sink: DriverSink):
+        self.engine = engine
+        self.sink = sink
+        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        # When the engine last made progress while it had work (None while
+        # idle); written by the driving thread, read by the watchdog.
+        self.progress_at: float | None = None
+
+    def put(self, command: tuple[Any, ...]) -> None:
+        self.commands.put(command)
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine last completed a step while it had work (0 when idle)."""
+        since = self.progress_at
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def _take(self, block: bool) -> list[tuple[Any, ...]]:
+        cmds = [self.commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self.commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def run(self) -> None:
+        """Serve commands and steps until ("stop",) or a failure; the engine is closed after."""
+        try:
+            self._serve()
+        finally:
+            # The engine's helpers (step worker, grammar compiler) end with the thread.
+            try:
+                self.engine.close()
+            except Exception:
+                log.exception("error while closing the engine")
+
+    def _serve(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                idle = not engine.has_work()
+                if idle:
+                    self.progress_at = None
+                commands = self._take(block=idle)
+                if self.progress_at is None:
+                    self.progress_at = time.monotonic()  # work may have arrived: the clock starts
+                for cmd in commands:
+                    kind = cmd[0]
+                    if kind == "stop":
+                        return
+                    if kind == "add":
+                        try:
+                            engine.add_request(cmd[1])
+                        except Exception as exc:  # refused by the engine: fail this request only
+                            log.warning("engine refused request %s: %s", cmd[1].request_id, exc)
+                            self.sink.rejected(cmd[1].request_id, exc)
+                    elif kind == "abort":
+                        engine.abort(cmd[1])
+                    elif kind == "call":
+                        fn, fut = cmd[1], cmd[2]
+                        try:
+                            fut.set_result(fn(engine))
+                        except Exception as exc:
+                            fut.set_exception(exc)
+                if engine.has_work():
+                    outputs = engine.step()
+                    self.progress_at = time.monotonic()
+                    self.sink.stepped(engine, outputs)
+        except BaseException as exc:
+            log.exception("the engine failed; no request can run any more")
+            # Whoever waits on a call must not wait forever.
+            for cmd in self._take(block=False):
+                if cmd[0] == "call":
+                    cmd[2].set_exception(EngineFailed("the engine failed"))
+            self.sink.failed(exc)
+
+
 class EngineLoop:
-    """Drives an EngineCore on its own thread; the asyncio side registers requests."""
+    """The asyncio side of an engine: admission, one `RequestStream` per request,
+    delivery. Here the engine runs on a thread of this process (an `EngineDriver`);
+    `engine_proc.ProcessEngineLoop` runs it in a process of its own."""
 
     def __init__(self, engine: EngineCore, limits: AdmissionLimits | None = None,
                  on_failure: Callable[[BaseException], None] | None = None,
-                 observer: LoopObserver | None = None, stream_messages_per_s: float = 0.0):
+                 observer: LoopObserver | None = None, stream_messages_per_s: float = 0.0,
+                 link: EngineLink | None = None):
         self.engine = engine
         self.observer = observer
         self.limits = limits or AdmissionLimits()
         # Messages a second all streams may send together (0: no pacing).
         self.stream_messages_per_s = stream_messages_per_s
-        capacity = engine.allocator.num_pages * engine.config.page_size
+        capacity = engine.load().kv_pages_total * engine.config.page_size
         self.max_pending_tokens = self.limits.max_pending_tokens or 4 * capacity
         self.stats = LoopStats()
         self._on_failure = on_failure
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
         self._pending_tokens = 0
         self._failure: BaseException | None = None
         self._stopping = False
-        # When the engine thread last made progress while it had work (None
-        # while idle); written by the engine thread, read by the watchdog.
-        self._progress_at: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="stencild-engine", daemon=True)
+        self._link: EngineLink = link or ThreadLink(engine)
 
     # -- lifecycle (event loop) ---------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will own the requests."""
+        """Start the engine's thread (or its link); call from the event loop that will own the requests."""
         self._loop = asyncio.get_running_loop()
-        self._thread.start()
+        self._link.start(_LoopSink(self))
 
     async def stop(self) -> None:
         """Stop the engine thread (after abort_all, or when nothing runs)."""
         if self._stopping:
             return
         self._stopping = True
-        self._commands.put(("stop",))
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join)
+        self._link.send(("stop",))
+        await self._link.join()
         # Requests still registered will get no more output from the engine.
         streams, self._streams = self._streams, {}
         self._pending_tokens = 0
@@ -197,17 +298,17 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._failure is None and not self._stopping and self._thread.is_alive()
+        return self._failure is None and not self._stopping and self._link.alive
 
     def stalled_for(self) -> float:
         """Seconds since the engine last completed a step while it had work (0 when idle)."""
-        since = self._progress_at
-        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+        return self._link.stalled_for()
 
     @property
     def threads(self) -> list[threading.Thread | None]:
-        """The engine thread and the device thread it drives (for stack dumps)."""
-        return [self._thread, getattr(self.engine.executor, "_thread", None)]
+        """This process's threads that run the engine: the engine and device
+        threads (the link's reader thread for an engine in another process)."""
+        return self._link.threads
 
     @property
     def num_pending(self) -> int:
@@ -228,8 +329,19 @@ class EngineLoop:
             await stream.pause(delay)
 
     # -- requests (event loop) ----------------------------------------------
+    def submit_request(self, spec: RequestSpec, matcher: Matcher | None = None, resample: bool = True,
+                       reasoning: ReasoningOptions | None = None) -> RequestStream:
+        """Build a checked request's context (`RequestFactory.context`, which may
+        raise InvalidRequest) and `submit` it."""
+        ctx = self.engine.requests.context(spec, matcher, resample, reasoning)
+        return self._admit(ctx, Recipe(spec, matcher, resample, reasoning))
+
     def submit(self, ctx: TextContext) -> RequestStream:
         """Admit a request or refuse it (RESOURCE_EXHAUSTED, UNAVAILABLE, ALREADY_EXISTS)."""
+        return self._admit(ctx, None)
+
+    def _admit(self, ctx: TextContext, recipe: Recipe | None) -> RequestStream:
+        """Register `ctx`'s stream within the limits, then hand it to the engine."""
         if not self.alive:
             raise unavailable("the engine is not running", Reason.ENGINE_STOPPED)
         rid = ctx.request_id
@@ -255,7 +367,7 @@ class EngineLoop:
         self.stats.added += 1
         if self.observer is not None:
             self.observer.submitted(ctx, stream)
-        self._commands.put(("add", ctx))
+        self._link.add(ctx, recipe)
         return stream
 
     def abort(self, request_id: str, shutdown_reason: str | None = None) -> bool:
@@ -267,7 +379,7 @@ class EngineLoop:
             stream.shutdown_reason = shutdown_reason
         if not stream.abort_sent:
             stream.abort_sent = True
-            self._commands.put(("abort", request_id))
+            self._link.send(("abort", request_id))
         return True
 
     def abort_all(self, shutdown_reason: str) -> int:
@@ -277,11 +389,14 @@ class EngineLoop:
         return len(ids)
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run `fn(engine)` on the engine thread, between steps, and return its result."""
+        """Run `fn(engine)` on the engine thread, between steps, and return its result.
+
+        `fn` should be a module-level function: a loop whose engine runs in
+        another process sends it there by reference (pickle)."""
         if not self.alive:
             raise EngineFailed("the engine is not running")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._commands.put(("call", fn, fut))
+        self._link.send(("call", fn, fut))
         return await asyncio.wrap_future(fut)
 
     # -- delivery (event loop) ----------------------------------------------
@@ -322,64 +437,91 @@ class EngineLoop:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fn, *args)
 
-    # -- the engine thread --------------------------------------------------
-    def _take_commands(self, block: bool) -> list[tuple[Any, ...]]:
-        cmds = [self._commands.get()] if block else []
-        while True:
-            try:
-                cmds.append(self._commands.get_nowait())
-            except queue.Empty:
-                return cmds
 
-    def _run(self) -> None:
-        try:
-            self._serve()
-        finally:
-            # The engine's helpers (step worker, grammar compiler) end with the thread.
-            try:
-                self.engine.close()
-            except Exception:
-                log.exception("error while closing the engine")
+class _LoopSink:
+    """An EngineLoop's driver sink: everything goes to the event loop; the
+    observer hears of each step on the thread that drives (or reads) the engine."""
 
-    def _serve(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                idle = not engine.has_work()
-                if idle:
-                    self._progress_at = None
-                commands = self._take_commands(block=idle)
-                if self._progress_at is None:
-                    self._progress_at = time.monotonic()  # work may have arrived: the clock starts
-                for cmd in commands:
-                    kind = cmd[0]
-                    if kind == "stop":
-                        return
-                    if kind == "add":
-                        try:
-                            engine.add_request(cmd[1])
-                        except Exception as exc:  # refused by the engine: fail this request only
-                            log.warning("engine refused request %s: %s", cmd[1].request_id, exc)
-                            self._to_loop(self._reject, cmd[1].request_id, exc)
-                    elif kind == "abort":
-                        engine.abort(cmd[1])
-                    elif kind == "call":
-                        fn, fut = cmd[1], cmd[2]
-                        try:
-                            fut.set_result(fn(engine))
-                        except Exception as exc:
-                            fut.set_exception(exc)
-                if engine.has_work():
-                    outputs = engine.step()
-                    self._progress_at = time.monotonic()
-                    if self.observer is not None:
-                        self.observer.stepped(engine)
-                    if outputs:
-                        self._to_loop(self._deliver, outputs)
-        except BaseException as exc:
-            log.exception("the engine failed; no request can run any more")
-            # Whoever waits on a call must not wait forever.
-            for cmd in self._take_commands(block=False):
-                if cmd[0] == "call":
-                    cmd[2].set_exception(EngineFailed("the engine failed"))
-            self._to_loop(self._fail, exc)
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+
+    def stepped(self, engine: EngineCore, outputs: list[RequestOutput]) -> None:
+        loop = self.loop
+        if loop.observer is not None:
+            loop.observer.stepped(engine)
+        if outputs:
+            loop._to_loop(loop._deliver, outputs)
+
+    def rejected(self, request_id: str, exc: Exception) -> None:
+        self.loop._to_loop(self.loop._reject, request_id, exc)
+
+    def failed(self, exc: BaseException) -> None:
+        self.loop._to_loop(self.loop._fail, exc)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a request's context was built from (`RequestFactory.context`'s
+    arguments): an engine in another process builds its own from it."""
+
+    spec: RequestSpec
+    matcher: Matcher | None
+    resample: bool
+    reasoning: ReasoningOptions | None
+
+
+class EngineLink(Protocol):
+    """How an EngineLoop reaches its engine: a thread here (`ThreadLink`) or a
+    process of its own (`engine_proc.ProcessLink`). Commands as EngineDriver's."""
+
+    def start(self, sink: DriverSink) -> None: ...
+
+    def add(self, ctx: TextContext, recipe: Recipe | None) -> None: ...
+
+    def send(self, command: tuple[Any, ...]) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def stalled_for(self) -> float: ...
+
+    @property
+    def threads(self) -> list[threading.Thread | None]: ...
+
+    async def join(self) -> None: ...
+
+
+class ThreadLink:
+    """An engine driven by a thread of this process (an EngineDriver)."""
+
+    def __init__(self, engine: EngineCore):
+        self.engine = engine
+        self._driver: EngineDriver | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, sink: DriverSink) -> None:
+        self._driver = EngineDriver(self.engine, sink)
+        self._thread = threading.Thread(target=self._driver.run, name="stencild-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, ctx: TextContext, recipe: Recipe | None) -> None:
+        self.send(("add", ctx))
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        assert self._driver is not None, "start the link first"
+        self._driver.put(command)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stalled_for(self) -> float:
+        return self._driver.stalled_for() if self._driver is not None else 0.0
+
+    @property
+    def threads(self) -> list[threading.Thread | None]:
+        return [self._thread, getattr(self.engine.executor, "_thread", None)]
+
+    async def join(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join)

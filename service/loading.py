@@ -4,7 +4,9 @@ embedding model, warm-up.
 Runs on a loader thread (never the event loop). Model tensors are built and
 warmed up on one device thread: the generation engine's own, which a separate
 speech engine and the embedding model share; a server without a generation
-model gives the first model it builds a device thread of its own.
+model gives the first model it builds a device thread of its own, and so does
+one whose generation engine runs in an engine process (service/engine_proc:
+that process warms its engine up itself).
 """
 
 from __future__ import annotations
@@ -13,49 +15,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import EngineCore, SamplingParams
+from engine import EngineCore
+from engine.executor import StepExecutor
+from engine.warmup import GRAMMAR_WARMUP_CHOICES, warm_up, warm_up_speech
+from grammar import GrammarSpec
 from service.api.embeddings import EmbeddingOptions, EmbeddingRuntime
 from service.api.speech import SpeechOptions
+from service.engine_proc import RemoteEngine
 
 log = logging.getLogger(__name__)
-
-GRAMMAR_WARMUP_CHOICES = ("yes", "no")
-
-
-def warm_up(engine: EngineCore, grammar: bool = False) -> None:
-    """Run short requests through the engine so first calls pay no start-up cost.
-
-    With `grammar`, also start the grammar compiler's worker process (1-3 s)
-    and run one constrained request, so the first constrained call does not
-    wait for either.
-    """
-    tok = engine.tokenizer
-    matcher = None
-    if grammar:
-        from grammar import GrammarSpec
-
-        matcher = engine.structured.compile(GrammarSpec.choice(GRAMMAR_WARMUP_CHOICES))
-    prompts = ["Hello", "Warm-up request with a somewhat longer prompt."]
-    for i, text in enumerate(prompts + (["Yes or no?"] if grammar else [])):
-        ids = tok.encode(text)[: engine.max_model_len - 3]
-        ctx = engine.requests.make_context(ids, SamplingParams(temperature=0.0, max_new_tokens=2),
-                                  request_id=f"stencild-warmup-{i}",
-                                  matcher=matcher if i == len(prompts) else None)
-        engine.add_request(ctx)
-    while engine.has_work():
-        engine.step()
-
-
-def warm_up_speech(engine: EngineCore) -> None:
-    """Speak a few frames, in one-frame chunks, so the first Synthesize pays no
-    start-up cost in the speech LM or the audio decoder."""
-    ctx = engine.requests.make_speech_context("Warm-up.", SamplingParams(temperature=0.0),
-                                     request_id="stencild-warmup-speech", chunk_frames=1,
-                                     max_audio_seconds=0.5)
-    engine.add_request(ctx)
-    while engine.has_work():
-        engine.step()
-
 
 @dataclass
 class LoadedModels:
@@ -88,7 +56,7 @@ def load_speech(engine: EngineCore | None, speech: SpeechOptions, warmup: bool) 
         if warmup:
             warm_up_speech(engine)
         return None
-    speech_engine = speech.engine_factory(engine.executor if engine is not None else None)
+    speech_engine = speech.engine_factory(device_thread(engine))
     try:
         if not speech_engine.serves_speech:
             raise ValueError(f"{speech.model_name} serves no speech (it needs a speech codec)")
@@ -100,6 +68,14 @@ def load_speech(engine: EngineCore | None, speech: SpeechOptions, warmup: bool) 
     log.info("speech model ready: %s (%d Hz)", speech.model_name,
              speech_engine.audio.decoder_sample_rate if speech_engine.audio else 0)
     return speech_engine
+
+
+def device_thread(engine: EngineCore | None) -> StepExecutor | None:
+    """The device thread other models share: an in-process engine's (None for
+    none, or for an engine in a process of its own)."""
+    if engine is None or isinstance(engine, RemoteEngine):
+        return None
+    return engine.executor
 
 
 def load_models(engine_factory: Callable[[], EngineCore] | None, embedding: EmbeddingOptions | None,
@@ -114,16 +90,18 @@ def load_models(engine_factory: Callable[[], EngineCore] | None, embedding: Embe
     engine = engine_factory() if engine_factory is not None else None
     speech_engine = None
     try:
-        if engine is not None and warmup:
+        if isinstance(engine, RemoteEngine):
+            if warmup and warmup_grammar:  # the process warmed its own compiler; this one checks requests
+                engine.structured.compile(GrammarSpec.choice(GRAMMAR_WARMUP_CHOICES))
+        elif engine is not None and warmup:
             warm_up(engine, grammar=warmup_grammar)
         if speech is not None:
             speech_engine = load_speech(engine, speech, warmup)
-        # The first engine built owns the device thread the embedding model borrows.
-        owner = engine or speech_engine
+        # The first engine built here owns the device thread the embedding model borrows.
+        device = device_thread(engine) or device_thread(speech_engine)
         runtime = None
         if embedding is not None:
-            runtime = EmbeddingRuntime.load(embedding, owner.executor if owner is not None else None,
-                                            alive=engine_alive if owner is not None else None,
+            runtime = EmbeddingRuntime.load(embedding, device, alive=engine_alive if device is not None else None,
                                             warmup=warmup)
             log.info("embedding model ready: %s (dimension %d, max %d tokens)", embedding.model_name,
                      runtime.pipeline.dimension, runtime.pipeline.max_length)

@@ -40,6 +40,7 @@ from service.api.generation import SERVICE_NAME, GenerationServicer, ServingStat
 from service.api.speech import SERVICE_NAME as SPEECH_SERVICE
 from service.api.speech import SpeechOptions, SpeechServicer, SpeechSlot
 from service.engine_loop import AdmissionLimits, EngineLoop
+from service.engine_proc import ProcessLink, RemoteEngine
 from service.gen.stencil.v1 import embed_pb2_grpc, speech_pb2_grpc
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from service.gen.vllm import vllm_engine_pb2_grpc
@@ -312,9 +313,11 @@ class StencilServer:
         self.models = models
         engine = models.engine
         if engine is not None:
+            link = ProcessLink(engine) if isinstance(engine, RemoteEngine) else None
+            remote = link is not None
             loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure,
                               observer=self.telemetry.observer(engine, self.state.model_name),
-                              stream_messages_per_s=self.config.stream_messages_per_s)
+                              stream_messages_per_s=self.config.stream_messages_per_s, link=link)
             loop.start()
             self._watch_threads(loop, 0)
             cfg = self.config
@@ -323,8 +326,9 @@ class StencilServer:
                                                         warm=cfg.warmup and cfg.warmup_grammar,
                                                         resample=cfg.resample)
             self.state.engine_loop = loop
-            if self.config.vllm_protocol:
+            if self.config.vllm_protocol and not remote:
                 # Numbering starts with the engine, before anyone subscribes.
+                # (Not from an engine process yet: its prefix cache's events stay there.)
                 await self.kv_events.attach(loop)
             log.info("ready: %s (%s, %s)", self.state.model_name, engine.model_config.architecture,
                      engine.config.torch_device)
@@ -374,7 +378,9 @@ class StencilServer:
         """Export the CPU time of the event loop and of `loop`'s engine and device threads."""
         self.telemetry.watch_thread("event_loop", threading.current_thread())
         engine_thread, device_thread = loop.threads
-        self.telemetry.watch_thread(f"engine_{index}", engine_thread)
+        # An engine process's threads are its own: here, the thread that reads its pipe.
+        remote = isinstance(loop.engine, RemoteEngine)
+        self.telemetry.watch_thread(f"engine_link_{index}" if remote else f"engine_{index}", engine_thread)
         self.telemetry.watch_thread(f"device_{index}", device_thread)
 
     def _on_engine_failure(self, exc: BaseException) -> None:

@@ -113,8 +113,10 @@ SERVICE_LAYERS = {
     "service.api": {"service.ops", "service.security"},
     # The vLLM protocol serves its calls through the stencil.v1 generation path.
     "service.vllm_protocol": {"service.ops", "service.security", "service.api"},
+    # The engine process and the server's side of it: the engine loop's driver and link.
+    "service.engine_proc": {"service.ops"},
     "service.cli": {"service.ops", "service.security", "service.api", "service.vllm_protocol",
-                    "service.server", "service.loading"},
+                    "service.server", "service.loading", "service.engine_proc"},
 }
 SERVICE_CORE = {"service.engine_loop", "service.errors", "service.interceptors", "service.structured"}
 

@@ -347,7 +347,7 @@ def model_info(engine: EngineCore, model_name: str, server_version: str) -> pb.G
         hidden_size=mc.hidden_size,
         num_attention_heads=mc.num_heads,
         num_kv_heads=mc.num_kv_heads,
-        kv_cache_pages=engine.allocator.num_pages,
+        kv_cache_pages=engine.load().kv_pages_total,
         page_size=cfg.page_size,
         max_num_seqs=cfg.max_num_seqs,
         max_logprobs=MAX_LOGPROBS,

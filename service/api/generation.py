@@ -179,9 +179,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         [matcher] = await self.state.compile_constraint(prepared.constraint)
         # 3. Build its context, once, and hand it to the engine thread.
         assert self.state.constraints is not None
-        ctx = loop.engine.requests.context(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint),
-                                  prepared.reasoning)
-        stream = loop.submit(ctx)
+        stream = loop.submit_request(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint),
+                                     prepared.reasoning)
         self.state.call_started()
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
@@ -213,7 +212,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # Cancelled, deadline passed, client gone, or a failure above: the
             # engine must stop working on it and free its pages now.
             if not stream.finished:
-                loop.abort(ctx.request_id)
+                loop.abort(stream.request_id)
             self.state.call_finished()
 
     @rpc_guard

@@ -17,12 +17,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from service.cli.connect import DEFAULT_PORT
 
 if TYPE_CHECKING:
-    from engine import EngineCore
+    from engine import EngineConfig, EngineCore
     from service.api.embeddings import EmbeddingOptions
     from service.api.speech import SpeechOptions
     from service.server import ServerConfig
@@ -61,6 +61,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--no-overlap", action="store_true",
                    help="do not overlap host work with the forward pass (engine overlap scheduling)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the generation engine in a process of its own, so the gRPC event loop "
+                        "does not share its GIL (not with a model that serves speech itself; "
+                        "SubscribeKvEvents is not served then)")
+    # "module:function" names the engine process calls before it builds the engine
+    # (benchmarks emulate a device with one).
+    p.add_argument("--engine-setup", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="requests in flight before new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--max-pending-tokens", type=int, default=None,
@@ -222,6 +229,16 @@ def _speech_dirs(args: argparse.Namespace) -> tuple[Path, Path, str] | str | Non
     return args.speech_model, args.codec, args.speech_model.resolve().name
 
 
+def _engine_process_factory(args: argparse.Namespace, config: EngineConfig) -> Callable[[], EngineCore]:
+    """A factory that starts the engine in a process of its own (service/engine_proc)."""
+    from service.engine_proc import EngineProcessSpec, RemoteEngine
+
+    spec = EngineProcessSpec(config, warmup=not args.no_warmup, setup=tuple(args.engine_setup),
+                             log_level=args.log_level, log_format=args.log_format)
+    # RemoteEngine has what the service reads of an EngineCore, under the same names.
+    return lambda: cast("EngineCore", RemoteEngine(spec))
+
+
 def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     """Turn parsed `serve` flags into a plan, or an error message (exit code 2)."""
     from engine import EngineConfig, EngineCore
@@ -274,7 +291,11 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
             max_thinking_tokens=args.max_thinking_tokens,
             # One engine for text and speech: the codec makes it serve speech too.
             speech_codec=str(speech_dirs[1]) if shared and speech_dirs else None, **common)
-        factory = lambda: EngineCore(engine_config)  # noqa: E731
+        if shared and speech_dirs and args.engine_process:
+            return ("--engine-process runs a text model only: serve speech with a separate "
+                    "--speech-model, or without --engine-process")
+        factory = _engine_process_factory(args, engine_config) if args.engine_process else \
+            lambda: EngineCore(engine_config)
         if shared and speech_dirs:
             speech = SpeechOptions(speech_dirs[2])
     if speech_dirs is not None and speech is None:

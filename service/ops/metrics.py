@@ -126,10 +126,9 @@ class EngineCollector(Collector):
             cfg = engine.config
             info.add_metric([*src.labels, str(cfg.page_size), str(load.kv_pages_total),
                              str(cfg.enable_prefix_caching)], 1.0)
-            sched = engine.scheduler
-            queries.add_metric(src.labels, sched.prefix_cache_queries)
-            hits.add_metric(src.labels, sched.prefix_cache_hits)
-            preemptions.add_metric(src.labels, sched.num_preemptions)
+            queries.add_metric(src.labels, load.prefix_cache_queries)
+            hits.add_metric(src.labels, load.prefix_cache_hits)
+            preemptions.add_metric(src.labels, load.num_preemptions)
         yield from (running, waiting, usage, info, queries, hits, preemptions)
 
 

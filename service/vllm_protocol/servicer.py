@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from engine import EngineCore
 from service.api import convert
 from service.api.embeddings import EmbeddingRuntime, EmbeddingSlot
 from service.api.generation import ServingState, next_outputs, run_maybe_off_loop
@@ -95,10 +96,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         def start(i: int) -> None:
             spec = prepared.specs[i]
             # vLLM's request has no resample field: the server's default applies.
-            ctx = loop.engine.requests.context(spec, matchers[i], compiler.resamples(prepared.constraint),
-                                      prepared.reasoning)
-            stream = loop.submit(ctx)
-            seq = _Sequence(i, ctx.request_id, stream,
+            stream = loop.submit_request(spec, matchers[i], compiler.resamples(prepared.constraint),
+                                         prepared.reasoning)
+            seq = _Sequence(i, stream.request_id, stream,
                             vllm_convert.SequenceState.start(i, [int(t) for t in spec.prompt]))
             sequences.append(seq)
             pumps.append(asyncio.ensure_future(self._pump(seq, field, merged)))
@@ -298,5 +298,5 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         hold stay, so this never disturbs them and needs no wait for idleness
         (`timeout_s` is accepted and not needed)."""
         loop = self.state.require_engine()
-        dropped = await loop.call(lambda engine: engine.flush_prefix_cache())
+        dropped = await loop.call(EngineCore.flush_prefix_cache)
         return cpb.FlushCacheResponse(success=True, message=f"dropped {dropped} cached pages")

@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -63,6 +63,38 @@ class SlowModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+def pages_held(engine: EngineCore) -> tuple[int, int]:
+    """(pages referenced, requests holding pages): module-level, so that an
+    engine in an engine process can be asked too (a call's function is pickled)."""
+    return engine.allocator.num_used, engine.kv_manager.num_active
+
+
+def slow_forward() -> None:
+    """An engine process's setup: every forward pass sleeps 20 ms first, so a
+    request lasts long enough to be cancelled, or its engine killed, mid-stream."""
+    from engine.models.llama import LlamaFamilyModel
+
+    forward = LlamaFamilyModel.forward
+
+    def slow(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return forward(self, *args, **kwargs)
+
+    LlamaFamilyModel.forward = slow  # type: ignore[method-assign]
+
+
+def process_factory(preset: str = "tiny-llama", setup: tuple[str, ...] = (),
+                    **config: Any) -> Callable[[], EngineCore]:
+    """An engine in an engine process (`stencild serve --engine-process`), warmed up
+    without a grammar; `setup`: "module:function" hooks it calls first."""
+    from service.engine_proc import EngineProcessSpec, RemoteEngine
+
+    config.setdefault("kv_cache_gib", 0.05)
+    spec = EngineProcessSpec(EngineConfig(model=str(ensure_preset(preset)), **config), warmup_grammar=False,
+                             setup=setup, log_level="WARNING")
+    return lambda: cast(EngineCore, RemoteEngine(spec))
 
 
 def engine_factory(preset: str = "tiny-llama", slow_s: float = 0.0, **config: Any) -> Callable[[], EngineCore]:
@@ -129,7 +161,7 @@ class ServerHandle:
     def pages_in_use(self, speech: bool = False) -> tuple[int, int]:
         """(pages referenced, requests holding pages), read on the engine thread."""
         call = self.speech_call if speech else self.engine_call
-        return call(lambda e: (e.allocator.num_used, e.kv_manager.num_active))
+        return call(pages_held)
 
     def wait_no_pages(self, timeout: float = TIMEOUT, speech: bool = False) -> tuple[int, int]:
         """Poll until no page is referenced and no request holds pages."""

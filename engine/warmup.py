@@ -1,0 +1,47 @@
+"""Warm-up: short requests through a fresh engine, so first calls pay no start-up cost.
+
+Run by whoever built the engine, on the thread that will drive it: the
+server's loader thread, or an engine process before it reports ready.
+"""
+
+from __future__ import annotations
+
+from grammar import GrammarSpec
+
+from .engine import EngineCore
+from .sampling_params import SamplingParams
+
+GRAMMAR_WARMUP_CHOICES = ("yes", "no")
+
+
+def warm_up(engine: EngineCore, grammar: bool = False) -> None:
+    """Run short requests through the engine so first calls pay no start-up cost.
+
+    With `grammar`, also start the grammar compiler's worker process (1-3 s)
+    and run one constrained request, so the first constrained call does not
+    wait for either.
+    """
+    tok = engine.tokenizer
+    matcher = None
+    if grammar:
+        matcher = engine.structured.compile(GrammarSpec.choice(GRAMMAR_WARMUP_CHOICES))
+    prompts = ["Hello", "Warm-up request with a somewhat longer prompt."]
+    for i, text in enumerate(prompts + (["Yes or no?"] if grammar else [])):
+        ids = tok.encode(text)[: engine.max_model_len - 3]
+        ctx = engine.requests.make_context(ids, SamplingParams(temperature=0.0, max_new_tokens=2),
+                                  request_id=f"stencild-warmup-{i}",
+                                  matcher=matcher if i == len(prompts) else None)
+        engine.add_request(ctx)
+    while engine.has_work():
+        engine.step()
+
+
+def warm_up_speech(engine: EngineCore) -> None:
+    """Speak a few frames, in one-frame chunks, so the first Synthesize pays no
+    start-up cost in the speech LM or the audio decoder."""
+    ctx = engine.requests.make_speech_context("Warm-up.", SamplingParams(temperature=0.0),
+                                     request_id="stencild-warmup-speech", chunk_frames=1,
+                                     max_audio_seconds=0.5)
+    engine.add_request(ctx)
+    while engine.has_work():
+        engine.step()

@@ -1,0 +1,229 @@
+"""The engine process: builds an EngineCore, then serves the server's commands.
+
+Its main thread is the engine thread (an `EngineDriver`); a reader thread takes
+commands off the pipe, compiles a request's constraint when the compiler has
+not got it yet (the compile's own worker process does the work, so the engine
+thread never waits for it), and hands the driver each built context. Every
+step's outputs, and the step's stats and load for the server's metrics, go
+back in one message. The process ignores SIGINT (a terminal's Ctrl-C reaches
+the whole process group): the server drains, then stops it. If the server
+dies first, the pipe's end tells the reader, which stops the engine (and the
+process, should a step never end).
+
+Started by `client.EngineProcess` as a plain `python -c` child with two
+inherited pipes, as grammar compile workers are (not `multiprocessing`, which
+would re-import the server's `__main__`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import logging
+import os
+import signal
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine import EngineCore, RequestOutput
+from engine.context import TextContext
+from grammar import Matcher
+
+from ..engine_loop import EngineDriver
+from .wire import EngineFacts, EngineProcessSpec, Submission, Times, portable_error, times_of
+
+log = logging.getLogger(__name__)
+
+# After the server's end of the pipe closes, how long the engine may take to stop.
+_ORPHAN_EXIT_S = 10.0
+
+
+class _Outbox:
+    """The pipe to the server; the engine, reader and compile threads all send."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._lock:
+                self._conn.send(message)
+        except (OSError, ValueError):
+            pass  # the server is gone: this process ends with it
+
+
+class EngineChild:
+    """The engine process's side of the link: a driver sink and a command reader."""
+
+    def __init__(self, engine: EngineCore, outbox: _Outbox):
+        self.engine = engine
+        self.outbox = outbox
+        self.driver = EngineDriver(engine, self)
+        # Requests in the engine: their contexts and the times last sent for them.
+        self._sent: dict[str, tuple[TextContext, Times | None]] = {}
+        # Requests whose constraint is compiling: True once aborted meanwhile.
+        self._compiling: dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    # -- the reader thread ----------------------------------------------------
+    def read_commands(self, inbox: Connection) -> None:
+        """Feed the driver until ("stop",) or the server's end of the pipe closes."""
+        while True:
+            try:
+                cmd = inbox.recv()
+            except (EOFError, OSError):  # the server is gone: stop, whatever the engine is doing
+                timer = threading.Timer(_ORPHAN_EXIT_S, os._exit, (1,))
+                timer.daemon = True
+                timer.start()
+                cmd = ("stop",)
+            if not self.handle(cmd):
+                return
+
+    def handle(self, cmd: tuple[Any, ...]) -> bool:
+        """Apply one command from the server; False once it was ("stop",)."""
+        kind = cmd[0]
+        if kind == "add":
+            self._add(cmd[1])
+        elif kind == "abort":
+            with self._lock:
+                if cmd[1] in self._compiling:
+                    self._compiling[cmd[1]] = True
+            self.driver.put(cmd)
+        elif kind == "call":
+            self._call(cmd[1], cmd[2])
+        else:
+            self.driver.put(("stop",))
+            return False
+        return True
+
+    def _add(self, sub: Submission) -> None:
+        if sub.grammar is None:
+            self._enqueue(sub, None)
+            return
+        spec, backend = sub.grammar
+        with self._lock:
+            self._compiling[sub.request_id] = False
+        try:
+            future = self.engine.structured.compile_async(spec, backend)
+        except Exception as exc:  # noqa: BLE001 - a compile that cannot start fails this request
+            self._compiled_failed(sub.request_id, exc)
+            return
+
+        def compiled(done: concurrent.futures.Future[Matcher]) -> None:
+            exc = done.exception()
+            if exc is not None:
+                self._compiled_failed(sub.request_id, exc)
+            else:
+                self._enqueue(sub, done.result())
+
+        future.add_done_callback(compiled)  # at once on this thread when the compiler has it
+
+    def _compiled_failed(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            self._compiling.pop(request_id, None)
+        self.outbox.send(("reject", request_id, portable_error(exc)))
+
+    def _enqueue(self, sub: Submission, matcher: Matcher | None) -> None:
+        try:
+            ctx = self.engine.requests.context(sub.spec, matcher, sub.resample, sub.reasoning)
+        except Exception as exc:  # noqa: BLE001 - the server checked it; fail this request only
+            self._compiled_failed(sub.request_id, exc)
+            return
+        with self._lock:
+            aborted = self._compiling.pop(sub.request_id, False)
+        self._sent[ctx.request_id] = (ctx, None)
+        self.driver.put(("add", ctx))
+        if aborted:  # aborted while it compiled: it ends, with its output, as any abort
+            self.driver.put(("abort", ctx.request_id))
+
+    def _call(self, call_id: int, fn: Any) -> None:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def answer(done: concurrent.futures.Future[Any]) -> None:
+            exc = done.exception()
+            if exc is not None:
+                self.outbox.send(("result", call_id, False, portable_error(exc)))
+            else:
+                self.outbox.send(("result", call_id, True, done.result()))
+
+        future.add_done_callback(answer)
+        self.driver.put(("call", fn, future))
+
+    # -- the driver's sink (engine thread) ---------------------------------------
+    def stepped(self, engine: EngineCore, outputs: list[RequestOutput]) -> None:
+        times: list[tuple[str, Times]] = []
+        sent = self._sent
+        for out in outputs:
+            entry = sent.get(out.request_id)
+            if entry is None:
+                continue
+            now = times_of(entry[0])
+            if now != entry[1]:
+                times.append((out.request_id, now))
+            if out.finished:
+                del sent[out.request_id]
+            elif now != entry[1]:
+                sent[out.request_id] = (entry[0], now)
+        self.outbox.send(("step", outputs, times, engine.last_step, engine.load()))
+
+    def rejected(self, request_id: str, exc: Exception) -> None:
+        self._sent.pop(request_id, None)
+        self.outbox.send(("reject", request_id, portable_error(exc)))
+
+    def failed(self, exc: BaseException) -> None:
+        self.outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
+
+
+def _run_setup(names: tuple[str, ...]) -> None:
+    for name in names:
+        module, _, function = name.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
+def _build(spec: EngineProcessSpec, outbox: _Outbox) -> EngineCore | None:
+    """The warm engine, or None after telling the server why it could not be built."""
+    from engine.warmup import warm_up
+
+    try:
+        _run_setup(spec.setup)
+        engine = EngineCore(spec.config)
+    except BaseException as exc:  # noqa: BLE001 - reported to the server, which decides
+        log.debug("the engine could not be built", exc_info=True)
+        outbox.send(("load_failed", f"{exc}", isinstance(exc, ValueError | OSError)))
+        return None
+    try:
+        if spec.warmup:
+            warm_up(engine, grammar=spec.warmup_grammar)
+    except BaseException as exc:  # noqa: BLE001
+        log.exception("the engine failed its warm-up")
+        outbox.send(("load_failed", f"warm-up failed: {type(exc).__name__}: {exc}", False))
+        engine.close()
+        return None
+    return engine
+
+
+def main(read_fd: int, write_fd: int) -> None:
+    """Entry point of the engine process."""
+    from service.ops.request_log import configure_logging
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inbox = Connection(read_fd, writable=False)
+    outbox = _Outbox(Connection(write_fd, readable=False))
+    try:
+        spec: EngineProcessSpec = inbox.recv()
+    except (EOFError, OSError):
+        return
+    configure_logging(spec.log_level, spec.log_format)
+    engine = _build(spec, outbox)
+    if engine is None:
+        return
+    child = EngineChild(engine, outbox)
+    outbox.send(("ready", EngineFacts(os.getpid(), engine.max_model_len, engine.eos_token_ids, engine.load(),
+                                      engine.attention.name, engine.structured.mask_threads)))
+    threading.Thread(target=child.read_commands, args=(inbox,), name="stencild-engine-commands",
+                     daemon=True).start()
+    child.driver.run()  # this thread is the engine thread; the engine is closed when it returns
+    logging.shutdown()
+    os._exit(0)  # no helper thread may keep the process

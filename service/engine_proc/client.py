@@ -1,0 +1,285 @@
+"""The server's side of an engine process: start it, stand in for its engine, link a loop to it.
+
+- `EngineProcess`: the child (`child.py`) and the two pipes that reach it.
+- `RemoteEngine`: what the service reads of an engine (tokenizer, config,
+  the request factory, a grammar compile service, the latest step's stats and
+  load), built here from the same checkpoint and the facts the process reports.
+  The server's compiles check constraints and give the validators; the engine
+  process compiles again for its own matchers (service/engine_proc/wire.py).
+- `ProcessLink`: an `EngineLoop`'s link to the process. Commands go down the
+  pipe from the event loop; a reader thread takes each step's message off the
+  pipe and hands it to the loop's sink, as the engine thread does in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from engine.context import TextContext
+from engine.engine import EngineLoad, StepStats
+from engine.models.config import load_model_config
+from engine.reasoning import ReasoningParser
+from engine.request_factory import RequestFactory
+from engine.structured import StructuredOutput
+from engine.tokenizer import Tokenizer
+
+from ..engine_loop import DriverSink, EngineFailed, Recipe
+from .wire import EngineFacts, EngineProcessSpec, Submission, mirror_times
+
+log = logging.getLogger(__name__)
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from service.engine_proc.child import main; main(int(sys.argv[2]), int(sys.argv[3]))")
+# How long a stopping engine process may take to finish its step and exit.
+_STOP_TIMEOUT_S = 30.0
+
+
+class EngineProcessFailed(RuntimeError):
+    """The engine process could not build its engine (`user_error`: a bad
+    checkpoint or option, not a fault)."""
+
+    def __init__(self, message: str, user_error: bool):
+        super().__init__(message)
+        self.user_error = user_error
+
+
+class EngineProcess:
+    """One engine process: spawned, handed its spec, read until it is ready."""
+
+    def __init__(self, spec: EngineProcessSpec):
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        try:
+            # stdout and stderr are the server's: the engine's log lines join its own.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, _REPO_ROOT, str(to_child_r), str(from_child_w)],
+                pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._send = Connection(to_child_w, readable=False)
+        self.inbox = Connection(from_child_r, writable=False)
+        self._lock = threading.Lock()
+        self.send(spec)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, message: Any) -> None:
+        """Pickle `message` down the pipe (any thread); EngineFailed once the process is gone."""
+        try:
+            with self._lock:
+                self._send.send(message)
+        except (OSError, ValueError) as exc:
+            raise EngineFailed("the engine process is gone") from exc
+
+    def wait_ready(self) -> EngineFacts:
+        """Block until the engine is built and warm (EngineProcessFailed if it is not)."""
+        try:
+            msg = self.inbox.recv()
+        except (EOFError, OSError):
+            self.stop()
+            raise EngineProcessFailed(f"the engine process exited while loading (code {self.proc.poll()})",
+                                      False) from None
+        if msg[0] == "ready":
+            return msg[1]
+        self.stop()
+        raise EngineProcessFailed(msg[1], msg[2])
+
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+        """Ask the process to stop (if it still reads), wait for it, kill it if it will not end."""
+        with contextlib.suppress(EngineFailed):
+            self.send(("stop",))
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine process did not stop in %.0fs; killing it", timeout)
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError):
+            self._send.close()
+        with contextlib.suppress(OSError):
+            self.inbox.close()
+
+
+class RemoteEngine:
+    """The server's stand-in for an engine that runs in an engine process.
+
+    Holds what the service reads of `EngineCore` outside its engine thread,
+    under the same names: fixed facts (config, model config, tokenizer,
+    vocabulary, context length, stop tokens, reasoning parser), the request
+    factory and a grammar compile service, and `last_step` / `load()` as of
+    the latest step the process reported.
+    """
+
+    audio = None  # a speech engine never runs in a process of its own
+    serves_speech = False
+
+    def __init__(self, spec: EngineProcessSpec):
+        self.config = spec.config
+        self.model_config = load_model_config(spec.config.model)
+        self.tokenizer = Tokenizer(spec.config.model)
+        self.process = EngineProcess(spec)
+        try:
+            facts = self.process.wait_ready()
+        except BaseException:
+            self.process.stop()
+            raise
+        self.facts = facts
+        self.max_model_len = facts.max_model_len
+        self.eos_token_ids = facts.eos_token_ids
+        self.reasoning = (ReasoningParser.load(spec.config.reasoning_parser, self.tokenizer.hf.get_vocab())
+                          if spec.config.reasoning_parser else None)
+        self.structured = StructuredOutput.for_engine(spec.config, self.tokenizer.hf, self.vocab_size,
+                                                      self.eos_token_ids)
+        self.requests = RequestFactory(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
+                                       self.reasoning, spec.config.max_thinking_tokens, None)
+        self.last_step = StepStats()
+        self._load: EngineLoad = facts.load
+        log.info("engine process %d ready (%s attention, %d grammar mask thread(s))", facts.pid,
+                 facts.attention, facts.mask_threads)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    def stepped(self, stats: StepStats, load: EngineLoad) -> None:
+        """The process reported a step (the link's reader thread)."""
+        self.last_step = stats
+        self._load = load
+
+    def close(self) -> None:
+        self.structured.close()
+        self.process.stop()
+
+
+class ProcessLink:
+    """An EngineLoop's link to a `RemoteEngine`'s process (see the module docstring)."""
+
+    def __init__(self, engine: RemoteEngine):
+        self.engine = engine
+        self.process = engine.process
+        self._sink: DriverSink | None = None
+        self._reader: threading.Thread | None = None
+        # The server's contexts of requests in the engine: their times mirror the process's.
+        self._contexts: dict[str, TextContext] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._heard = time.monotonic()  # the last message from the process (or the first request)
+        self._gone = False
+        self._stopping = False  # asked to stop: its exit is no failure
+
+    def start(self, sink: DriverSink) -> None:
+        self._sink = sink
+        self._reader = threading.Thread(target=self._read, name="stencild-engine-link", daemon=True)
+        self._reader.start()
+
+    def add(self, ctx: TextContext, recipe: Recipe | None) -> None:
+        if recipe is None:
+            raise ValueError("an engine process takes requests with their recipe (EngineLoop.submit_request)")
+        matcher = recipe.matcher
+        spec = recipe.spec
+        if not self._contexts:
+            self._heard = time.monotonic()  # idle until now: the stall clock starts here
+        self._contexts[ctx.request_id] = ctx
+        self.send(("add", Submission(ctx.request_id, spec.prompt, spec.params, spec.max_length, spec.seed,
+                                     (matcher.spec, matcher.backend) if matcher is not None else None,
+                                     recipe.resample, recipe.reasoning)))
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        if command[0] == "stop":
+            self._stopping = True
+        elif command[0] == "call":
+            _, fn, future = command
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+            command = ("call", call_id, fn)
+        try:
+            self.process.send(command)
+        except EngineFailed:
+            if command[0] == "call":
+                self._calls.pop(command[1]).set_exception(EngineFailed("the engine process is gone"))
+            # Anything else: the reader sees the end and fails the loop.
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone and self.process.proc.poll() is None
+
+    def stalled_for(self) -> float:
+        return max(0.0, time.monotonic() - self._heard) if self._contexts else 0.0
+
+    @property
+    def threads(self) -> list[threading.Thread | None]:
+        return [self._reader, None]
+
+    async def join(self) -> None:
+        await asyncio.to_thread(self.process.stop)
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, _STOP_TIMEOUT_S)
+
+    # -- the reader thread ----------------------------------------------------
+    def _read(self) -> None:
+        sink = self._sink
+        assert sink is not None
+        failure: BaseException | None = None
+        while failure is None:
+            try:
+                msg = self.process.inbox.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    failure = EngineFailed("the engine process exited")
+                break
+            self._heard = time.monotonic()
+            kind = msg[0]
+            if kind == "step":
+                self._step(sink, *msg[1:])
+            elif kind == "reject":
+                self._contexts.pop(msg[1], None)
+                sink.rejected(msg[1], msg[2])
+            elif kind == "result":
+                future = self._calls.pop(msg[1], None)
+                if future is None:
+                    pass
+                elif msg[2]:
+                    future.set_result(msg[3])
+                else:
+                    future.set_exception(msg[3])
+            elif kind == "failed":
+                failure = EngineFailed(msg[1])
+        self._gone = True
+        for future in self._calls.values():
+            future.set_exception(EngineFailed("the engine process is gone"))
+        self._calls.clear()
+        if failure is not None:
+            log.error("the engine process failed: %s", failure)
+            sink.failed(failure)
+
+    def _step(self, sink: DriverSink, outputs: list[Any], times: list[Any], stats: StepStats,
+              load: EngineLoad) -> None:
+        contexts = self._contexts
+        for request_id, t in times:
+            ctx = contexts.get(request_id)
+            if ctx is not None:
+                mirror_times(ctx, t)
+        for out in outputs:
+            if out.finished:
+                contexts.pop(out.request_id, None)
+        self.engine.stepped(stats, load)
+        sink.stepped(self.engine, outputs)  # type: ignore[arg-type]  # RemoteEngine reads as EngineCore here

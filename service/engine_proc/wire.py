@@ -1,0 +1,107 @@
+"""What crosses the pipes between the server and its engine process.
+
+Server -> engine process: an `EngineProcessSpec` first, then commands
+    ("add", Submission) | ("abort", request_id) | ("call", call_id, fn) | ("stop",)
+Engine process -> server: ("ready", EngineFacts) or ("load_failed", message,
+user_error) first, then
+    ("step", outputs, times, StepStats, EngineLoad)   after every engine step
+    ("reject", request_id, exception)                 a request refused alone
+    ("result", call_id, ok, value_or_exception)       a `call`'s answer
+    ("failed", message)                               the engine died
+Everything is pickled (`multiprocessing.connection.Connection`): the objects
+are plain dataclasses, numpy arrays, and `RequestOutput` / `SamplingParams`,
+which pickle by value (their `__reduce__`).
+
+A `TextContext` never crosses: it holds native grammar matchers. The server
+sends what a context is built from (`Submission`); the engine process compiles
+the constraint with its own compiler (a cache hit after the first request of
+a grammar) and builds the context itself. The times the engine writes on a
+context, which the server's telemetry reads, come back with the outputs.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine import EngineConfig
+from engine.context import RequestTimes, TextContext
+from engine.engine import EngineLoad
+from engine.reasoning import ReasoningOptions
+from engine.requests import RequestSpec
+from engine.sampling_params import SamplingParams
+from grammar import GrammarSpec
+
+# (arrival, scheduled, first_token, finished, num_jumped) of one request.
+Times = tuple[float | None, float | None, float | None, float | None, int]
+
+
+@dataclass(frozen=True)
+class EngineProcessSpec:
+    """What an engine process builds: the engine, its warm-up, and how it logs.
+
+    `setup`: "module:function" names the process calls before it builds the
+    engine (benchmarks emulate a device with one; tests inject faults).
+    """
+
+    config: EngineConfig
+    warmup: bool = True
+    warmup_grammar: bool = True
+    setup: tuple[str, ...] = ()
+    log_level: str = "INFO"
+    log_format: str = "text"
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine process reports once its engine is built and warm."""
+
+    pid: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    load: EngineLoad
+    # The start-up choices, for the server's log.
+    attention: str = ""
+    mask_threads: int = 1
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A checked request as the engine process rebuilds its context: the spec,
+    the constraint (its spec and the library the server compiled it with), and
+    the options `RequestFactory.context` takes."""
+
+    request_id: str
+    prompt: np.ndarray
+    params: SamplingParams
+    max_length: int
+    seed: int
+    grammar: tuple[GrammarSpec, str] | None = None
+    resample: bool = True
+    reasoning: ReasoningOptions | None = None
+
+    @property
+    def spec(self) -> RequestSpec:
+        return RequestSpec(self.prompt, self.params, self.request_id, self.max_length, self.seed)
+
+
+def times_of(ctx: TextContext) -> Times:
+    t = ctx.times
+    return (t.arrival, t.scheduled, t.first_token, t.finished, ctx.grammar.num_jumped)
+
+
+def mirror_times(ctx: TextContext, times: Times) -> None:
+    """Write what the engine process recorded on its context onto the server's copy."""
+    ctx.output.times = RequestTimes(*times[:4])
+    ctx.grammar.num_jumped = times[4]
+
+
+def portable_error(exc: BaseException) -> BaseException:
+    """`exc` if it pickles, else a RuntimeError with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc

@@ -1,0 +1,119 @@
+"""A server whose generation engine runs in an engine process (`--engine-process`):
+the same answers as an in-process engine, aborts that free their pages, and a
+dead engine process that fails its calls and stops the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from service.engine_proc import RemoteEngine
+from service.gen.stencil.v1 import generate_pb2 as pb
+
+from .helpers import TIMEOUT, ServerHandle, generate, greedy, process_factory
+
+
+@pytest.fixture(scope="module")
+def process_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    return make_server(process_factory())
+
+
+def _requests() -> list[pb.GenerateRequest]:
+    plain = greedy("The engine in a process of its own", max_new_tokens=12)
+    seeded = pb.GenerateRequest(text="Seeded, biased and cut")
+    seeded.sampling.temperature = 0.9
+    seeded.sampling.top_k = 40
+    seeded.sampling.seed = 77
+    seeded.sampling.logit_bias[100] = 5.0  # a read-only mapping in SamplingParams: it must cross the pipe
+    seeded.stopping.max_new_tokens = 12
+    regex = greedy("Email:", max_new_tokens=24)
+    regex.constraint.regex = "[a-z]{2,6}@example\\.(com|org)"
+    schema = greedy("JSON:", max_new_tokens=40)
+    schema.constraint.json_schema = ('{"type": "object", "properties": {"n": {"type": "integer"}, '
+                                     '"ok": {"type": "boolean"}}, "required": ["n", "ok"]}')
+    return [plain, seeded, regex, schema]
+
+
+def _answer(server: ServerHandle, req: pb.GenerateRequest) -> tuple[str, list[int], int, int, int]:
+    text, ids, complete, _ = generate(server.stub, req)
+    return (text, ids, complete.finish_reason, complete.usage.completion_tokens,
+            complete.usage.forced_tokens)
+
+
+def test_an_engine_process_answers_as_the_in_process_engine(server: ServerHandle,
+                                                             process_server: ServerHandle) -> None:
+    for req in _requests():
+        assert _answer(process_server, req) == _answer(server, req), req
+    engine = process_server.server.engine_loop.engine  # type: ignore[union-attr]
+    assert isinstance(engine, RemoteEngine)
+    # The process reports each step's stats and load for the metrics.
+    assert engine.last_step.seconds > 0 and engine.load().prefix_cache_queries > 0
+    assert process_server.pages_in_use() == (0, 0)  # a call's function runs in the process
+
+
+def test_bad_requests_are_refused_before_the_engine_process(process_server: ServerHandle) -> None:
+    req = greedy("bad", max_new_tokens=4)
+    req.sampling.logit_bias[10**6] = 1.0
+    with pytest.raises(grpc.RpcError) as info:
+        generate(process_server.stub, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    bad = greedy("bad", max_new_tokens=4)
+    bad.constraint.regex = "(unclosed"
+    with pytest.raises(grpc.RpcError) as info:
+        generate(process_server.stub, bad)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _answer(process_server, greedy("still fine", max_new_tokens=3))[3] == 3
+
+
+def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(
+        make_server: Callable[..., ServerHandle]) -> None:
+    handle = make_server(process_factory(setup=("tests.e2e.helpers:slow_forward",)))
+    calls = [handle.stub.Generate(greedy(f"cancel me {i}", max_new_tokens=200), timeout=TIMEOUT)
+             for i in range(3)]
+    for call in calls:
+        next(call)  # running: its first chunk is here
+    for call in calls[:2]:
+        call.cancel()
+    deadline = time.monotonic() + TIMEOUT
+    while handle.pages_in_use()[1] != 1:  # the two cancelled hold no page; the third runs on
+        assert time.monotonic() < deadline, "cancelled requests kept their pages"
+        time.sleep(0.02)
+    assert sum(1 for _ in calls[2]) > 1
+    assert handle.wait_no_pages() == (0, 0)
+    assert handle.finished.get("cancelled", 0) == 2
+
+
+def test_a_killed_engine_process_fails_its_calls_and_stops_the_server(
+        make_server: Callable[..., ServerHandle]) -> None:
+    handle = make_server(process_factory(setup=("tests.e2e.helpers:slow_forward",)))
+    engine = handle.server.engine_loop.engine  # type: ignore[union-attr]
+    assert isinstance(engine, RemoteEngine)
+    errors: list[grpc.StatusCode] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        try:
+            for _ in handle.stub.Generate(greedy("killed mid-stream", max_new_tokens=500), timeout=TIMEOUT):
+                started.set()
+        except grpc.RpcError as err:
+            errors.append(err.code())
+
+    caller = threading.Thread(target=stream)
+    caller.start()
+    assert started.wait(TIMEOUT)
+    os.kill(engine.process.pid, signal.SIGKILL)
+    caller.join(TIMEOUT)
+    assert errors and errors[0] in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+    deadline = time.monotonic() + TIMEOUT
+    while handle.server.health.status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "the server kept serving without its engine"
+        time.sleep(0.05)
+    assert handle.server.engine_failure is not None
+    handle.runner.run(handle.server.wait_stopped())

@@ -1,0 +1,148 @@
+"""The engine process's side of the link, without a process: commands in
+(adds whose constraint compiles meanwhile, aborts, failures), step messages out,
+and what crosses the pipe pickling as itself."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from engine import RequestOutput, SamplingParams
+from engine.context import GenerationStatus, TextContext, TokenLogprobs
+from engine.engine import EngineLoad, StepStats
+from engine.request_factory import RequestFactory
+from grammar import GrammarError, GrammarSpec
+from service.engine_proc.child import EngineChild
+from service.engine_proc.wire import Submission, mirror_times, portable_error, times_of
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, ...]] = []
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        self.sent.append(pickle.loads(pickle.dumps(message)))  # as the server would read it
+
+
+class _Structured:
+    """Compiles nothing: each compile is a future the test completes."""
+
+    def __init__(self) -> None:
+        self.pending: list[concurrent.futures.Future[Any]] = []
+
+    def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.pending.append(future)
+        return future
+
+
+def _child() -> tuple[EngineChild, _Outbox, _Structured]:
+    structured = _Structured()
+    engine = SimpleNamespace(structured=structured, last_step=StepStats(0.001, 2, 2),
+                             requests=RequestFactory(None, 100, 64, frozenset({0}), None, None, None),  # type: ignore[arg-type]
+                             load=lambda: EngineLoad(2, 0, 3, 10))
+    outbox = _Outbox()
+    return EngineChild(engine, outbox), outbox, structured  # type: ignore[arg-type]
+
+
+def _submission(rid: str, grammar: bool = False) -> Submission:
+    return Submission(rid, np.array([5, 6, 7]), SamplingParams(temperature=0.0, max_new_tokens=4), 7, 1,
+                      (GrammarSpec.regex("[ab]+"), "llguidance") if grammar else None, resample=False)
+
+
+def _commands(child: EngineChild) -> list[tuple[Any, ...]]:
+    out = []
+    while not child.driver.commands.empty():
+        out.append(child.driver.commands.get())
+    return out
+
+
+def test_what_crosses_the_pipe_pickles_as_itself() -> None:
+    params = SamplingParams(temperature=0.7, logit_bias={3: 2.5, 9: -1.0}, stop=("end",), seed=5)
+    again = pickle.loads(pickle.dumps(params))
+    assert again == params and dict(again.logit_bias) == {3: 2.5, 9: -1.0}
+    out = RequestOutput("r", [1, 2], "ab", [TokenLogprobs(2, -0.5, [(2, -0.5)])], finished=True,
+                        status=GenerationStatus.STOP_STRING, stop_reason="end", prompt_tokens=3,
+                        completion_tokens=2, grammar_backend="xgrammar")
+    assert pickle.loads(pickle.dumps(out)) == out
+    sub = pickle.loads(pickle.dumps(_submission("s", grammar=True)))
+    assert sub.grammar == (GrammarSpec.regex("[ab]+"), "llguidance") and list(sub.spec.prompt) == [5, 6, 7]
+
+
+def test_an_unconstrained_request_goes_to_the_engine_at_once() -> None:
+    child, outbox, _ = _child()
+    assert child.handle(("add", _submission("a")))
+    [(kind, ctx)] = _commands(child)
+    assert kind == "add" and isinstance(ctx, TextContext) and ctx.request_id == "a" and ctx.seed == 1
+    assert not child.handle(("stop",)) and _commands(child) == [("stop",)]
+    assert outbox.sent == []
+
+
+def test_a_request_aborted_while_its_constraint_compiles_is_added_then_aborted() -> None:
+    child, outbox, structured = _child()
+    child.handle(("add", _submission("c", grammar=True)))
+    child.handle(("abort", "c"))
+    assert _commands(child) == [("abort", "c")]  # not in the engine yet: nothing to abort there
+    structured.pending[0].set_result(object())
+    kinds = [(cmd[0], cmd[1] if cmd[0] == "abort" else cmd[1].request_id) for cmd in _commands(child)]
+    # In the engine, then ended by the abort: it reports as any aborted request.
+    assert kinds == [("add", "c"), ("abort", "c")]
+
+
+def test_a_constraint_that_fails_to_compile_fails_its_request_alone() -> None:
+    child, outbox, structured = _child()
+    child.handle(("add", _submission("bad", grammar=True)))
+    child.handle(("add", _submission("good")))
+    structured.pending[0].set_exception(GrammarError("compile timed out", reason="timeout"))
+    [(kind, rid, exc)] = outbox.sent
+    assert (kind, rid) == ("reject", "bad") and "timed out" in str(exc)
+    assert [cmd[1].request_id for cmd in _commands(child)] == ["good"]
+
+
+def test_a_step_message_carries_times_only_when_they_change() -> None:
+    child, outbox, _ = _child()
+    child.handle(("add", _submission("t")))
+    [(_, ctx)] = _commands(child)
+    ctx.times.arrival = 1.0
+    child.stepped(child.engine, [RequestOutput("t", [1])])
+    ctx.times.first_token = 2.0
+    child.stepped(child.engine, [RequestOutput("t", [1])])
+    child.stepped(child.engine, [RequestOutput("t", [2])])
+    ctx.times.finished = 3.0
+    child.stepped(child.engine, [RequestOutput("t", [3], finished=True)])
+    child.stepped(child.engine, [])  # a step with no output still reports its stats and load
+    assert [m[2] for m in outbox.sent] == [
+        [("t", (1.0, None, None, None, 0))], [("t", (1.0, None, 2.0, None, 0))], [],
+        [("t", (1.0, None, 2.0, 3.0, 0))], []]
+    assert all(m[0] == "step" and m[3] == StepStats(0.001, 2, 2) and m[4] == EngineLoad(2, 0, 3, 10)
+               for m in outbox.sent)
+    # The server's copy of the context gets them.
+    server_ctx = TextContext(tokens=np.array([5, 6, 7]), max_length=7)
+    mirror_times(server_ctx, outbox.sent[3][2][0][1])
+    assert times_of(server_ctx) == (1.0, None, 2.0, 3.0, 0)
+
+
+def test_a_call_answers_with_its_result_or_its_error() -> None:
+    child, outbox, _ = _child()
+    child.handle(("call", 7, len))
+    [(kind, fn, future)] = _commands(child)
+    future.set_result(3)
+    child.handle(("call", 8, len))
+    [(_, _, failing)] = _commands(child)
+    failing.set_exception(ValueError("no"))
+    assert outbox.sent[0] == ("result", 7, True, 3)
+    assert outbox.sent[1][:3] == ("result", 8, False) and str(outbox.sent[1][3]) == "no"
+
+
+def test_an_error_that_does_not_pickle_crosses_as_its_message() -> None:
+    class Local(Exception):
+        pass
+
+    err = portable_error(Local("lost class"))
+    assert isinstance(err, RuntimeError) and "Local: lost class" in str(err)
+    kept = ValueError("kept")
+    assert portable_error(kept) is kept
