@@ -38,6 +38,7 @@ import grpc
 
 from engine import EngineCore, RequestOutput
 from engine.context import TextContext
+from engine.kv_cache import KVEvent, PagesStored
 from engine.reasoning import ReasoningOptions
 from engine.requests import RequestSpec
 from service.errors import Reason, ServiceError, resource_exhausted, unavailable
@@ -399,6 +400,26 @@ class EngineLoop:
         self._link.send(("call", fn, fut))
         return await asyncio.wrap_future(fut)
 
+    # -- the prefix cache's events (event loop) ------------------------------
+    async def listen_kv(self, listener: Callable[[list[KVEvent]], None]) -> None:
+        """Have the allocator's events handed to `listener` from now on, each
+        step's batch on the thread that drives (or reads) the engine, in order."""
+        if not self.alive:
+            raise EngineFailed("the engine is not running")
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._link.listen_kv(listener, fut)
+        await asyncio.wrap_future(fut)
+
+    async def kv_snapshot(self, register: Callable[[], None]) -> list[PagesStored]:
+        """The prefix cache's pages now: between steps, the events recorded so far
+        go to the listener, then `register()` runs, on the listener's thread and
+        before any later batch reaches it, then the pages are read."""
+        if not self.alive:
+            raise EngineFailed("the engine is not running")
+        fut: concurrent.futures.Future[list[PagesStored]] = concurrent.futures.Future()
+        self._link.kv_snapshot(register, fut)
+        return await asyncio.wrap_future(fut)
+
     # -- delivery (event loop) ----------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -480,6 +501,12 @@ class EngineLink(Protocol):
 
     def send(self, command: tuple[Any, ...]) -> None: ...
 
+    def listen_kv(self, listener: Callable[[list[KVEvent]], None], done: concurrent.futures.Future[None]) -> None:
+        ...
+
+    def kv_snapshot(self, register: Callable[[], None],
+                    done: concurrent.futures.Future[list[PagesStored]]) -> None: ...
+
     @property
     def alive(self) -> bool: ...
 
@@ -510,6 +537,18 @@ class ThreadLink:
     def send(self, command: tuple[Any, ...]) -> None:
         assert self._driver is not None, "start the link first"
         self._driver.put(command)
+
+    def listen_kv(self, listener: Callable[[list[KVEvent]], None], done: concurrent.futures.Future[None]) -> None:
+        self.send(("call", lambda engine: engine.allocator.add_listener(listener), done))
+
+    def kv_snapshot(self, register: Callable[[], None],
+                    done: concurrent.futures.Future[list[PagesStored]]) -> None:
+        def snapshot(engine: EngineCore) -> list[PagesStored]:
+            engine.allocator.flush_events()
+            register()
+            return engine.allocator.snapshot()
+
+        self.send(("call", snapshot, done))
 
     @property
     def alive(self) -> bool:

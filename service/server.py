@@ -314,7 +314,6 @@ class StencilServer:
         engine = models.engine
         if engine is not None:
             link = ProcessLink(engine) if isinstance(engine, RemoteEngine) else None
-            remote = link is not None
             loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure,
                               observer=self.telemetry.observer(engine, self.state.model_name),
                               stream_messages_per_s=self.config.stream_messages_per_s, link=link)
@@ -326,9 +325,8 @@ class StencilServer:
                                                         warm=cfg.warmup and cfg.warmup_grammar,
                                                         resample=cfg.resample)
             self.state.engine_loop = loop
-            if self.config.vllm_protocol and not remote:
+            if self.config.vllm_protocol:
                 # Numbering starts with the engine, before anyone subscribes.
-                # (Not from an engine process yet: its prefix cache's events stay there.)
                 await self.kv_events.attach(loop)
             log.info("ready: %s (%s, %s)", self.state.model_name, engine.model_config.architecture,
                      engine.config.torch_device)

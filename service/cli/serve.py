@@ -63,8 +63,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="do not overlap host work with the forward pass (engine overlap scheduling)")
     p.add_argument("--engine-process", action="store_true",
                    help="run the generation engine in a process of its own, so the gRPC event loop "
-                        "does not share its GIL (not with a model that serves speech itself; "
-                        "SubscribeKvEvents is not served then)")
+                        "does not share its GIL (not with a model that serves speech itself)")
     # "module:function" names the engine process calls before it builds the engine
     # (benchmarks emulate a device with one).
     p.add_argument("--engine-setup", action="append", default=[], help=argparse.SUPPRESS)

@@ -28,6 +28,7 @@ from typing import Any
 
 from engine import EngineCore, RequestOutput
 from engine.context import TextContext
+from engine.kv_cache import KVEvent, PagesStored
 from grammar import Matcher
 
 from ..engine_loop import EngineDriver
@@ -93,6 +94,10 @@ class EngineChild:
             self.driver.put(cmd)
         elif kind == "call":
             self._call(cmd[1], cmd[2])
+        elif kind == "kv_listen":
+            self._call(cmd[1], self._listen_kv)
+        elif kind == "kv_snapshot":
+            self._call(cmd[1], _kv_snapshot)
         else:
             self.driver.put(("stop",))
             return False
@@ -151,6 +156,13 @@ class EngineChild:
         future.add_done_callback(answer)
         self.driver.put(("call", fn, future))
 
+    def _listen_kv(self, engine: EngineCore) -> None:
+        engine.allocator.add_listener(self._forward_kv)
+
+    def _forward_kv(self, events: list[KVEvent]) -> None:
+        # On the engine thread, ahead of the step's message (or of a snapshot's result).
+        self.outbox.send(("kv", events))
+
     # -- the driver's sink (engine thread) ---------------------------------------
     def stepped(self, engine: EngineCore, outputs: list[RequestOutput]) -> None:
         times: list[tuple[str, Times]] = []
@@ -174,6 +186,11 @@ class EngineChild:
 
     def failed(self, exc: BaseException) -> None:
         self.outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
+
+
+def _kv_snapshot(engine: EngineCore) -> list[PagesStored]:
+    engine.allocator.flush_events()  # these go out (as "kv") before the snapshot's result
+    return engine.allocator.snapshot()
 
 
 def _run_setup(names: tuple[str, ...]) -> None:

@@ -23,12 +23,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from engine.context import TextContext
 from engine.engine import EngineLoad, StepStats
+from engine.kv_cache import KVEvent, PagesStored
 from engine.models.config import load_model_config
 from engine.reasoning import ReasoningParser
 from engine.request_factory import RequestFactory
@@ -180,7 +182,9 @@ class ProcessLink:
         self._reader: threading.Thread | None = None
         # The server's contexts of requests in the engine: their times mirror the process's.
         self._contexts: dict[str, TextContext] = {}
-        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        # Calls awaiting their result, with what runs on the reader thread just before.
+        self._calls: dict[int, tuple[concurrent.futures.Future[Any], Callable[[], None] | None]] = {}
+        self._kv_listener: Callable[[list[KVEvent]], None] | None = None
         self._call_ids = itertools.count()
         self._heard = time.monotonic()  # the last message from the process (or the first request)
         self._gone = False
@@ -208,15 +212,30 @@ class ProcessLink:
             self._stopping = True
         elif command[0] == "call":
             _, fn, future = command
-            call_id = next(self._call_ids)
-            self._calls[call_id] = future
-            command = ("call", call_id, fn)
-        try:
+            self._request(("call", fn), future)
+            return
+        # If the process is gone the reader sees the end and fails the loop.
+        with contextlib.suppress(EngineFailed):
             self.process.send(command)
+
+    def listen_kv(self, listener: Callable[[list[KVEvent]], None], done: concurrent.futures.Future[None]) -> None:
+        self._kv_listener = listener
+        self._request(("kv_listen",), done)
+
+    def kv_snapshot(self, register: Callable[[], None],
+                    done: concurrent.futures.Future[list[PagesStored]]) -> None:
+        self._request(("kv_snapshot",), done, register)
+
+    def _request(self, command: tuple[Any, ...], future: concurrent.futures.Future[Any],
+                 before: Callable[[], None] | None = None) -> None:
+        """Send (kind, call_id, *rest); the result completes `future`, after `before()`."""
+        call_id = next(self._call_ids)
+        self._calls[call_id] = (future, before)
+        try:
+            self.process.send((command[0], call_id, *command[1:]))
         except EngineFailed:
-            if command[0] == "call":
-                self._calls.pop(command[1]).set_exception(EngineFailed("the engine process is gone"))
-            # Anything else: the reader sees the end and fails the loop.
+            self._calls.pop(call_id)
+            future.set_exception(EngineFailed("the engine process is gone"))
 
     @property
     def alive(self) -> bool:
@@ -253,23 +272,32 @@ class ProcessLink:
             elif kind == "reject":
                 self._contexts.pop(msg[1], None)
                 sink.rejected(msg[1], msg[2])
+            elif kind == "kv":
+                if self._kv_listener is not None:
+                    self._kv_listener(msg[1])
             elif kind == "result":
-                future = self._calls.pop(msg[1], None)
-                if future is None:
-                    pass
-                elif msg[2]:
-                    future.set_result(msg[3])
-                else:
-                    future.set_exception(msg[3])
+                self._answer(msg[1], msg[2], msg[3])
             elif kind == "failed":
                 failure = EngineFailed(msg[1])
         self._gone = True
-        for future in self._calls.values():
+        for future, _ in self._calls.values():
             future.set_exception(EngineFailed("the engine process is gone"))
         self._calls.clear()
         if failure is not None:
             log.error("the engine process failed: %s", failure)
             sink.failed(failure)
+
+    def _answer(self, call_id: int, ok: bool, value: Any) -> None:
+        entry = self._calls.pop(call_id, None)
+        if entry is None:
+            return
+        future, before = entry
+        if not ok:
+            future.set_exception(value)
+            return
+        if before is not None:
+            before()  # here, before any later message is read
+        future.set_result(value)
 
     def _step(self, sink: DriverSink, outputs: list[Any], times: list[Any], stats: StepStats,
               load: EngineLoad) -> None:

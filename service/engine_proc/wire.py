@@ -1,12 +1,14 @@
 """What crosses the pipes between the server and its engine process.
 
 Server -> engine process: an `EngineProcessSpec` first, then commands
-    ("add", Submission) | ("abort", request_id) | ("call", call_id, fn) | ("stop",)
+    ("add", Submission) | ("abort", request_id) | ("call", call_id, fn) |
+    ("kv_listen", call_id) | ("kv_snapshot", call_id) | ("stop",)
 Engine process -> server: ("ready", EngineFacts) or ("load_failed", message,
 user_error) first, then
     ("step", outputs, times, StepStats, EngineLoad)   after every engine step
     ("reject", request_id, exception)                 a request refused alone
-    ("result", call_id, ok, value_or_exception)       a `call`'s answer
+    ("kv", events)                                    the prefix cache's events (once listened to)
+    ("result", call_id, ok, value_or_exception)       a call's answer
     ("failed", message)                               the engine died
 Everything is pickled (`multiprocessing.connection.Connection`): the objects
 are plain dataclasses, numpy arrays, and `RequestOutput` / `SamplingParams`,

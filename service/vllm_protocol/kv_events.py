@@ -2,8 +2,10 @@
 
 The engine's allocator (engine/kv_cache) tells one listener, on the engine
 thread, what each step did to the prefix cache: pages stored under their chain
-hashes, pages removed, everything cleared. `KvEventHub` is that listener: it
-numbers each step's events on the engine thread and, only while someone
+hashes, pages removed, everything cleared. `KvEventHub` is that listener (for
+an engine in an engine process, the events cross the pipe and reach it, in
+order, on the thread that reads it: EngineLoop.listen_kv): it
+numbers each step's events on that thread and, only while someone
 subscribes, hands them to the event loop (one `call_soon_threadsafe`, never a
 lock held while anything runs), which turns them into one
 `smg.grpc.common.KvEventBatch` and puts it on every subscriber's queue. With
@@ -14,7 +16,7 @@ prefix. A new subscriber first gets the cache's current state as one snapshot
 batch (a `cleared` followed by every cached page, parents first, marked as a
 `KvSnapshotChunk`), numbered with the last sequence number sent, so the live
 batches that follow continue with no gap and no repeat: the snapshot is taken
-on the engine thread, between steps, and from there the subscriber's
+between steps (EngineLoop.kv_snapshot), and from there the subscriber's
 registration is posted to the event loop ahead of any later batch. The hub
 keeps no history, so a subscriber resuming from a cursor gets the snapshot too.
 
@@ -34,7 +36,6 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import EngineCore
 from engine.kv_cache import CacheCleared, KVEvent, PagesRemoved, PagesStored
 from service.engine_loop import EngineLoop
 from service.gen.vllm import common_pb2 as cpb
@@ -107,7 +108,7 @@ class KvEventHub:
         self._loop = asyncio.get_running_loop()
         self._engine_loop = engine_loop
         self.page_size = engine_loop.engine.config.page_size
-        await engine_loop.call(lambda engine: engine.allocator.add_listener(self._on_events))
+        await engine_loop.listen_kv(self._on_events)
 
     @property
     def attached(self) -> bool:
@@ -155,22 +156,24 @@ class KvEventHub:
         engine_loop = self._engine_loop
         assert engine_loop is not None, "attach the hub first"
         sub = _Subscriber()
+        number = 0
 
-        def snapshot(engine: EngineCore) -> tuple[int, list[PagesStored]]:
-            # Between steps, on the engine thread: events recorded but not yet
-            # numbered go out first (to the other subscribers), so the snapshot
-            # is the state as of batch `self.sequence`; the registration is
-            # posted before any later batch, so this subscriber sees them all.
-            engine.allocator.flush_events()
+        def register() -> None:
+            # Between steps, on the listener's thread: the events recorded but
+            # not yet numbered have gone out first (to the other subscribers),
+            # so the snapshot is the state as of batch `self.sequence`; the
+            # registration is posted before any later batch, so this
+            # subscriber sees them all.
+            nonlocal number
             with self._lock:
                 if sub.active:  # else the stream ended while this call waited
                     self._listening += 1
                     sub.counted = True
             self._post(self._join, sub)
-            return self.sequence, engine.allocator.snapshot()
+            number = self.sequence
 
         try:
-            number, pages = await engine_loop.call(snapshot)
+            pages = await engine_loop.kv_snapshot(register)
             if number > 0 or pages:
                 yield self._snapshot_batch(number, pages)
             while True:

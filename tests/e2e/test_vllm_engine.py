@@ -1,5 +1,6 @@
 """vllm.grpc.engine.VllmEngine on the same server as stencil.v1: generate, validation,
-n > 1, abort on cancel, KV events, flush, info RPCs, tokenizer bundle, health."""
+n > 1, abort on cancel, KV events, flush, info RPCs, tokenizer bundle, health;
+each with the engine on a thread of the server and in an engine process."""
 
 from __future__ import annotations
 
@@ -14,17 +15,23 @@ import jsonschema
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine import EngineCore
 from service.errors import bad_request_violations
 from service.gen.vllm import common_pb2 as cpb
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
 
-from .helpers import TIMEOUT, engine_factory
+from .helpers import TIMEOUT, engine_factory, process_factory
 
 
-@pytest.fixture(scope="module")
-def vllm(make_server):  # type: ignore[no-untyped-def]
-    handle = make_server(engine_factory(page_size=4))
+def _num_cached(engine: EngineCore) -> int:
+    return engine.allocator.num_cached
+
+
+@pytest.fixture(scope="module", params=["engine thread", "engine process"])
+def vllm(make_server, request):  # type: ignore[no-untyped-def]
+    factory = process_factory if request.param == "engine process" else engine_factory
+    handle = make_server(factory(page_size=4))
     return handle, vpb_grpc.VllmEngineStub(handle.channel)
 
 
@@ -167,7 +174,7 @@ def test_kv_events_snapshot_then_live_then_flush(vllm) -> None:  # type: ignore[
         if any(ev.HasField("cleared") or ev.HasField("removed") for ev in batch.events):
             break
     events.cancel()
-    assert handle.engine_call(lambda e: e.allocator.num_cached) == 0
+    assert handle.engine_call(_num_cached) == 0
 
 
 def test_info_loads_tokenizer_and_health(vllm) -> None:  # type: ignore[no-untyped-def]
