@@ -132,6 +132,10 @@ class EngineChild:
 
     def _enqueue(self, sub: Submission, matcher: Matcher | None) -> None:
         try:
+            if matcher is not None and sub.resample and not matcher.checks_ready:
+                # The value checks' set-up, once per schema: here (the thread that
+                # compiled it, or this reader's on a cache hit), never the engine thread.
+                matcher.prepare_checks()
             ctx = self.engine.requests.context(sub.spec, matcher, sub.resample, sub.reasoning)
         except Exception as exc:  # noqa: BLE001 - the server checked it; fail this request only
             self._compiled_failed(sub.request_id, exc)

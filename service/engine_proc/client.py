@@ -50,12 +50,8 @@ _STOP_TIMEOUT_S = 30.0
 
 
 class EngineProcessFailed(RuntimeError):
-    """The engine process could not build its engine (`user_error`: a bad
-    checkpoint or option, not a fault)."""
-
-    def __init__(self, message: str, user_error: bool):
-        super().__init__(message)
-        self.user_error = user_error
+    """The engine process could not build its engine, through no fault of the
+    checkpoint or the options (those raise ValueError, as in process)."""
 
 
 class EngineProcess:
@@ -90,17 +86,19 @@ class EngineProcess:
             raise EngineFailed("the engine process is gone") from exc
 
     def wait_ready(self) -> EngineFacts:
-        """Block until the engine is built and warm (EngineProcessFailed if it is not)."""
+        """Block until the engine is built and warm; ValueError (a bad checkpoint or
+        option) or EngineProcessFailed if it is not."""
         try:
             msg = self.inbox.recv()
         except (EOFError, OSError):
             self.stop()
-            raise EngineProcessFailed(f"the engine process exited while loading (code {self.proc.poll()})",
-                                      False) from None
+            raise EngineProcessFailed(f"the engine process exited while loading (code {self.proc.poll()})") \
+                from None
         if msg[0] == "ready":
             return msg[1]
         self.stop()
-        raise EngineProcessFailed(msg[1], msg[2])
+        _, message, user_error = msg
+        raise ValueError(message) if user_error else EngineProcessFailed(message)
 
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
         """Ask the process to stop (if it still reads), wait for it, kill it if it will not end."""

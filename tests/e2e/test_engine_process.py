@@ -38,13 +38,16 @@ def _requests() -> list[pb.GenerateRequest]:
     schema = greedy("JSON:", max_new_tokens=40)
     schema.constraint.json_schema = ('{"type": "object", "properties": {"n": {"type": "integer"}, '
                                      '"ok": {"type": "boolean"}}, "required": ["n", "ok"]}')
-    return [plain, seeded, regex, schema]
+    # uniqueItems is left to resampling: the process sets the value checks up itself.
+    unique = greedy("Numbers:", max_new_tokens=40)
+    unique.constraint.json_schema = '{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}'
+    return [plain, seeded, regex, schema, unique]
 
 
-def _answer(server: ServerHandle, req: pb.GenerateRequest) -> tuple[str, list[int], int, int, int]:
+def _answer(server: ServerHandle, req: pb.GenerateRequest) -> tuple[str, list[int], int, int, int, int]:
     text, ids, complete, _ = generate(server.stub, req)
     return (text, ids, complete.finish_reason, complete.usage.completion_tokens,
-            complete.usage.forced_tokens)
+            complete.usage.forced_tokens, complete.usage.schema_retries)
 
 
 def test_an_engine_process_answers_as_the_in_process_engine(server: ServerHandle,
@@ -70,6 +73,13 @@ def test_bad_requests_are_refused_before_the_engine_process(process_server: Serv
         generate(process_server.stub, bad)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert _answer(process_server, greedy("still fine", max_new_tokens=3))[3] == 3
+
+
+def test_an_engine_that_cannot_be_built_is_a_load_error(make_server: Callable[..., ServerHandle]) -> None:
+    handle = make_server(process_factory(kv_cache_gib=1e-6), wait=False)
+    assert not handle.runner.run(handle.server.wait_ready())
+    assert isinstance(handle.server.load_error, ValueError)
+    assert "fewer than 2 pages" in str(handle.server.load_error)
 
 
 def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(
