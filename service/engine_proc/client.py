@@ -232,8 +232,9 @@ class ProcessLink:
         try:
             self.process.send((command[0], call_id, *command[1:]))
         except EngineFailed:
-            self._calls.pop(call_id)
-            future.set_exception(EngineFailed("the engine process is gone"))
+            entry = self._calls.pop(call_id, None)  # unless the reader has failed it already
+            if entry is not None:
+                future.set_exception(EngineFailed("the engine process is gone"))
 
     @property
     def alive(self) -> bool:
@@ -278,9 +279,12 @@ class ProcessLink:
             elif kind == "failed":
                 failure = EngineFailed(msg[1])
         self._gone = True
-        for future, _ in self._calls.values():
+        while self._calls:  # popitem: the event loop may still add or fail one meanwhile
+            try:
+                _, (future, _) = self._calls.popitem()
+            except KeyError:
+                break
             future.set_exception(EngineFailed("the engine process is gone"))
-        self._calls.clear()
         if failure is not None:
             log.error("the engine process failed: %s", failure)
             sink.failed(failure)
