@@ -1,11 +1,14 @@
 """The engine thread, its bridge to asyncio, and admission control.
 
-`EngineCore` is not thread-safe, so exactly one thread drives it: it takes
-commands (add, abort, call) from a queue, runs `step()` while there is work and
-blocks on the queue when there is none. Commands are applied between steps, so
-an abort frees a request's pages before the next step starts. Each step's
-outputs go back to the event loop in one `call_soon_threadsafe`, which hands
-every output to its request's `RequestStream`.
+`EngineCore` is not thread-safe, so exactly one thread drives it (an
+`EngineDriver`): it takes commands (add, abort, call) from a queue, runs
+`step()` while there is work and blocks on the queue when there is none.
+Commands are applied between steps, so an abort frees a request's pages before
+the next step starts. Each step's outputs go back to the event loop in one
+`call_soon_threadsafe`, which hands every output to its request's
+`RequestStream`. An `EngineLoop` reaches its driver through a link: a thread
+of this process (`ThreadLink`), or an engine process of its own
+(`service/engine_proc`, `ProcessLink`), where the same driver runs.
 
 Admission is ours: grpc's `maximum_concurrent_rpcs` has queued calls instead of
 rejecting them, so requests beyond the limits are refused here with
