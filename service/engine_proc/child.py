@@ -32,7 +32,15 @@ from engine.kv_cache import KVEvent, PagesStored
 from grammar import Matcher
 
 from ..engine_loop import EngineDriver
-from .wire import EngineFacts, EngineProcessSpec, Submission, Times, portable_error, times_of
+from .wire import (
+    EngineFacts,
+    EngineProcessSpec,
+    SendEnd,
+    Submission,
+    Times,
+    portable_error,
+    times_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +48,10 @@ log = logging.getLogger(__name__)
 _ORPHAN_EXIT_S = 10.0
 
 
-class _Outbox:
-    """The pipe to the server; the engine, reader and compile threads all send."""
-
-    def __init__(self, conn: Connection):
-        self._conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        try:
-            with self._lock:
-                self._conn.send(message)
-        except (OSError, ValueError):
-            pass  # the server is gone: this process ends with it
-
-
 class EngineChild:
     """The engine process's side of the link: a driver sink and a command reader."""
 
-    def __init__(self, engine: EngineCore, outbox: _Outbox):
+    def __init__(self, engine: EngineCore, outbox: SendEnd):
         self.engine = engine
         self.outbox = outbox
         self.driver = EngineDriver(engine, self)
@@ -203,7 +196,7 @@ def _run_setup(names: tuple[str, ...]) -> None:
         getattr(importlib.import_module(module), function)()
 
 
-def _build(spec: EngineProcessSpec, outbox: _Outbox) -> EngineCore | None:
+def _build(spec: EngineProcessSpec, outbox: SendEnd) -> EngineCore | None:
     """The warm engine, or None after telling the server why it could not be built."""
     from engine.warmup import warm_up
 
@@ -231,7 +224,7 @@ def main(read_fd: int, write_fd: int) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inbox = Connection(read_fd, writable=False)
-    outbox = _Outbox(Connection(write_fd, readable=False))
+    outbox = SendEnd(write_fd)  # a send that fails: the server is gone, and this process ends with it
     try:
         spec: EngineProcessSpec = inbox.recv()
     except (EOFError, OSError):

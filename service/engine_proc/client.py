@@ -38,7 +38,7 @@ from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 
 from ..engine_loop import DriverSink, EngineFailed, Recipe
-from .wire import EngineFacts, EngineProcessSpec, Submission, mirror_times
+from .wire import EngineFacts, EngineProcessSpec, SendEnd, Submission, mirror_times
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,8 @@ class EngineProcess:
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
-        self._send = Connection(to_child_w, readable=False)
+        self._send = SendEnd(to_child_w)
         self.inbox = Connection(from_child_r, writable=False)
-        self._lock = threading.Lock()
         self.send(spec)
 
     @property
@@ -79,11 +78,8 @@ class EngineProcess:
 
     def send(self, message: Any) -> None:
         """Pickle `message` down the pipe (any thread); EngineFailed once the process is gone."""
-        try:
-            with self._lock:
-                self._send.send(message)
-        except (OSError, ValueError) as exc:
-            raise EngineFailed("the engine process is gone") from exc
+        if not self._send.send(message):
+            raise EngineFailed("the engine process is gone")
 
     def wait_ready(self) -> EngineFacts:
         """Block until the engine is built and warm; ValueError (a bad checkpoint or
@@ -110,8 +106,7 @@ class EngineProcess:
             log.warning("the engine process did not stop in %.0fs; killing it", timeout)
             self.proc.kill()
             self.proc.wait()
-        with contextlib.suppress(OSError):
-            self._send.close()
+        self._send.close()
         with contextlib.suppress(OSError):
             self.inbox.close()
 

@@ -23,8 +23,12 @@ context, which the server's telemetry reads, come back with the outputs.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import threading
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
@@ -107,3 +111,24 @@ def portable_error(exc: BaseException) -> BaseException:
     except Exception:  # noqa: BLE001 - any failure to round-trip
         return RuntimeError(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+class SendEnd:
+    """A pipe's writing end that several threads send on, one whole message at a time."""
+
+    def __init__(self, fd: int):
+        self._conn = Connection(fd, readable=False)
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> bool:
+        """Pickle `message` down the pipe; False once the other side is gone."""
+        try:
+            with self._lock:
+                self._conn.send(message)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.close()
