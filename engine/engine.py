@@ -175,7 +175,7 @@ class EngineCore:
         mask_threads = config.grammar_mask_threads or mask_threads_for(cores, device.type)
         self.structured = StructuredOutput.for_engine(config, self.tokenizer.hf, mc.vocab_size,
                                                       self.eos_token_ids, mask_threads)
-        self.masks = StepMasks(self.structured, mc.vocab_size)
+        self.masks = StepMasks(self.structured, mc.vocab_size, Staging(device))
         self.speech: SpeechModel | None = None
         if config.speech_codec:
             layout = SpeechLayout.for_model(config.model)

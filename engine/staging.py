@@ -37,6 +37,14 @@ class Staging:
             t = torch.tensor(data, dtype=dtype)
         return t.pin_memory() if self.pin else t
 
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
+        """A host buffer filled with `fill` that the engine thread rewrites step
+        after step (page-locked on CUDA, as `tensor`'s are). Reusing it is safe
+        only once the device has read the last step's contents: its owner
+        rewrites it after waiting for that step's result."""
+        t = torch.full(shape, fill, dtype=dtype)
+        return t.pin_memory() if self.pin else t
+
 
 # The dtypes step data comes in, for conversions done by numpy on the host.
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}

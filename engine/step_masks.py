@@ -39,9 +39,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from grammar import BitmaskFiller, Matcher, allocate_bitmask, apply_token_bitmask_inplace
+from grammar import BitmaskFiller, Matcher, apply_token_bitmask_inplace
 
 from .context import Failure, GenerationStatus, TextContext, Verdict
+from .staging import Staging
 from .structured import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,10 @@ class PendingMask:
     """One step's grammar bitmask: filled on the engine thread, applied on the device thread.
 
     `failed` holds the batch rows whose matcher could not compute its mask (the
-    step's postprocess fails those requests).
+    step's postprocess fails those requests). The rows to mask come as a list,
+    or for a model on CUDA as a page-locked int64 tensor, so that moving them
+    to the device is an asynchronous copy like the bitmask's (a list would be a
+    synchronous one: the device thread would wait for the forward pass).
 
     The hand-over is a lock held from construction until `set`: releasing a
     plain `threading.Lock` is one C call, where `threading.Event.set` takes a
@@ -66,10 +70,10 @@ class PendingMask:
         self._latch.acquire()
         self.is_set = False  # read on every step: an attribute, not a property
         self._bitmask: torch.Tensor | None = None
-        self._rows: list[int] = []
+        self._rows: list[int] | torch.Tensor = []
         self.failed: dict[int, Failure] = {}
 
-    def set(self, bitmask: torch.Tensor | None, rows: list[int]) -> None:
+    def set(self, bitmask: torch.Tensor | None, rows: list[int] | torch.Tensor) -> None:
         """Publish the mask (once; a second call is ignored) and wake the device thread."""
         if self.is_set:
             return
@@ -87,10 +91,10 @@ class PendingMask:
         return time.perf_counter() - start
 
     def apply(self, logits: torch.Tensor,
-              apply_mask: Callable[[torch.Tensor, torch.Tensor, list[int]], None]) -> None:
+              apply_mask: Callable[[torch.Tensor, torch.Tensor, list[int] | torch.Tensor], None]) -> None:
         """Wait until the mask is filled, then mask `logits` with it."""
         self.wait()
-        if self._bitmask is not None and self._rows:
+        if self._bitmask is not None and len(self._rows):
             apply_mask(logits, self._bitmask, self._rows)
 
 
@@ -107,17 +111,23 @@ class StepMasks:
 
     One buffer is enough: a step's bitmask is filled only after the previous
     step, its last reader, has finished (the pipeline fills step N+1's mask
-    after it has waited for step N's result).
+    after it has waited for step N's result). The bitmask and the row index
+    are `staging` buffers: page-locked for a model on CUDA, so the device
+    thread's copies of them are asynchronous and never wait for the forward pass.
     """
 
-    def __init__(self, structured: StructuredOutput, vocab_size: int):
+    def __init__(self, structured: StructuredOutput, vocab_size: int, staging: Staging):
         self._structured = structured
         self.vocab_size = vocab_size
+        self._staging = staging
         self._filler: BitmaskFiller | None = None  # made once a matcher (so a compiler) exists
         self._one_row: _OneRow | None = None  # for the last matcher alone in a step
         self._bitmask: torch.Tensor | None = None
         self._views: dict[int, torch.Tensor] = {}
         self._words: np.ndarray = np.zeros((0, 0), dtype=np.uint32)
+        # The rows a step masks, as the device thread copies them (CUDA only).
+        self._index: torch.Tensor = torch.zeros(0, dtype=torch.int64)
+        self._index_np: np.ndarray = self._index.numpy()
         # Seconds the last `fill` with constrained rows took (the engine resets
         # it to None at the start of each step and reports it in StepStats).
         self.last_mask_seconds: float | None = None
@@ -162,7 +172,7 @@ class StepMasks:
                     one.fill()
                 except Exception:  # noqa: BLE001 - terminated (xgrammar refuses) or failing
                     self._one_row_failed(one, mask)
-                mask.set(one.bitmask, [0])
+                mask.set(one.bitmask, self._rows([0]))
                 self.last_mask_seconds = time.perf_counter() - start
                 return
             rows: list[int] = []
@@ -215,7 +225,7 @@ class StepMasks:
                     if token < self.vocab_size:
                         words[i, token >> 5] &= ~np.uint32(1 << (token & 31))
             _mask_resampled(contexts, bitmask, free)
-            mask.set(bitmask, rows)
+            mask.set(bitmask, self._rows(rows))
             self.last_mask_seconds = time.perf_counter() - start
         finally:
             if not mask.is_set:  # the device thread must never wait for ever
@@ -228,6 +238,14 @@ class StepMasks:
         self._one_row = one._replace(fill=fill)
         self._fill_one_by_one([one.matcher], one.bitmask, [0], mask)
 
+    def _rows(self, rows: list[int]) -> list[int] | torch.Tensor:
+        """`rows` as the device thread takes them: the list itself, or on CUDA
+        their copy in the staged index buffer (sized with the bitmask)."""
+        if not self._staging.pin:
+            return rows
+        self._index_np[:len(rows)] = rows
+        return self._index[:len(rows)]
+
     def _view(self, batch: int) -> torch.Tensor:
         """The first `batch` rows of the step bitmask (allocated, or grown, on demand).
 
@@ -239,7 +257,10 @@ class StepMasks:
             if self._bitmask is None or self._bitmask.shape[0] < batch:
                 # Not through the compiler: a thinking budget masks rows of
                 # requests that never start one (its worker processes).
-                self._bitmask = allocate_bitmask(max(batch, 64), self.vocab_size)
+                capacity = max(batch, 64)
+                self._bitmask = self._staging.buffer((capacity, (self.vocab_size + 31) // 32), torch.int32, -1)
+                self._index = self._staging.buffer((capacity,), torch.int64)
+                self._index_np = self._index.numpy()
                 self._views.clear()
                 self._one_row = None  # its fill wrote the old buffer
                 # Shares memory with the bitmask; unsigned, so bit 31 needs no sign trick.
@@ -260,7 +281,7 @@ class StepMasks:
                                            "see the server log")
 
     @staticmethod
-    def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
         """Mask disallowed tokens of `rows` of `logits` in place (on its device)."""
         apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), rows)
 

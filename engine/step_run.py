@@ -35,8 +35,9 @@ class StepModel(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-# Masks the disallowed tokens of some rows of the logits in place: (logits, bitmask, rows).
-ApplyMask = Callable[[torch.Tensor, torch.Tensor, list[int]], None]
+# Masks the disallowed tokens of some rows of the logits in place: (logits, bitmask, rows as
+# a list, or a host tensor on CUDA; see step_masks.PendingMask).
+ApplyMask = Callable[[torch.Tensor, torch.Tensor, list[int] | torch.Tensor], None]
 # (chosen token's log-probability [N], top ids [N, n] | None, top log-probabilities | None)
 PromptLogprobs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 

@@ -29,14 +29,16 @@ def allocate_bitmask(batch_size: int, vocab_size: int, *, pin_memory: bool = Fal
 
 
 def apply_token_bitmask_inplace(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None = None
 ) -> None:
     """Set disallowed logits to -inf, in place, on the logits' device (CPU or CUDA).
 
     logits: [batch, V] (or [V]); bitmask: [batch, W] int32, any device (copied
     to the logits' device if needed). rows: which rows to mask (the same index
-    into logits and bitmask); all rows when None. Tokens at or past 32*W - ids
-    the bitmask does not cover - are always disallowed.
+    into logits and bitmask), as a sequence or an int64 tensor on any device
+    (a pinned host tensor reaches CUDA logits without a synchronous copy); all
+    rows when None. Tokens at or past 32*W - ids the bitmask does not cover -
+    are always disallowed.
 
     With a pinned CPU bitmask and CUDA logits the copy is asynchronous: do not
     refill that bitmask until the stream has used it (alternate two bitmasks).
@@ -53,7 +55,12 @@ def apply_token_bitmask_inplace(
     covered = min(vocab, bitmask.shape[-1] * 32)
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    index = None if rows is None else torch.as_tensor(list(rows), device=logits.device)
+    if rows is None:
+        index = None
+    elif isinstance(rows, torch.Tensor):
+        index = rows.to(logits.device, non_blocking=True)
+    else:
+        index = torch.as_tensor(list(rows), device=logits.device)
     if covered < vocab:
         if index is None:
             logits[:, covered:] = float("-inf")
@@ -66,7 +73,7 @@ def apply_token_bitmask_inplace(
 
 
 def _apply_cpu(
-    logits: torch.Tensor, bitmask: torch.Tensor, covered: int, rows: Sequence[int] | None
+    logits: torch.Tensor, bitmask: torch.Tensor, covered: int, rows: Sequence[int] | torch.Tensor | None
 ) -> None:
     # xgrammar's C++ kernel: about twice as fast as the tensor version on CPU.
     import xgrammar as xgr
@@ -75,7 +82,8 @@ def _apply_cpu(
         logits,
         bitmask,
         vocab_size=covered,
-        indices=None if rows is None else [int(r) for r in rows],
+        indices=None if rows is None else [int(r) for r in rows.tolist()] if isinstance(rows, torch.Tensor)
+        else [int(r) for r in rows],
         backend="cpu",
     )
 

@@ -244,15 +244,19 @@ def _full_match(pattern: str, text: str) -> bool:
 def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
     """A JSON schema and a regex (bf16, graphs and overlap on): every output is
     valid (jsonschema; the Rust regex crate, anchored), uses forced tokens,
-    and every mask was applied to logits on the GPU, graph steps included."""
+    and every mask was applied to logits on the GPU, graph steps included,
+    from a pinned bitmask and a pinned row index (asynchronous copies: the
+    device thread never waits for the forward pass to apply a mask)."""
     llm = cuda_llm("tiny-llama", max_num_seqs=20)
     eng = llm.engine
     assert eng.graphs is not None
     devices: list[str] = []
+    staged: set[bool] = set()
     real_apply = eng.masks.apply
 
-    def recording(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    def recording(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
         devices.append(logits.device.type)
+        staged.add(bitmask.is_pinned() and isinstance(rows, torch.Tensor) and rows.is_pinned())
         real_apply(logits, bitmask, rows)
 
     monkeypatch.setattr(eng.masks, "apply", recording)
@@ -281,6 +285,7 @@ def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
     assert all(o.finish_reason == "eos" and _full_match(words, o.text) for o in outs)
     assert sum(eng.graphs.replays.values()) > replays_before, "no constrained decode step replayed a graph"
     assert devices and set(devices) == {"cuda"}, set(devices)
+    assert staged == {True}, "a mask reached the device thread in pageable memory, or its rows as a list"
 
 
 # -- speech and embeddings --------------------------------------------------------------

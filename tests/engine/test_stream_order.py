@@ -2,10 +2,11 @@
 the device thread alone moves them to the device (engine/staging.py), so on
 CUDA every copy and kernel of a step runs on the executor's stream.
 
-Guarded three ways on CPU: building a step's inputs never calls `Tensor.to`
+Guarded four ways on CPU: building a step's inputs never calls `Tensor.to`
 or `Tensor.cuda`; every tensor of the built inputs is one `upload` reaches
-(uploading to the meta device leaves none behind on the host); and `upload`
-runs on the device thread only."""
+(uploading to the meta device leaves none behind on the host); `upload` runs
+on the device thread only; and the grammar mask (bitmask and rows) reaches
+the device thread as staged host buffers, page-locked for CUDA."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from engine import SamplingParams
 from engine import step_run as step_run_module
 from engine.staging import Staging, upload
 from engine.step_inputs import advance_with_placeholders, build_step_inputs
+from engine.step_masks import PendingMask, StepMasks
 from grammar import GrammarSpec
 
 from .reference import prompts
@@ -107,3 +109,42 @@ def test_uploads_run_on_the_device_thread(make_llm, monkeypatch) -> None:
         llm = make_llm("tiny-llama", overlap=overlap, kv_cache_gib=0.05)
         llm.generate(prompts(3), SamplingParams(temperature=0, max_new_tokens=4))
     assert threads == {"stencild-device"}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_grammar_mask_is_staged_for_the_device_thread(make_llm, monkeypatch, batch: int) -> None:
+    # On CUDA the bitmask and the masked rows reach the device thread as
+    # page-locked host tensors (an asynchronous copy); a list of rows, or a
+    # pageable bitmask, would make the device thread wait for the forward pass.
+    pinned: list[int] = []
+
+    def pin(self):  # noqa: ANN001 - stands in for page-locking, which needs CUDA
+        pinned.append(self.data_ptr())
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    llm = make_llm("tiny-llama", kv_cache_gib=0.05)
+    eng = llm.engine
+    contexts = [eng.make_context(p, SamplingParams(temperature=0), matcher=eng.structured.compile(SCHEMA))
+                for p in prompts(batch)]
+    staged = StepMasks(eng.structured, eng.vocab_size, Staging(torch.device("cuda")))
+    plain = StepMasks(eng.structured, eng.vocab_size, Staging(torch.device("cpu")))
+    # One row alone takes the one-row fill; a batch has an unconstrained row 0.
+    rows_of = [None, *contexts] if batch > 1 else contexts
+    expected = [i for i, c in enumerate(rows_of) if c is not None]
+    for _ in range(2):
+        on_cuda, on_cpu = PendingMask(), PendingMask()
+        staged.fill(on_cuda, rows_of)
+        plain.fill(on_cpu, rows_of)
+        bitmask, rows = on_cuda._bitmask, on_cuda._rows
+        assert isinstance(rows, torch.Tensor) and rows.tolist() == expected
+        assert on_cpu._rows == expected
+        assert bitmask is not None and on_cpu._bitmask is not None
+        assert torch.equal(bitmask[expected], on_cpu._bitmask[expected])
+        assert len(pinned) == 2, "the bitmask and the row index are pinned once, when allocated"
+        assert {bitmask.untyped_storage().data_ptr(), rows.untyped_storage().data_ptr()} == set(pinned)
+        logits = torch.randn(len(rows_of), eng.vocab_size)
+        listed = logits.clone()
+        on_cuda.apply(logits, StepMasks.apply)
+        on_cpu.apply(listed, StepMasks.apply)
+        assert torch.equal(logits, listed)

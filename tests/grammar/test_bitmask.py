@@ -50,6 +50,22 @@ def test_apply_all_rows_and_selected_rows(dtype):
     assert torch.equal(got[1], logits[1])  # untouched row
 
 
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_apply_rows_as_a_tensor_equals_rows_as_a_list(contiguous):
+    # The engine hands CUDA logits their rows as a staged host tensor.
+    vocab = 300
+    mask = _random_mask(5, vocab, seed=1)
+    base = torch.randn(5, vocab) if contiguous else torch.randn(vocab, 5).t()
+    listed, tensor = base.clone(), base.clone()
+    apply_token_bitmask_inplace(listed, mask, rows=[4, 1])
+    apply_token_bitmask_inplace(tensor, mask, rows=torch.tensor([4, 1]))
+    assert torch.equal(tensor, listed)
+    assert torch.equal(listed, _reference(base, mask, rows=[4, 1]))
+    untouched = base.clone()
+    apply_token_bitmask_inplace(untouched, mask, rows=torch.zeros(0, dtype=torch.int64))
+    assert torch.equal(untouched, base)
+
+
 def test_apply_masks_ids_past_the_bitmask_and_1d_logits():
     mask = torch.full((1, 2), -1, dtype=torch.int32)  # covers 64 tokens
     logits = torch.zeros(1, 100)
@@ -80,6 +96,9 @@ def test_apply_on_cuda_matches_cpu():
     gpu = logits.cuda()
     apply_token_bitmask_inplace(gpu, mask, rows=[1, 3])  # CPU bitmask, copied over
     assert torch.equal(gpu.cpu(), cpu)
+    staged = logits.cuda()
+    apply_token_bitmask_inplace(staged, mask.pin_memory(), rows=torch.tensor([1, 3]).pin_memory())
+    assert torch.equal(staged.cpu(), cpu)
 
 
 def test_batch_fill_matches_single_fills(compiler):
