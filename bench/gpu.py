@@ -13,7 +13,8 @@ One command on a CUDA machine:
 3. runs stencild offline (`engine.LLM`): decode graphs on/off x overlap on/off x
    batch 1/16/64, and at batch 64 a JSON schema against none; 128-token random
    prompts, 128 new tokens, greedy, ignore_eos, a warm-up first; tokens/s =
-   generated tokens / wall time (synchronised), best of --repeat;
+   generated tokens / wall time (synchronised), best of --repeat; one more run
+   of each at batch 64 is broken down phase by phase (bench/step_phases.py);
 4. runs transformers `generate`: eager, static cache, and static cache compiled
    with mode="reduce-overhead" (CUDA graphs), at batch 1 (and 16 unless --quick
    or the 8B shape), warm-ups excluded;
@@ -63,6 +64,8 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+
+from bench.step_phases import StepPhases  # noqa: E402 - after the path
 
 FIRST_REGULAR_TOKEN = 5  # ids below are the demo tokenizer's special tokens
 PROMPT_VOCAB = 8000  # prompt ids stay inside the demo tokenizer's 8192
@@ -416,11 +419,14 @@ def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode
     info.setdefault("graphs", {})[mode] = None if eng.graphs is None else \
         {"capture": eng.graphs.capture, "buckets": list(eng.graphs.buckets)}
     runs: list[tuple[int, Any, str]] = [(b, None, mode) for b in args.batches]
-    if graphs == "auto" and overlap and fused:
+    default = graphs == "auto" and overlap and fused
+    if default:
         runs.append((max_batch, GrammarSpec.json_schema(json.dumps(BENCH_SCHEMA)), mode + ", JSON schema"))
     try:
         for batch, constraint, label in runs:
-            fig = _stencild_batch(llm, key, label, batch, params, constraint, args, bound)
+            # The schema's comparison at the biggest batch also gets its steps' phases.
+            phases = default and batch == max_batch
+            fig = _stencild_batch(llm, key, label, batch, params, constraint, args, bound, phases)
             figures.append(fig)
             report(f"  [{key}] stencild {label}, batch {batch}: {fmt_rate(fig.tok_s)} tok/s "
                    f"({fmt_share(fig.share)} of the {fmt_rate(fig.bound_tok_s)} tok/s bound)"
@@ -428,6 +434,8 @@ def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode
                    + (f"; step {fig.extra['step_ms']:.2f} ms, its graph {fig.extra['graph_gpu_ms']:.2f} ms of GPU "
                       f"time ({fmt_share(fig.extra['graph_gpu_ms'] / fig.extra['step_ms'])} busy)"
                       if "graph_gpu_ms" in fig.extra else ""))
+            if phases:
+                report(f"  [{key}] stencild {label}, batch {batch}, step phases: {fig.extra['phases_summary']}")
     finally:
         llm.close()
         del llm, eng
@@ -444,7 +452,9 @@ def kv_cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _stencild_batch(llm: Any, key: str, mode: str, batch: int, params: Any, constraint: Any,
-                    args: argparse.Namespace, bound: float) -> Figure:
+                    args: argparse.Namespace, bound: float, phases: bool = False) -> Figure:
+    """One batch size's timed runs; with `phases`, one more run whose steps are
+    broken down phase by phase (bench/step_phases.py; not among the timed runs)."""
     eng = llm.engine
     forced = 0
 
@@ -470,6 +480,12 @@ def _stencild_batch(llm: Any, key: str, mode: str, batch: int, params: Any, cons
     if eng.graphs is not None and eng.graphs.capture and constraint is None:
         extra["graph_gpu_ms"] = graph_gpu_ms(eng, batch)
         extra["step_ms"] = 1000 * min(times) * batch / tokens
+    if phases:
+        eng.flush_prefix_cache()
+        with StepPhases(llm) as timer:
+            once(make_prompts(batch, args.prompt_len, 1000 * batch + args.repeat))
+        extra["phases_ms"] = timer.per_step_ms()
+        extra["phases_summary"] = timer.summary()
     return Figure("stencild", key, mode, batch, args.new_tokens, tokens / min(times), times, batch * bound, extra)
 
 

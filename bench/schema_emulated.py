@@ -12,7 +12,9 @@ constrained batches as it does on a GPU.
 Reports, best of --repeat, wall milliseconds per step at batch B without a
 constraint and with bench/gpu.py's JSON schema, and their ratio (the GPU
 target: no slower per request than without a schema), and the CPU time per
-step of the engine thread (the caller's, offline) and the device thread.
+step of the engine thread (the caller's, offline) and the device thread;
+then one more run of each, its steps broken down phase by phase
+(bench/step_phases.py).
 `--forward zeros` skips the model's compute too (the forward pass returns
 zeros, as bench/serve_emulated.py's does): then every figure is host work
 alone, as with a GPU fast enough that the host sets the pace.
@@ -49,6 +51,7 @@ def main() -> int:
     args = p.parse_args()
 
     from bench.gpu import BENCH_SCHEMA
+    from bench.step_phases import StepPhases
     from engine import LLM, SamplingParams
     from engine.models.llama import LlamaFamilyModel
     from engine.presets import ensure_preset
@@ -94,9 +97,11 @@ def main() -> int:
         return time.thread_time(), (thread_cpu_seconds(device) or 0.0) if device is not None else 0.0
 
     best: dict[str, tuple[float, float, float, int, float]] = {}  # ms a step, engine / device CPU, steps, fill ms
+    runs = (("none", None), ("schema", schema))
+    phases: dict[str, str] = {}
     try:
         for _ in range(args.repeat):
-            for name, constraint in (("none", None), ("schema", schema)):
+            for name, constraint in runs:
                 passes, fill_seconds[0] = llm.engine.pipeline.forward_passes, 0.0
                 (engine0, device0), start = cpu(), time.perf_counter()
                 llm.generate(prompts, params, constraint=constraint)
@@ -106,6 +111,10 @@ def main() -> int:
                            steps, 1e3 * fill_seconds[0] / steps)
                 if name not in best or figures[0] < best[name][0]:
                     best[name] = figures
+        for name, constraint in runs:  # one more run of each, phase by phase
+            with StepPhases(llm) as timer:
+                llm.generate(prompts, params, constraint=constraint)
+            phases[name] = timer.summary()
     finally:
         llm.close()
     none, with_schema = best["none"], best["schema"]
@@ -116,6 +125,8 @@ def main() -> int:
               f"device {device_cpu:.2f}; mask fill {fill_ms:.2f} ms a step")
     print(f"  schema / none: {with_schema[0] / none[0]:.2f}x a step, "
           f"{with_schema[0] * with_schema[3] / (none[0] * none[3]):.2f}x a request")
+    for name, line in phases.items():
+        print(f"  {name} phases: {line}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Helpers of the benchmarks: bench/pyspy.py reads py-spy's raw output per
 thread (what bench/gpu.py --profile-server writes to its log); bench/_server.py
-reads a server's engine steps from its metrics endpoint."""
+reads a server's engine steps from its metrics endpoint; bench/step_phases.py
+breaks an engine's steps down phase by phase."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 from bench import pyspy
 from bench._server import EngineSteps, engine_steps, free_port
+from bench.step_phases import StepPhases
+from engine import SamplingParams
+from engine.sampler import SamplerOutput
+from engine.step_masks import PendingMask
+from grammar import GrammarSpec
 
 RAW = """\
 thread (11): stencild-engine;_bootstrap (threading.py:1012);step (engine/engine.py:292);wait (threading.py:327) 30
@@ -65,3 +71,27 @@ def test_engine_steps_sums_the_step_histograms_of_every_engine():
     finally:
         server.shutdown()
     assert EngineSteps(0, 0, 0).describe() == "no engine steps"
+
+
+def test_step_phases_time_each_phase_and_put_every_method_back(make_llm):
+    llm = make_llm("tiny-llama", kv_cache_gib=0.05)
+    pipe, host, wait = llm.engine.pipeline, SamplerOutput.host, PendingMask.wait
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    regex = GrammarSpec.regex("[a-z]{20,40}")
+    with StepPhases(llm) as free:
+        llm.generate(["one", "two"], params)
+    with StepPhases(llm) as constrained:
+        llm.generate(["one", "two"], params, constraint=regex)
+    for timer in (free, constrained):
+        ms = timer.per_step_ms()
+        assert timer.steps >= 6
+        assert all(v >= 0 for v in ms.values()), ms
+        assert ms["launch"] > 0 and ms["report"] > 0 and ms["advance (work)"] > 0
+        busy = sum(ms[k] for k in ("schedule", "launch", "advance (work)", "fill", "report"))
+        assert abs(ms["engine thread busy"] - busy) < 1e-9
+        assert timer.summary().endswith(f"(ms a step, {timer.steps} steps)")
+    assert free.per_step_ms()["fill"] < constrained.per_step_ms()["fill"]
+    assert constrained.per_step_ms()["fill"] > 0
+    # Nothing stays wrapped: the instance's methods are the class's again.
+    assert "launch" not in vars(pipe) and "schedule" not in vars(llm.engine.scheduler)
+    assert SamplerOutput.host is host and PendingMask.wait is wait

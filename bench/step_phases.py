@@ -1,0 +1,100 @@
+"""Where an engine's decode step goes, phase by phase, for benchmarks.
+
+`StepPhases(llm)` times, while it is open (a context manager), what the
+engine thread does each step (schedule; launch: build the inputs and submit
+the device job; advance: wait for the previous step's tokens, then move its
+requests on; fill: the grammar mask; report: detokenize and build outputs)
+and how long the device thread waits for each grammar mask before sampling.
+With overlap on, a constrained step's sampling waits for its mask, which the
+engine thread fills after the previous step's tokens are known, so
+"advance (work)" + "fill" is on the device's path; the engine thread's total
+(every phase but the waits) must stay under the device's step time.
+
+It wraps the pipeline's phase methods on the instance and, while open, two
+class methods (`PendingMask.apply`, `SamplerOutput.host`): benchmarks only.
+
+    with StepPhases(llm) as phases:
+        llm.generate(...)
+    print(phases.summary())
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from typing import Any
+
+
+class StepPhases:
+    """Per-step means (milliseconds) of the engine's phases while open."""
+
+    def __init__(self, llm: Any):
+        self._llm = llm
+        self._seconds: collections.Counter[str] = collections.Counter()
+        self._steps0 = 0
+        self.steps = 0
+        self._undo: list[tuple[Any, str, Any, bool]] = []
+
+    # -- installing ----------------------------------------------------------
+    def _wrap(self, owner: Any, name: str, key: str, on_class: bool = False) -> None:
+        real = getattr(owner, name)
+        seconds = self._seconds
+
+        @functools.wraps(real)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                seconds[key] += time.perf_counter() - start
+
+        self._undo.append((owner, name, real, on_class))
+        setattr(owner, name, timed)
+
+    def __enter__(self) -> StepPhases:
+        from engine.sampler import SamplerOutput
+        from engine.step_masks import PendingMask
+
+        eng = self._llm.engine
+        pipe = eng.pipeline
+        self._wrap(eng.scheduler, "schedule", "schedule")
+        self._wrap(pipe, "launch", "launch")
+        self._wrap(pipe, "advance", "advance")
+        self._wrap(eng.postprocessor, "step_done", "step_done")
+        self._wrap(pipe, "fill_grammar", "fill")
+        self._wrap(pipe, "report", "report")
+        self._wrap(SamplerOutput, "host", "tokens_wait", on_class=True)
+        self._wrap(PendingMask, "wait", "mask_wait", on_class=True)
+        self._steps0 = pipe.forward_passes
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.steps = self._llm.engine.pipeline.forward_passes - self._steps0
+        for owner, name, real, on_class in reversed(self._undo):
+            if on_class:
+                setattr(owner, name, real)
+            else:
+                delattr(owner, name)  # the instance's wrapper goes; the class's method shows again
+        self._undo.clear()
+
+    # -- reading -------------------------------------------------------------
+    def per_step_ms(self) -> dict[str, float]:
+        """Each phase's milliseconds a step (forward passes), after the block closed."""
+        s, steps = self._seconds, max(self.steps, 1)
+        # advance = waiting for the job + step_done; step_done reads the tokens (waiting for their copy).
+        waiting = s["advance"] - s["step_done"] + s["tokens_wait"]
+        phases = {
+            "schedule": s["schedule"], "launch": s["launch"], "advance (waiting)": waiting,
+            "advance (work)": s["advance"] - waiting, "fill": s["fill"], "report": s["report"],
+            "device waits for the mask": s["mask_wait"],
+        }
+        phases["engine thread busy"] = sum(v for k, v in phases.items() if k in _ENGINE_WORK)
+        return {k: 1e3 * v / steps for k, v in phases.items()}
+
+    def summary(self) -> str:
+        """One line: each phase's ms a step."""
+        return ", ".join(f"{k} {v:.2f}" for k, v in self.per_step_ms().items()) + f" (ms a step, {self.steps} steps)"
+
+
+_ENGINE_WORK = ("schedule", "launch", "advance (work)", "fill", "report")
