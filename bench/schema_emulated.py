@@ -91,7 +91,7 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     schema = GrammarSpec.json_schema(json.dumps(BENCH_SCHEMA))
     llm.generate(prompts[:4], params, constraint=schema)  # warm-up, the schema compiled
-    device = getattr(llm.engine.executor, "_thread", None)
+    device = llm.engine.executor.thread
 
     def cpu() -> tuple[float, float]:
         return time.thread_time(), (thread_cpu_seconds(device) or 0.0) if device is not None else 0.0

@@ -93,7 +93,7 @@ def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int,
 
     install(float(os.environ[DEVICE_MS_ENV]))
     llm = LLM(str(model_dir), kv_cache_gib=1.0, max_num_seqs=len(prompts))
-    device = getattr(llm.engine.executor, "_thread", None)
+    device = llm.engine.executor.thread
 
     def cpu() -> dict[str, float]:
         out = {"engine_0": time.thread_time()}

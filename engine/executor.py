@@ -40,6 +40,11 @@ class StepExecutor:
             target=self._run, name="stencild-device", daemon=True)
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The device thread (None once closed), for its CPU time."""
+        return self._thread
+
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Queue `job` after every job submitted before it."""
         future: Future[T] = Future()

@@ -562,7 +562,7 @@ class ThreadLink:
 
     @property
     def threads(self) -> list[threading.Thread | None]:
-        return [self._thread, getattr(self.engine.executor, "_thread", None)]
+        return [self._thread, self.engine.executor.thread]
 
     async def join(self) -> None:
         if self._thread is not None and self._thread.is_alive():

@@ -376,9 +376,15 @@ class StencilServer:
         """Export the CPU time of the event loop and of `loop`'s engine and device threads."""
         self.telemetry.watch_thread("event_loop", threading.current_thread())
         engine_thread, device_thread = loop.threads
-        # An engine process's threads are its own: here, the thread that reads its pipe.
-        remote = isinstance(loop.engine, RemoteEngine)
-        self.telemetry.watch_thread(f"engine_link_{index}" if remote else f"engine_{index}", engine_thread)
+        engine = loop.engine
+        if isinstance(engine, RemoteEngine):
+            # An engine process's threads are its own: their seconds come with
+            # its steps; here, the thread that reads its pipe.
+            self.telemetry.watch_thread(f"engine_link_{index}", engine_thread)
+            self.telemetry.watch_cpu(f"engine_{index}", lambda: engine.thread_cpu.engine)
+            self.telemetry.watch_cpu(f"device_{index}", lambda: engine.thread_cpu.device)
+            return
+        self.telemetry.watch_thread(f"engine_{index}", engine_thread)
         self.telemetry.watch_thread(f"device_{index}", device_thread)
 
     def _on_engine_failure(self, exc: BaseException) -> None:

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,11 +33,13 @@ from engine.kv_cache import KVEvent, PagesStored
 from grammar import Matcher
 
 from ..engine_loop import EngineDriver
+from ..ops.metrics import thread_cpu_seconds
 from .wire import (
     EngineFacts,
     EngineProcessSpec,
     SendEnd,
     Submission,
+    ThreadCpu,
     Times,
     portable_error,
     times_of,
@@ -55,6 +58,7 @@ class EngineChild:
         self.engine = engine
         self.outbox = outbox
         self.driver = EngineDriver(engine, self)
+        self._device = engine.executor.thread
         # Requests in the engine: their contexts and the times last sent for them.
         self._sent: dict[str, tuple[TextContext, Times | None]] = {}
         # Requests whose constraint is compiling: True once aborted meanwhile.
@@ -175,7 +179,9 @@ class EngineChild:
                 del sent[out.request_id]
             elif now != entry[1]:
                 sent[out.request_id] = (entry[0], now)
-        self.outbox.send(("step", outputs, times, engine.last_step, engine.load()))
+        # About a microsecond a step: two clock reads.
+        cpu = ThreadCpu(time.thread_time(), thread_cpu_seconds(self._device) if self._device is not None else None)
+        self.outbox.send(("step", outputs, times, engine.last_step, engine.load(), cpu))
 
     def rejected(self, request_id: str, exc: Exception) -> None:
         self._sent.pop(request_id, None)

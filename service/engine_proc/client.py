@@ -38,7 +38,7 @@ from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 
 from ..engine_loop import DriverSink, EngineFailed, Recipe
-from .wire import EngineFacts, EngineProcessSpec, SendEnd, Submission, mirror_times
+from .wire import EngineFacts, EngineProcessSpec, SendEnd, Submission, ThreadCpu, mirror_times
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,8 @@ class RemoteEngine:
                                        self.reasoning, spec.config.max_thinking_tokens, None)
         self.last_step = StepStats()
         self._load: EngineLoad = facts.load
+        # The process's engine and device threads' CPU seconds, as of its latest step.
+        self.thread_cpu = ThreadCpu()
         log.info("engine process %d ready (%s attention, %d grammar mask thread(s))", facts.pid,
                  facts.attention, facts.mask_threads)
 
@@ -155,10 +157,11 @@ class RemoteEngine:
     def load(self) -> EngineLoad:
         return self._load
 
-    def stepped(self, stats: StepStats, load: EngineLoad) -> None:
+    def stepped(self, stats: StepStats, load: EngineLoad, cpu: ThreadCpu) -> None:
         """The process reported a step (the link's reader thread)."""
         self.last_step = stats
         self._load = load
+        self.thread_cpu = cpu
 
     def close(self) -> None:
         self.structured.close()
@@ -297,7 +300,7 @@ class ProcessLink:
         future.set_result(value)
 
     def _step(self, sink: DriverSink, outputs: list[Any], times: list[Any], stats: StepStats,
-              load: EngineLoad) -> None:
+              load: EngineLoad, cpu: ThreadCpu) -> None:
         contexts = self._contexts
         for request_id, t in times:
             ctx = contexts.get(request_id)
@@ -306,5 +309,5 @@ class ProcessLink:
         for out in outputs:
             if out.finished:
                 contexts.pop(out.request_id, None)
-        self.engine.stepped(stats, load)
+        self.engine.stepped(stats, load, cpu)
         sink.stepped(self.engine, outputs)  # type: ignore[arg-type]  # RemoteEngine reads as EngineCore here

@@ -5,7 +5,8 @@ Server -> engine process: an `EngineProcessSpec` first, then commands
     ("kv_listen", call_id) | ("kv_snapshot", call_id) | ("stop",)
 Engine process -> server: ("ready", EngineFacts) or ("load_failed", message,
 user_error) first, then
-    ("step", outputs, times, StepStats, EngineLoad)   after every engine step
+    ("step", outputs, times, StepStats, EngineLoad, ThreadCpu)
+                                                      after every engine step
     ("reject", request_id, exception)                 a request refused alone
     ("kv", events)                                    the prefix cache's events (once listened to)
     ("result", call_id, ok, value_or_exception)       a call's answer
@@ -18,7 +19,8 @@ A `TextContext` never crosses: it holds native grammar matchers. The server
 sends what a context is built from (`Submission`); the engine process compiles
 the constraint with its own compiler (a cache hit after the first request of
 a grammar) and builds the context itself. The times the engine writes on a
-context, which the server's telemetry reads, come back with the outputs.
+context, which the server's telemetry reads, come back with the outputs, and
+so do the CPU seconds of the process's engine and device threads.
 """
 
 from __future__ import annotations
@@ -132,3 +134,13 @@ class SendEnd:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._conn.close()
+
+
+@dataclass(frozen=True)
+class ThreadCpu:
+    """CPU seconds the engine process's engine and device threads have used, as
+    of a step (None where the platform cannot say): the server exports them as
+    its engine and device threads' (`stencil_thread_cpu_seconds`)."""
+
+    engine: float | None = None
+    device: float | None = None

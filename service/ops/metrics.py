@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
@@ -150,24 +150,40 @@ class ThreadCpuCollector(Collector):
     thread and its device thread), read at scrape time: a thread near one CPU
     second a second is saturated, and with the GIL the event loop's and the
     engine's time add up. Labelled by role (`event_loop`, `engine_0`,
-    `device_0`, ...); a thread two roles share is counted once, under the first."""
+    `device_0`, ...); a thread two roles share is counted once, under the first.
+    The engine and device threads of an engine process are not this process's:
+    their seconds come as readings (`add_reading`), as of the process's latest
+    step, and `engine_link_0` is the thread here that reads its pipe."""
 
     def __init__(self) -> None:
         self._threads: list[tuple[str, threading.Thread]] = []
+        self._readings: dict[str, Callable[[], float | None]] = {}
         self._lock = threading.Lock()
 
     def add(self, label: str, thread: threading.Thread | None) -> None:
         with self._lock:
-            if thread is not None and all(t is not thread and name != label for name, t in self._threads):
+            if thread is not None and label not in self._readings \
+                    and all(t is not thread and name != label for name, t in self._threads):
                 self._threads.append((label, thread))
+
+    def add_reading(self, label: str, read: Callable[[], float | None]) -> None:
+        """Export `read()` (CPU seconds of a thread elsewhere; None: unknown) as `label`'s."""
+        with self._lock:
+            if label not in self._readings and all(name != label for name, _ in self._threads):
+                self._readings[label] = read
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             threads = list(self._threads)
+            readings = list(self._readings.items())
         family = CounterMetricFamily("stencil_thread_cpu_seconds",
                                      "CPU seconds used by each of the server's threads.", labels=("thread",))
         for label, thread in threads:
             seconds = thread_cpu_seconds(thread)
+            if seconds is not None:
+                family.add_metric([label], seconds)
+        for label, read in readings:
+            seconds = read()
             if seconds is not None:
                 family.add_metric([label], seconds)
         yield family

@@ -123,6 +123,12 @@ class Telemetry:
         if self.metrics is not None:
             self.metrics.threads.add(label, thread)
 
+    def watch_cpu(self, label: str, read: Callable[[], float | None]) -> None:
+        """Export `read()`, a thread's CPU seconds read elsewhere (an engine
+        process's), as stencil_thread_cpu_seconds{thread=label}."""
+        if self.metrics is not None:
+            self.metrics.threads.add_reading(label, read)
+
     # -- calls ----------------------------------------------------------------------
     def begin(self, method: str, request: Any, context: grpc.aio.ServicerContext,
               metadata: Any) -> CallRecord:

@@ -16,13 +16,15 @@ from grpc_health.v1 import health_pb2
 
 from service.engine_proc import RemoteEngine
 from service.gen.stencil.v1 import generate_pb2 as pb
+from service.ops.telemetry import TelemetryConfig
 
 from .helpers import TIMEOUT, ServerHandle, generate, greedy, process_factory
+from .metrics_helpers import scrape
 
 
 @pytest.fixture(scope="module")
 def process_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
-    return make_server(process_factory())
+    return make_server(process_factory(), telemetry=TelemetryConfig(metrics_port=0))
 
 
 def _requests() -> list[pb.GenerateRequest]:
@@ -59,6 +61,20 @@ def test_an_engine_process_answers_as_the_in_process_engine(server: ServerHandle
     # The process reports each step's stats and load for the metrics.
     assert engine.last_step.seconds > 0 and engine.load().prefix_cache_queries > 0
     assert process_server.pages_in_use() == (0, 0)  # a call's function runs in the process
+
+
+def test_the_engine_process_threads_cpu_is_exported(process_server: ServerHandle) -> None:
+    # As an in-process engine's are (engine_0, device_0), beside the thread
+    # here that reads the process's pipe.
+    before = scrape(process_server)
+    generate(process_server.stub, greedy("count the cpu", max_new_tokens=16))
+    after = scrape(process_server)
+    threads = ("event_loop", "engine_link_0", "engine_0", "device_0")
+    assert {lab["thread"] for lab in after.labels_of("stencil_thread_cpu_seconds_total")} == set(threads)
+    for thread in threads:
+        used = after.get("stencil_thread_cpu_seconds_total", thread=thread) - \
+            before.get("stencil_thread_cpu_seconds_total", thread=thread)
+        assert used > 0, thread
 
 
 def test_bad_requests_are_refused_before_the_engine_process(process_server: ServerHandle) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import pickle
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,7 +18,7 @@ from engine.engine import EngineLoad, StepStats
 from engine.request_factory import RequestFactory
 from grammar import GrammarError, GrammarSpec
 from service.engine_proc.child import EngineChild
-from service.engine_proc.wire import Submission, mirror_times, portable_error, times_of
+from service.engine_proc.wire import Submission, ThreadCpu, mirror_times, portable_error, times_of
 
 
 class _Outbox:
@@ -42,7 +43,9 @@ class _Structured:
 
 def _child() -> tuple[EngineChild, _Outbox, _Structured]:
     structured = _Structured()
+    # This thread stands in for the device thread.
     engine = SimpleNamespace(structured=structured, last_step=StepStats(0.001, 2, 2),
+                             executor=SimpleNamespace(thread=threading.current_thread()),
                              requests=RequestFactory(None, 100, 64, frozenset({0}), None, None, None),  # type: ignore[arg-type]
                              load=lambda: EngineLoad(2, 0, 3, 10))
     outbox = _Outbox()
@@ -120,6 +123,11 @@ def test_a_step_message_carries_times_only_when_they_change() -> None:
         [("t", (1.0, None, 2.0, 3.0, 0))], []]
     assert all(m[0] == "step" and m[3] == StepStats(0.001, 2, 2) and m[4] == EngineLoad(2, 0, 3, 10)
                for m in outbox.sent)
+    # So does the CPU time of the process's engine and device threads, for the server's metrics.
+    cpu = [m[5] for m in outbox.sent]
+    assert all(isinstance(c, ThreadCpu) and c.engine and c.device for c in cpu)
+    assert all(a.engine <= b.engine and a.device <= b.device  # type: ignore[operator]
+               for a, b in zip(cpu, cpu[1:], strict=False))
     # The server's copy of the context gets them.
     server_ctx = TextContext(tokens=np.array([5, 6, 7]), max_length=7)
     mirror_times(server_ctx, outbox.sent[3][2][0][1])
