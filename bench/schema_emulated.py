@@ -18,10 +18,14 @@ then one more run of each, its steps broken down phase by phase
 `--forward zeros` skips the model's compute too (the forward pass returns
 zeros, as bench/serve_emulated.py's does): then every figure is host work
 alone, as with a GPU fast enough that the host sets the pace.
+`--device-model deadline` stops the sleeping: a forward pass only sets when
+the device would be done, and reading the step's tokens waits for that, so the
+device thread's own CPU work overlaps the device's time as on a GPU.
 
     python bench/schema_emulated.py
     python bench/schema_emulated.py --batch 16 --device-ms 3
     python bench/schema_emulated.py --forward zeros --device-ms 1
+    python bench/schema_emulated.py --forward zeros --device-ms 2.5 --device-model deadline
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ def main() -> int:
                    help="the model's forward pass, or zeros (host work alone)")
     p.add_argument("--mask-threads", type=int, default=None,
                    help="grammar mask fill threads (default: the engine's choice for this host)")
+    p.add_argument("--device-model", choices=("sleep", "deadline"), default="sleep",
+                   help="sleep: each forward pass sleeps on the device thread; deadline: it only sets "
+                        "when its result is ready, and reading the step's tokens waits for that")
     args = p.parse_args()
 
     from bench.gpu import BENCH_SCHEMA
@@ -62,16 +69,24 @@ def main() -> int:
     forward = LlamaFamilyModel.forward
     zeros = args.forward == "zeros"
 
+    deadline = args.device_model == "deadline"
+    device_free = [0.0]  # deadline model: when the emulated device has done all it was given
+
     def emulated(self, input_ids, *a, **k):  # type: ignore[no-untyped-def]
         if zeros:
             import torch
             out = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype)
         else:
             out = forward(self, input_ids, *a, **k)
-        time.sleep(delay)  # the device's share of the step: no CPU, no GIL
+        if deadline:  # queued behind what the device already has, as on a CUDA stream
+            device_free[0] = max(time.perf_counter(), device_free[0]) + delay
+        else:
+            time.sleep(delay)  # the device's share of the step: no CPU, no GIL
         return out
 
     LlamaFamilyModel.forward = emulated  # type: ignore[method-assign]
+    if deadline:
+        install_deadline(device_free)
     llm = LLM(ensure_preset(args.preset), kv_cache_gib=0.25, max_num_seqs=args.batch, cuda_graphs="emulate",
               grammar_mask_threads=args.mask_threads)
     # Wall time of each step's mask fill (the engine thread waits for it).
@@ -118,7 +133,7 @@ def main() -> int:
     finally:
         llm.close()
     none, with_schema = best["none"], best["schema"]
-    print(f"batch {args.batch}, device {args.device_ms} ms a step, forward {args.forward}, "
+    print(f"batch {args.batch}, device {args.device_ms} ms a step ({args.device_model}), forward {args.forward}, "
           f"{llm.engine.structured.mask_threads} mask thread(s):")
     for name, (ms, engine_cpu, device_cpu, steps, fill_ms) in best.items():
         print(f"  {name:6}: {ms:.2f} ms a step over {steps} steps; CPU ms a step: engine {engine_cpu:.2f}, "
@@ -128,6 +143,32 @@ def main() -> int:
     for name, line in phases.items():
         print(f"  {name} phases: {line}")
     return 0
+
+
+def install_deadline(device_free: list[float]) -> None:
+    """The deadline model: a step's tokens are ready once the emulated device has
+    run everything queued before their copy (`device_free[0]`, which each
+    forward pass pushes on) and the device thread has queued that copy; reading
+    them on the host waits until then. The device thread's own work (masking
+    and sampling, on the CPU here) overlaps the device's time, as kernel
+    launches do on a GPU, instead of adding to it."""
+    from engine.sampler import SamplerOutput
+
+    to_host_async, host = SamplerOutput.to_host_async, SamplerOutput.host
+    ready: dict[int, float] = {}
+
+    def queued(self):  # type: ignore[no-untyped-def]
+        to_host_async(self)
+        ready[id(self)] = max(device_free[0], time.perf_counter())
+
+    def read(self):  # type: ignore[no-untyped-def]
+        wait = ready.pop(id(self), 0.0) - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return host(self)
+
+    SamplerOutput.to_host_async = queued  # type: ignore[method-assign]
+    SamplerOutput.host = read  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
