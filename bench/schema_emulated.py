@@ -12,9 +12,8 @@ constrained batches as it does on a GPU.
 Reports, best of --repeat, wall milliseconds per step at batch B without a
 constraint and with bench/gpu.py's JSON schema, and their ratio (the GPU
 target: no slower per request than without a schema), and the CPU time per
-step of the engine thread (the caller's, offline) and the device thread;
-then one more run of each, its steps broken down phase by phase
-(bench/step_phases.py).
+step of the engine thread (the caller's, offline) and the device thread, and
+the best run's steps phase by phase (bench/step_phases.py).
 `--forward zeros` skips the model's compute too (the forward pass returns
 zeros, as bench/serve_emulated.py's does): then every figure is host work
 alone, as with a GPU fast enough that the host sets the pace.
@@ -89,18 +88,6 @@ def main() -> int:
         install_deadline(device_free)
     llm = LLM(ensure_preset(args.preset), kv_cache_gib=0.25, max_num_seqs=args.batch, cuda_graphs="emulate",
               grammar_mask_threads=args.mask_threads)
-    # Wall time of each step's mask fill (the engine thread waits for it).
-    fill_seconds = [0.0]
-    masks, fill = llm.engine.masks, llm.engine.masks.fill
-
-    def timed_fill(*a, **k):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        try:
-            fill(*a, **k)
-        finally:
-            fill_seconds[0] += time.perf_counter() - start
-
-    masks.fill = timed_fill  # type: ignore[method-assign]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 8000, size=32).tolist() for _ in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -111,37 +98,32 @@ def main() -> int:
     def cpu() -> tuple[float, float]:
         return time.thread_time(), (thread_cpu_seconds(device) or 0.0) if device is not None else 0.0
 
-    best: dict[str, tuple[float, float, float, int, float]] = {}  # ms a step, engine / device CPU, steps, fill ms
-    runs = (("none", None), ("schema", schema))
-    phases: dict[str, str] = {}
+    # Per figure: ms a step, engine / device CPU ms a step, steps, the run's phases (StepPhases).
+    best: dict[str, tuple[float, float, float, int, StepPhases]] = {}
     try:
         for _ in range(args.repeat):
-            for name, constraint in runs:
-                passes, fill_seconds[0] = llm.engine.pipeline.forward_passes, 0.0
+            for name, constraint in (("none", None), ("schema", schema)):
                 (engine0, device0), start = cpu(), time.perf_counter()
-                llm.generate(prompts, params, constraint=constraint)
+                with StepPhases(llm) as timer:
+                    llm.generate(prompts, params, constraint=constraint)
                 wall, (engine1, device1) = time.perf_counter() - start, cpu()
-                steps = llm.engine.pipeline.forward_passes - passes
+                steps = timer.steps
                 figures = (1e3 * wall / steps, 1e3 * (engine1 - engine0) / steps, 1e3 * (device1 - device0) / steps,
-                           steps, 1e3 * fill_seconds[0] / steps)
+                           steps, timer)
                 if name not in best or figures[0] < best[name][0]:
                     best[name] = figures
-        for name, constraint in runs:  # one more run of each, phase by phase
-            with StepPhases(llm) as timer:
-                llm.generate(prompts, params, constraint=constraint)
-            phases[name] = timer.summary()
     finally:
         llm.close()
     none, with_schema = best["none"], best["schema"]
     print(f"batch {args.batch}, device {args.device_ms} ms a step ({args.device_model}), forward {args.forward}, "
           f"{llm.engine.structured.mask_threads} mask thread(s):")
-    for name, (ms, engine_cpu, device_cpu, steps, fill_ms) in best.items():
+    for name, (ms, engine_cpu, device_cpu, steps, timer) in best.items():
         print(f"  {name:6}: {ms:.2f} ms a step over {steps} steps; CPU ms a step: engine {engine_cpu:.2f}, "
-              f"device {device_cpu:.2f}; mask fill {fill_ms:.2f} ms a step")
+              f"device {device_cpu:.2f}; mask fill {timer.per_step_ms()['fill']:.2f} ms a step")
     print(f"  schema / none: {with_schema[0] / none[0]:.2f}x a step, "
           f"{with_schema[0] * with_schema[3] / (none[0] * none[3]):.2f}x a request")
-    for name, line in phases.items():
-        print(f"  {name} phases: {line}")
+    for name, (*_, timer) in best.items():
+        print(f"  {name} phases: {timer.summary()}")
     return 0
 
 

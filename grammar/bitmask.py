@@ -82,7 +82,7 @@ def _apply_cpu(
         logits,
         bitmask,
         vocab_size=covered,
-        indices=None if rows is None else [int(r) for r in rows.tolist()] if isinstance(rows, torch.Tensor)
+        indices=None if rows is None else rows.tolist() if isinstance(rows, torch.Tensor)
         else [int(r) for r in rows],
         backend="cpu",
     )
