@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from grammar import GrammarCompiler, GrammarSpec, Matcher, SchemaStore
+from grammar import CompiledExport, GrammarCompiler, GrammarSpec, Matcher, SchemaStore
 
 from .config import EngineConfig
 
@@ -25,7 +25,8 @@ class StructuredOutput:
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
                  backend: str = "auto", compile_timeout_s: float = 10.0,
-                 schema_store: SchemaStore | None = None, mask_threads: int = 1):
+                 schema_store: SchemaStore | None = None, mask_threads: int = 1,
+                 export_compiled: bool = False):
         self._hf_tokenizer = hf_tokenizer
         self.schema_store = schema_store
         self.vocab_size = vocab_size
@@ -35,16 +36,22 @@ class StructuredOutput:
         # Threads of a step's batch mask fill; llguidance grammars keep a
         # template copy per thread (grammar.CompilerConfig.mask_threads).
         self.mask_threads = mask_threads
+        # A server whose engine runs in another process hands it its fresh
+        # compiles (grammar/export.py) so the engine does not compile them again.
+        self.export_compiled = export_compiled
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
     @classmethod
     def for_engine(cls, config: EngineConfig, hf_tokenizer: Any, vocab_size: int,
-                   eos_token_ids: Iterable[int], mask_threads: int = 1) -> StructuredOutput:
+                   eos_token_ids: Iterable[int], mask_threads: int = 1,
+                   export_compiled: bool = False) -> StructuredOutput:
         """The compile service an engine with `config` uses (and the server's
-        view of an engine in another process: the same grammars, the same cache keys)."""
+        view of an engine in another process: the same grammars, the same cache
+        keys, with `export_compiled`)."""
         return cls(hf_tokenizer, vocab_size, sorted(eos_token_ids), config.grammar_backend,
-                   config.grammar_compile_timeout_s, SchemaStore.parse(config.schema_store), mask_threads)
+                   config.grammar_compile_timeout_s, SchemaStore.parse(config.schema_store), mask_threads,
+                   export_compiled)
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -56,16 +63,19 @@ class StructuredOutput:
                                                  eos_token_ids=self.eos_token_ids,
                                                  compile_timeout_s=self.compile_timeout_s,
                                                  schema_store=self.schema_store,
-                                                 mask_threads=self.mask_threads)
+                                                 mask_threads=self.mask_threads,
+                                                 export_compiled=self.export_compiled)
             return self._compiler
 
-    def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> Future[Matcher]:
+    def compile_async(self, spec: GrammarSpec, backend: str | None = None,
+                      given: CompiledExport | None = None) -> Future[Matcher]:
         """A future matcher for `spec`; fails with GrammarError.
 
         Thread-safe; a cache hit is already done. `backend` overrides the
-        engine's default ("auto", "xgrammar" or "llguidance").
+        engine's default ("auto", "xgrammar" or "llguidance"); `given` is the
+        server's compile of it, loaded rather than compiled again.
         """
-        return self.compiler.compile_async(spec, backend)
+        return self.compiler.compile_async(spec, backend, given=given)
 
     def compile(self, spec: GrammarSpec, backend: str | None = None) -> Matcher:
         return self.compiler.compile(spec, backend)

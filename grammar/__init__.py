@@ -20,6 +20,7 @@ from .cache import CacheInfo, GrammarCache
 from .compiler import BACKENDS, JSON_ORDER, GrammarCompiler
 from .config import CompilerConfig
 from .errors import GrammarError
+from .export import CompiledExport
 from .matcher import Matcher
 from .schema_store import SchemaStore
 from .spec import KINDS, GrammarOptions, GrammarSpec
@@ -31,6 +32,7 @@ __all__ = [
     "KINDS",
     "BitmaskFiller",
     "CacheInfo",
+    "CompiledExport",
     "CompilerConfig",
     "GrammarCache",
     "GrammarCompiler",

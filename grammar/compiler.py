@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -63,12 +64,15 @@ from .bitmask import BitmaskFiller, allocate_bitmask
 from .cache import CacheInfo, GrammarCache
 from .config import CompilerConfig
 from .errors import GrammarError
+from .export import CompiledExport, portable_payload
 from .matcher import Matcher
 from .output_check import OutputCheck
 from .schema_plan import SchemaPlan, plan_for, with_validator
 from .spec import BACKENDS, JSON_KINDS, GrammarSpec
 from .tag_watch import TagPlan
 from .tokenizer import TokenizerData
+
+log = logging.getLogger(__name__)
 
 # A compile that timed out is cached as a failure only if it had (nearly) the
 # whole timeout; one whose budget went on queueing may succeed another time.
@@ -110,6 +114,18 @@ class _Artifact:
     watch: Any = None  # grammar.value_watch.WatchPlan
     tags: TagPlan | None = None  # structural tags: the value checks inside their tags
     compile_seconds: float = 0.0
+    # A fresh compile's result for another process (CompilerConfig.export_compiled);
+    # never kept in the cache: only the matchers of that compile carry it.
+    export: CompiledExport | None = None
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    """What a compiler's cache misses cost: library compiles run, and compiles
+    loaded from another compiler's export instead (`compile_async(given=)`)."""
+
+    run: int = 0
+    loaded: int = 0
 
 
 class GrammarCompiler:
@@ -152,6 +168,8 @@ class GrammarCompiler:
         self._queue = FairQueue(cfg.compile_workers, cfg.compiles_per_tenant, "grammar-compile")
         self._filler = BitmaskFiller(self.tokenizer_data, cfg.mask_threads)
         self._replica_turn = itertools.count()  # next() is atomic under the GIL
+        self._counts = CompileCounts()
+        self._counts_lock = threading.Lock()
         self._pool: WorkerPool | None = None
         self._native_runner: ThreadPoolExecutor | None = None
         if cfg.isolation == "process":
@@ -174,7 +192,8 @@ class GrammarCompiler:
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None, tenant: str = "", *,
                       max_pending: int | None = None,
-                      max_pending_per_tenant: int | None = None) -> Future[Matcher]:
+                      max_pending_per_tenant: int | None = None,
+                      given: CompiledExport | None = None) -> Future[Matcher]:
         """Like `compile`, without blocking: the future is already done on a cache hit.
 
         `tenant` names whom the compile is for (any string; the service passes
@@ -188,11 +207,15 @@ class GrammarCompiler:
 
         Cancel the returned future to stop waiting: a compile nobody waits for
         any more is taken off the queue if it has not started.
+
+        `given`: another compiler's export of this spec's compile (see
+        grammar/export.py); on a cache miss it is loaded instead of compiling,
+        if it is of this tokenizer and of the backend the compile would use.
         """
         out: Future[Matcher] = Future()
         try:
             artifact, joined = self._artifact_future(spec, _check_backend(backend or self.backend), tenant,
-                                                     max_pending, max_pending_per_tenant)
+                                                     max_pending, max_pending_per_tenant, given)
         except GrammarError as e:
             out.set_exception(e)
             return out
@@ -222,6 +245,17 @@ class GrammarCompiler:
         return out
 
     @property
+    def counts(self) -> CompileCounts:
+        """Library compiles run and exports loaded so far."""
+        with self._counts_lock:
+            return self._counts
+
+    def _count(self, **more: int) -> None:
+        with self._counts_lock:
+            c = self._counts
+            self._counts = CompileCounts(c.run + more.get("run", 0), c.loaded + more.get("loaded", 0))
+
+    @property
     def pending_compiles(self) -> int:
         """Distinct compiles queued or running."""
         with self._lock:
@@ -247,6 +281,7 @@ class GrammarCompiler:
     def _artifact_future(
         self, spec: GrammarSpec, backend: str, tenant: str,
         max_pending: int | None = None, max_pending_per_tenant: int | None = None,
+        given: CompiledExport | None = None,
     ) -> tuple[Future[_Artifact], tuple[tuple[GrammarSpec, str], Job] | None]:
         """The artifact's future, and the in-flight compile the caller now
         waits on, with its key (None for a cache hit)."""
@@ -280,7 +315,7 @@ class GrammarCompiler:
                 try:
                     # The cost that orders a tenant's queue: the spec's size.
                     job = self._queue.submit(tenant, size, deadline,
-                                             lambda: self._resolve(spec, order, deadline),
+                                             lambda: self._resolve(spec, order, deadline, given),
                                              lambda: _busy(timeout))
                 except RuntimeError:  # shut down by a concurrent close()
                     raise GrammarError("grammar compiler is closed", reason="crashed") from None
@@ -368,9 +403,12 @@ class GrammarCompiler:
         return with_validator(spec, payload["views"], payload["unenforced"], payload["watch"],
                               self.config.schema_store)
 
-    def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float) -> _Artifact:
+    def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float,
+                 given: CompiledExport | None = None) -> _Artifact:
+        if given is not None and given.fingerprint != self.tokenizer_data.fingerprint:
+            given = None  # another tokenizer's compile: of no use here
         if spec.kind not in JSON_KINDS:
-            return self._resolve_order(spec, order, deadline, None)
+            return self._resolve_order(spec, order, deadline, None, given=given)
         if deadline <= time.monotonic() and self._cache.get(("plan", spec)) is None:
             # Queued past its deadline behind other compiles: planning a large
             # schema takes a while on this thread, and the answer is "busy"
@@ -404,17 +442,18 @@ class GrammarCompiler:
             order = plan.order(order)
         try:
             artifact = self._resolve_order(spec, order, deadline, plan,
-                                           time.monotonic() - planning)
+                                           time.monotonic() - planning, given)
         except GrammarError as e:
             if auto and e.reason != "timeout" and e.backend is not None:
                 self._cache.put(self._key("auto", spec), e, 512)
             raise
         if auto:
-            self._cache.put(self._key("auto", spec), artifact, 1)  # shares the backend's entry
+            self._cache.put(self._key("auto", spec), _stored(artifact), 1)  # shares the backend's entry
         return artifact
 
     def _resolve_order(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float,
-                       plan: SchemaPlan | None, plan_seconds: float = 0.0) -> _Artifact:
+                       plan: SchemaPlan | None, plan_seconds: float = 0.0,
+                       given: CompiledExport | None = None) -> _Artifact:
         timeout = self.config.compile_timeout_s
         errors: list[GrammarError] = []
         for b in order:
@@ -435,7 +474,8 @@ class GrammarCompiler:
                 break
             started = time.monotonic()
             try:
-                artifact = self._compile_one(b, spec if plan is None else plan.views[b], deadline)
+                artifact = self._compile_one(b, spec if plan is None else plan.views[b], deadline,
+                                             given if given is not None and given.backend == b else None)
                 if plan is not None:
                     artifact = dataclasses.replace(
                         artifact, spec=spec, unenforced=plan.unenforced[b],
@@ -462,11 +502,22 @@ class GrammarCompiler:
                 if e.reason == "timeout" or e.final:
                     break  # the deadline is spent, or the spec accepts nothing: no fallback
                 continue
-            self._cache.put(key, artifact, artifact.size_bytes)
+            self._cache.put(key, _stored(artifact), artifact.size_bytes)
             return artifact
         raise _combine(errors)
 
-    def _compile_one(self, backend: str, spec: GrammarSpec, deadline: float) -> _Artifact:
+    def _compile_one(self, backend: str, spec: GrammarSpec, deadline: float,
+                     given: CompiledExport | None = None) -> _Artifact:
+        if given is not None:
+            try:
+                artifact = self._load(backend, spec, given.payload)
+            except Exception as e:  # noqa: BLE001 - a payload this build cannot read: compile it here
+                log.warning("could not load a compiled %s grammar (%s: %s); compiling it instead",
+                            backend, type(e).__name__, e)
+            else:
+                self._count(loaded=1)
+                return artifact
+        self._count(run=1)
         limit = self.config.max_compiled_bytes
         if self._pool is not None:
             status, _, payload, detail = self._pool.run(backend, spec, limit, deadline, self._queue.hold)
@@ -484,7 +535,11 @@ class GrammarCompiler:
                     "grammar compile timed out", reason="timeout", backend=backend
                 ) from None
         try:
-            return self._load(backend, spec, payload)
+            artifact = self._load(backend, spec, payload)
+            if self.config.export_compiled:
+                export = CompiledExport(self.tokenizer_data.fingerprint, backend, portable_payload(payload))
+                artifact = dataclasses.replace(artifact, export=export)
+            return artifact
         except GrammarError:
             raise
         except Exception as e:  # a library failure rebuilding the result, not the user's
@@ -521,6 +576,7 @@ class GrammarCompiler:
         matcher.watch_plan = artifact.watch
         matcher.tag_plan = artifact.tags
         matcher.compile_seconds = artifact.compile_seconds
+        matcher.export = artifact.export
         return matcher
 
     # ---- bitmasks ----------------------------------------------------------
@@ -566,6 +622,12 @@ class GrammarCompiler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stored(artifact: _Artifact) -> _Artifact:
+    """What the cache keeps of an artifact: not its export, whose size it does
+    not count and which only the compile's own matchers carry."""
+    return artifact if artifact.export is None else dataclasses.replace(artifact, export=None)
 
 
 def _check_backend(backend: str) -> str:

@@ -32,6 +32,9 @@ class CompilerConfig:
         two); with a template per thread two threads took 0.72 ms.
     schema_store: documents a schema's `$ref` may name by URI (None: only
         what the schema bundles resolves).
+    export_compiled: give each matcher of a fresh compile its result in
+        picklable form (`Matcher.export`, grammar/export.py), for a compiler
+        in another process to load instead of compiling again.
     """
 
     compile_timeout_s: float = 10.0
@@ -46,6 +49,7 @@ class CompilerConfig:
     worker_memory_bytes: int | None = 4 << 30
     mask_threads: int = 1
     schema_store: SchemaStore | None = None
+    export_compiled: bool = False
 
     @property
     def compiles_per_tenant(self) -> int:

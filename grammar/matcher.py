@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from .export import CompiledExport
     from .spec import GrammarSpec
     from .tag_watch import TagPlan
     from .tokenizer import TokenizerData
@@ -56,6 +57,9 @@ class Matcher(ABC):
     # (llguidance with several mask threads, see CompilerConfig.mask_threads):
     # a batch fill hands each thread the rows of one copy.
     replica: int = 0
+    # Its compile's result for a compiler in another process, when its
+    # compiler exports them and compiled it just now (grammar/export.py).
+    export: CompiledExport | None = None
 
     def __init__(self, spec: GrammarSpec, tokenizer: TokenizerData) -> None:
         self.spec = spec

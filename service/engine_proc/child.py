@@ -2,8 +2,9 @@
 
 Its main thread is the engine thread (an `EngineDriver`); a reader thread takes
 commands off the pipe, compiles a request's constraint when the compiler has
-not got it yet (the compile's own worker process does the work, so the engine
-thread never waits for it), and hands the driver each built context. Every
+not got it yet (loading the server's compile when it came along, else in the
+compile's own worker process: the engine thread never waits for it), and hands
+the driver each built context. Every
 step's outputs, and the step's stats and load for the server's metrics, go
 back in one message. The process ignores SIGINT (a terminal's Ctrl-C reaches
 the whole process group): the server drains, then stops it. If the server
@@ -108,7 +109,7 @@ class EngineChild:
         with self._lock:
             self._compiling[sub.request_id] = False
         try:
-            future = self.engine.structured.compile_async(spec, backend)
+            future = self.engine.structured.compile_async(spec, backend, sub.compiled)
         except Exception as exc:  # noqa: BLE001 - a compile that cannot start fails this request
             self._compiled_failed(sub.request_id, exc)
             return

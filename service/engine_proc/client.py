@@ -4,8 +4,9 @@
 - `RemoteEngine`: what the service reads of an engine (tokenizer, config,
   the request factory, a grammar compile service, the latest step's stats and
   load), built here from the same checkpoint and the facts the process reports.
-  The server's compiles check constraints and give the validators; the engine
-  process compiles again for its own matchers (service/engine_proc/wire.py).
+  The server's compiles check constraints and give the validators; a fresh
+  compile's result goes down with its request, for the engine process's own
+  matchers (grammar/export.py), so a constraint is compiled once.
 - `ProcessLink`: an `EngineLoop`'s link to the process. Commands go down the
   pipe from the event loop; a reader thread takes each step's message off the
   pipe and hands it to the loop's sink, as the engine thread does in-process.
@@ -140,7 +141,7 @@ class RemoteEngine:
         self.reasoning = (ReasoningParser.load(spec.config.reasoning_parser, self.tokenizer.hf.get_vocab())
                           if spec.config.reasoning_parser else None)
         self.structured = StructuredOutput.for_engine(spec.config, self.tokenizer.hf, self.vocab_size,
-                                                      self.eos_token_ids)
+                                                      self.eos_token_ids, export_compiled=True)
         self.requests = RequestFactory(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                        self.reasoning, spec.config.max_thinking_tokens, None)
         self.last_step = StepStats()
@@ -201,7 +202,8 @@ class ProcessLink:
         self._contexts[ctx.request_id] = ctx
         self.send(("add", Submission(ctx.request_id, spec.prompt, spec.params, spec.max_length, spec.seed,
                                      (matcher.spec, matcher.backend) if matcher is not None else None,
-                                     recipe.resample, recipe.reasoning)))
+                                     recipe.resample, recipe.reasoning,
+                                     matcher.export if matcher is not None else None)))
 
     def send(self, command: tuple[Any, ...]) -> None:
         if command[0] == "stop":

@@ -16,9 +16,10 @@ are plain dataclasses, numpy arrays, and `RequestOutput` / `SamplingParams`,
 which pickle by value (their `__reduce__`).
 
 A `TextContext` never crosses: it holds native grammar matchers. The server
-sends what a context is built from (`Submission`); the engine process compiles
-the constraint with its own compiler (a cache hit after the first request of
-a grammar) and builds the context itself. The times the engine writes on a
+sends what a context is built from (`Submission`, with the server's compile
+of a constraint the first time it is seen: the engine process's compiler
+loads it rather than compiling it again) and the engine process builds the
+context itself. The times the engine writes on a
 context, which the server's telemetry reads, come back with the outputs, and
 so do the CPU seconds of the process's engine and device threads.
 """
@@ -40,7 +41,7 @@ from engine.engine import EngineLoad
 from engine.reasoning import ReasoningOptions
 from engine.requests import RequestSpec
 from engine.sampling_params import SamplingParams
-from grammar import GrammarSpec
+from grammar import CompiledExport, GrammarSpec
 
 # (arrival, scheduled, first_token, finished, num_jumped) of one request.
 Times = tuple[float | None, float | None, float | None, float | None, int]
@@ -78,8 +79,9 @@ class EngineFacts:
 @dataclass(frozen=True)
 class Submission:
     """A checked request as the engine process rebuilds its context: the spec,
-    the constraint (its spec and the library the server compiled it with), and
-    the options `RequestFactory.context` takes."""
+    the constraint (its spec and the library the server compiled it with, and
+    that compile itself when it was fresh: the engine's compiler loads it
+    instead of compiling again), and the options `RequestFactory.context` takes."""
 
     request_id: str
     prompt: np.ndarray
@@ -89,6 +91,7 @@ class Submission:
     grammar: tuple[GrammarSpec, str] | None = None
     resample: bool = True
     reasoning: ReasoningOptions | None = None
+    compiled: CompiledExport | None = None
 
     @property
     def spec(self) -> RequestSpec:

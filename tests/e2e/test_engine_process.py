@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from engine import EngineCore
 from service.engine_proc import RemoteEngine
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.telemetry import TelemetryConfig
@@ -61,6 +62,23 @@ def test_an_engine_process_answers_as_the_in_process_engine(server: ServerHandle
     # The process reports each step's stats and load for the metrics.
     assert engine.last_step.seconds > 0 and engine.load().prefix_cache_queries > 0
     assert process_server.pages_in_use() == (0, 0)  # a call's function runs in the process
+
+
+def _grammar_compiles(engine: EngineCore) -> tuple[int, int]:
+    """(library compiles run, compiles loaded from the server's), in the engine process."""
+    counts = engine.structured.compiler.counts
+    return counts.run, counts.loaded
+
+
+def test_a_constraint_is_compiled_once_not_again_in_the_engine_process(process_server: ServerHandle) -> None:
+    run, loaded = process_server.engine_call(_grammar_compiles)
+    req = greedy("Answer:", max_new_tokens=8)
+    req.constraint.ebnf = 'root ::= "once" | "twice" | [0-9]+'  # xgrammar's: the slow compile of the two
+    first = _answer(process_server, req)
+    assert _answer(process_server, req) == first
+    # The server's compile went down with the first request and was loaded; the
+    # second request was a cache hit on both sides.
+    assert process_server.engine_call(_grammar_compiles) == (run, loaded + 1)
 
 
 def test_the_engine_process_threads_cpu_is_exported(process_server: ServerHandle) -> None:

@@ -73,10 +73,10 @@ def _slow_compiles(c: GrammarCompiler, seconds: dict[str, float]) -> list[str]:
     ran: list[str] = []
     real = c._compile_one
 
-    def compile_one(backend, spec, timeout):
+    def compile_one(backend, spec, timeout, given=None):
         ran.append(spec.source)
         time.sleep(seconds.get(spec.source, 0.0))
-        return real(backend, spec, timeout)
+        return real(backend, spec, timeout, given)
 
     c._compile_one = compile_one  # type: ignore[method-assign]
     return ran

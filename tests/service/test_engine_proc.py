@@ -35,7 +35,8 @@ class _Structured:
     def __init__(self) -> None:
         self.pending: list[concurrent.futures.Future[Any]] = []
 
-    def compile_async(self, spec: GrammarSpec, backend: str | None = None) -> concurrent.futures.Future[Any]:
+    def compile_async(self, spec: GrammarSpec, backend: str | None = None,
+                      given: Any = None) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self.pending.append(future)
         return future

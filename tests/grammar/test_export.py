@@ -1,0 +1,105 @@
+"""A compile handed to another compiler (grammar/export.py): loaded, not compiled
+again, and the matchers it makes mask exactly as the exporter's do."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+
+import pytest
+import torch
+
+from grammar import CompiledExport, GrammarCompiler, GrammarSpec, Matcher
+
+from .conftest import MODEL_VOCAB, STOP_IDS
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array",
+          "items": {"type": "string", "maxLength": 4}, "uniqueItems": True}}, "required": ["id", "tags"]}
+# (spec, the backend asked for, text the grammar accepts)
+CASES = [
+    (GrammarSpec.json_schema(SCHEMA), "auto", '{"id":12,"tags":["ab","c"]}'),
+    (GrammarSpec.json_schema(SCHEMA), "xgrammar", '{"id":7,"tags":[]}'),
+    (GrammarSpec.ebnf('root ::= "yes" | "no" | [0-9]+'), "auto", "2024"),
+    (GrammarSpec.regex("[a-z]{2,6}@example\\.(com|org)"), "auto", "mail@example.org"),
+]
+
+
+def _compiler(tokenizer, **options) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS,
+                           compile_timeout_s=10.0, **options)
+
+
+@pytest.fixture(scope="module")
+def exporter(tokenizer):
+    with _compiler(tokenizer, export_compiled=True) as c:  # worker processes, as a server's
+        yield c
+
+
+def _masks(matcher: Matcher, tokens: list[int]) -> list[torch.Tensor]:
+    """The matcher's mask before each token and after the last."""
+    out = []
+    for tok in [*tokens, None]:
+        bitmask = torch.zeros(1, (MODEL_VOCAB + 31) // 32, dtype=torch.int32)
+        matcher.fill_bitmask(bitmask, 0)
+        out.append(bitmask)
+        if tok is not None:
+            assert matcher.accept_token(tok)
+    return out
+
+
+@pytest.mark.parametrize("spec, backend, text", CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_a_loaded_compile_masks_as_the_exporters(exporter, tokenizer, spec, backend, text) -> None:
+    sent = exporter.compile(spec, backend)
+    export = sent.export
+    assert isinstance(export, CompiledExport) and export.backend == sent.backend
+    export = pickle.loads(pickle.dumps(export))  # as it crosses to an engine process
+    assert exporter.compile(spec, backend).export is None  # a cache hit: the other side has it already
+    with _compiler(tokenizer, isolation="thread") as receiver:
+        got = receiver.compile_async(spec, sent.backend, given=export).result(timeout=30)
+        assert receiver.counts.run == 0 and receiver.counts.loaded == 1
+        assert got.backend == sent.backend and got.export is None
+        # Everything the compile gives a matcher besides the grammar is there too.
+        assert got.unenforced_keywords == sent.unenforced_keywords
+        assert (got.validator is None) == (sent.validator is None)
+        assert (got.watch_plan is None) == (sent.watch_plan is None)
+        tokens = exporter.tokenizer_data.encode(text)
+        fresh = exporter.compile(spec, backend)
+        assert all(torch.equal(a, b) for a, b in zip(_masks(fresh, tokens), _masks(got, tokens), strict=True))
+        assert got.validator is None or got.validator.validate_text(text).valid
+
+
+def test_an_in_process_xgrammar_compile_is_exported_serialized(tokenizer) -> None:
+    spec = GrammarSpec.ebnf('root ::= "on" | "off"')
+    with _compiler(tokenizer, isolation="thread", export_compiled=True) as c:
+        export = c.compile(spec, "xgrammar").export
+    assert export is not None and "json" in export.payload and "compiled" not in export.payload
+    assert export.size_bytes == len(export.payload["json"])
+    pickle.dumps(export)
+
+
+def test_a_compiler_without_export_gives_none(compiler) -> None:
+    assert compiler.compile(GrammarSpec.regex("no-export-[0-9]"), "llguidance").export is None
+
+
+def _given_elsewhere(exporter, spec: GrammarSpec, backend: str) -> CompiledExport:
+    matcher = exporter.compile(spec, backend)
+    assert matcher.export is not None
+    return matcher.export
+
+
+@pytest.mark.parametrize("change", ["fingerprint", "backend", "payload"])
+def test_a_given_compile_that_does_not_fit_is_compiled_here(exporter, tokenizer, change, caplog) -> None:
+    spec = GrammarSpec.ebnf(f'root ::= "{change}" [a-c]*')
+    export = _given_elsewhere(exporter, spec, "xgrammar")
+    if change == "fingerprint":
+        export = dataclasses.replace(export, fingerprint="another tokenizer")
+    elif change == "backend":
+        export = dataclasses.replace(export, backend="llguidance")
+    else:
+        export = dataclasses.replace(export, payload={"json": "{not a grammar", "size": 1})
+    with _compiler(tokenizer, isolation="thread") as receiver, caplog.at_level(logging.WARNING):
+        got = receiver.compile_async(spec, "xgrammar", given=export).result(timeout=30)
+        assert receiver.counts.run == 1 and receiver.counts.loaded == 0
+    assert got.accept_tokens(receiver.tokenizer_data.encode(change + "abc")) > 0
+    assert ("could not load" in caplog.text) == (change == "payload")
