@@ -200,10 +200,14 @@ class ProcessLink:
         if not self._contexts:
             self._heard = time.monotonic()  # idle until now: the stall clock starts here
         self._contexts[ctx.request_id] = ctx
+        export = None
+        if matcher is not None:
+            # Sent once: the server's matcher lives on with the request, its
+            # compile's payload (megabytes for xgrammar) need not.
+            export, matcher.export = matcher.export, None
         self.send(("add", Submission(ctx.request_id, spec.prompt, spec.params, spec.max_length, spec.seed,
                                      (matcher.spec, matcher.backend) if matcher is not None else None,
-                                     recipe.resample, recipe.reasoning,
-                                     matcher.export if matcher is not None else None)))
+                                     recipe.resample, recipe.reasoning, export)))
 
     def send(self, command: tuple[Any, ...]) -> None:
         if command[0] == "stop":
