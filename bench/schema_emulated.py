@@ -19,7 +19,8 @@ zeros, as bench/serve_emulated.py's does): then every figure is host work
 alone, as with a GPU fast enough that the host sets the pace.
 `--device-model deadline` stops the sleeping: a forward pass only sets when
 the device would be done, and reading the step's tokens waits for that, so the
-device thread's own CPU work overlaps the device's time as on a GPU.
+device thread's own CPU work overlaps the device's time as on a GPU
+(bench/device_emulation.py).
 
     python bench/schema_emulated.py
     python bench/schema_emulated.py --batch 16 --device-ms 3
@@ -39,6 +40,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.device_emulation import FORWARDS, MODELS  # noqa: E402
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,45 +50,24 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--preset", default="tiny-llama")
-    p.add_argument("--forward", choices=("real", "zeros"), default="real",
+    p.add_argument("--forward", choices=FORWARDS, default="real",
                    help="the model's forward pass, or zeros (host work alone)")
     p.add_argument("--mask-threads", type=int, default=None,
                    help="grammar mask fill threads (default: the engine's choice for this host)")
-    p.add_argument("--device-model", choices=("sleep", "deadline"), default="sleep",
+    p.add_argument("--device-model", choices=MODELS, default="sleep",
                    help="sleep: each forward pass sleeps on the device thread; deadline: it only sets "
                         "when its result is ready, and reading the step's tokens waits for that")
     args = p.parse_args()
 
+    from bench.device_emulation import install
     from bench.gpu import BENCH_SCHEMA
     from bench.step_phases import StepPhases
     from engine import LLM, SamplingParams
-    from engine.models.llama import LlamaFamilyModel
     from engine.presets import ensure_preset
     from grammar import GrammarSpec
     from service.ops.metrics import thread_cpu_seconds
 
-    delay = args.device_ms / 1000
-    forward = LlamaFamilyModel.forward
-    zeros = args.forward == "zeros"
-
-    deadline = args.device_model == "deadline"
-    device_free = [0.0]  # deadline model: when the emulated device has done all it was given
-
-    def emulated(self, input_ids, *a, **k):  # type: ignore[no-untyped-def]
-        if zeros:
-            import torch
-            out = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype)
-        else:
-            out = forward(self, input_ids, *a, **k)
-        if deadline:  # queued behind what the device already has, as on a CUDA stream
-            device_free[0] = max(time.perf_counter(), device_free[0]) + delay
-        else:
-            time.sleep(delay)  # the device's share of the step: no CPU, no GIL
-        return out
-
-    LlamaFamilyModel.forward = emulated  # type: ignore[method-assign]
-    if deadline:
-        install_deadline(device_free)
+    install(args.device_ms, args.device_model, args.forward)
     llm = LLM(ensure_preset(args.preset), kv_cache_gib=0.25, max_num_seqs=args.batch, cuda_graphs="emulate",
               grammar_mask_threads=args.mask_threads)
     rng = np.random.default_rng(0)
@@ -125,32 +107,6 @@ def main() -> int:
     for name, (*_, timer) in best.items():
         print(f"  {name} phases: {timer.summary()}")
     return 0
-
-
-def install_deadline(device_free: list[float]) -> None:
-    """The deadline model: a step's tokens are ready once the emulated device has
-    run everything queued before their copy (`device_free[0]`, which each
-    forward pass pushes on) and the device thread has queued that copy; reading
-    them on the host waits until then. The device thread's own work (masking
-    and sampling, on the CPU here) overlaps the device's time, as kernel
-    launches do on a GPU, instead of adding to it."""
-    from engine.sampler import SamplerOutput
-
-    to_host_async, host = SamplerOutput.to_host_async, SamplerOutput.host
-    ready: dict[int, float] = {}
-
-    def queued(self):  # type: ignore[no-untyped-def]
-        to_host_async(self)
-        ready[id(self)] = max(device_free[0], time.perf_counter())
-
-    def read(self):  # type: ignore[no-untyped-def]
-        wait = ready.pop(id(self), 0.0) - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        return host(self)
-
-    SamplerOutput.to_host_async = queued  # type: ignore[method-assign]
-    SamplerOutput.host = read  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 On a GPU the device does the math while the host runs the engine thread, the
 device thread's launches and the event loop, all under one GIL; on a CPU the
 model's compute hides that. Here the model's forward pass returns zeros (no
-CPU) and every device job then sleeps `--device-ms` (no CPU, no GIL), as a
-decode graph replaying on a GPU would. Everything else is the real code: the
+CPU) and then sleeps `--device-ms` (no CPU, no GIL), as a decode graph
+replaying on a GPU would, or with `--device-model deadline` only sets when the
+step's tokens will be ready (bench/device_emulation.py: the device thread's
+own work then overlaps the device's time). Everything else is the real code: the
 scheduler, step inputs, sampling, postprocessing, the gRPC server and its
 streams. So this measures, on any machine, how much of a device-bound step the
 serving path loses, and what a change to it does.
@@ -22,6 +24,7 @@ costs or saves.
     python bench/serve_emulated.py                    # 64 streams, 2.5 ms a step
     python bench/serve_emulated.py --device-ms 4 --concurrency 16 64
     python bench/serve_emulated.py --device-ms 1 --server-arg=--engine-process
+    python bench/serve_emulated.py --device-ms 2.5 --device-model deadline
 """
 
 from __future__ import annotations
@@ -37,37 +40,18 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.device_emulation import MODELS  # noqa: E402
+
 DEVICE_MS_ENV = "STENCILD_BENCH_DEVICE_MS"
-
-
-def install(device_ms: float) -> None:
-    """Emulate the device in this process."""
-    import torch
-
-    from engine.executor import StepExecutor
-    from engine.models.llama import LlamaFamilyModel
-
-    delay = device_ms / 1000
-
-    def forward(self, input_ids, positions, attention, meta):  # type: ignore[no-untyped-def]
-        return torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=input_ids.device)
-
-    submit = StepExecutor.submit
-
-    def emulated_submit(self, job):  # type: ignore[no-untyped-def]
-        def run():  # type: ignore[no-untyped-def]
-            result = job()
-            time.sleep(delay)  # the device's share of the step: no CPU, no GIL
-            return result
-        return submit(self, run)
-
-    LlamaFamilyModel.forward = forward  # type: ignore[method-assign]
-    StepExecutor.submit = emulated_submit  # type: ignore[method-assign]
+DEVICE_MODEL_ENV = "STENCILD_BENCH_DEVICE_MODEL"
 
 
 def install_from_env() -> None:
-    """Emulate the device as the benchmark's environment says (an engine process's setup)."""
-    install(float(os.environ[DEVICE_MS_ENV]))
+    """Emulate the device as the benchmark's environment says (the server's, the
+    offline engine's and an engine process's set-up)."""
+    from bench.device_emulation import install
+
+    install(float(os.environ[DEVICE_MS_ENV]), os.environ.get(DEVICE_MODEL_ENV, "sleep"))
 
 
 def serve() -> int:
@@ -91,7 +75,7 @@ def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int,
     from engine import LLM
     from service.ops.metrics import thread_cpu_seconds
 
-    install(float(os.environ[DEVICE_MS_ENV]))
+    install_from_env()
     llm = LLM(str(model_dir), kv_cache_gib=1.0, max_num_seqs=len(prompts))
     device = llm.engine.executor.thread
 
@@ -119,6 +103,10 @@ def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int,
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device-ms", type=float, default=2.5, help="emulated device time per step")
+    p.add_argument("--device-model", choices=MODELS, default="sleep",
+                   help="sleep: each forward pass sleeps on the device thread; deadline: it only sets when "
+                        "its result is ready, and reading the step's tokens waits for that "
+                        "(bench/device_emulation.py)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -135,6 +123,7 @@ def main() -> int:
     from engine.presets import ensure_preset
 
     os.environ[DEVICE_MS_ENV] = str(args.device_ms)
+    os.environ[DEVICE_MODEL_ENV] = args.device_model
     model_dir = ensure_preset(args.preset)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     results = []
@@ -163,7 +152,8 @@ def main() -> int:
             server.stop()
         assert best is not None
         (secs, tokens, ttft, _, messages), steps = best
-        row = {"concurrency": conc, "device_ms": args.device_ms, "offline_tok_s": round(off),
+        row = {"concurrency": conc, "device_ms": args.device_ms, "device_model": args.device_model,
+               "offline_tok_s": round(off),
                "grpc_tok_s": round(tokens / secs), "ratio": round(tokens / secs / off, 3),
                "ttft_p50_ms": round(pct(ttft, 50), 1), "ttft_p99_ms": round(pct(ttft, 99), 1),
                "messages_per_request": round(messages / conc, 1),
@@ -172,7 +162,7 @@ def main() -> int:
                "server_cpu_ms_per_step": steps.cpu_ms_per_step(),
                "offline_cpu_ms_per_step": {k: round(1e3 * v / max(off_steps, 1), 3) for k, v in off_cpu.items()}}
         results.append(row)
-        print(f"c={conc:<3} device {args.device_ms} ms/step: grpc {row['grpc_tok_s']:,} tok/s, offline "
+        print(f"c={conc:<3} device {args.device_ms} ms/step ({args.device_model}): grpc {row['grpc_tok_s']:,} tok/s, offline "
               f"{row['offline_tok_s']:,} tok/s = {row['ratio']:.1%}; TTFT p50/p99 {row['ttft_p50_ms']}/"
               f"{row['ttft_p99_ms']} ms; {row['messages_per_request']} messages a request\n"
               f"      server: {steps.describe()}\n      offline: {off_steps} steps, {row['offline_step_ms']} ms a "

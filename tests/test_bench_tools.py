@@ -1,16 +1,21 @@
 """Helpers of the benchmarks: bench/pyspy.py reads py-spy's raw output per
 thread (what bench/gpu.py --profile-server writes to its log); bench/_server.py
 reads a server's engine steps from its metrics endpoint; bench/step_phases.py
-breaks an engine's steps down phase by phase."""
+breaks an engine's steps down phase by phase; bench/device_emulation.py stands
+in for a GPU."""
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from bench import pyspy
 from bench._server import EngineSteps, engine_steps, free_port
+from bench.device_emulation import MODELS, install
 from bench.step_phases import StepPhases
 from engine import SamplingParams
+from engine.models.llama import LlamaFamilyModel
 from engine.sampler import SamplerOutput
 from engine.step_masks import PendingMask
 from grammar import GrammarSpec
@@ -95,3 +100,21 @@ def test_step_phases_time_each_phase_and_put_every_method_back(make_llm):
     # Nothing stays wrapped: the instance's methods are the class's again.
     assert "launch" not in vars(pipe) and "schedule" not in vars(llm.engine.scheduler)
     assert SamplerOutput.host is host and PendingMask.wait is wait
+
+
+def test_the_emulated_device_costs_each_forward_pass_its_time_and_is_put_back(make_llm):
+    llm = make_llm("tiny-llama", kv_cache_gib=0.05)
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    forward, to_host, host = LlamaFamilyModel.forward, SamplerOutput.to_host_async, SamplerOutput.host
+    for model in MODELS:
+        undo = install(30.0, model)
+        try:
+            start = time.perf_counter()
+            [out] = llm.generate(["a prompt"], params)
+            elapsed = time.perf_counter() - start
+        finally:
+            undo()
+        # Six forward passes (the prompt, then five decode steps), each one the
+        # device's 30 ms whether slept on the device thread or waited for.
+        assert len(out.token_ids) == 6 and elapsed >= 6 * 0.030, (model, elapsed)
+    assert (LlamaFamilyModel.forward, SamplerOutput.to_host_async, SamplerOutput.host) == (forward, to_host, host)
