@@ -411,8 +411,9 @@ def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode
            f"attention {eng.attention_choice.name} ({eng.attention_choice.reason}); pointwise kernels "
            f"{eng.ops_choice}; decode graphs "
            f"{'captured, buckets ' + str(eng.graphs.buckets) if eng.graphs is not None else 'off'}; "
-           f"grammar mask threads {eng.structured.mask_threads}")
+           f"grammar mask threads {eng.structured.mask_threads}; {eng.gemv_choice}")
     info["grammar_mask_threads"] = eng.structured.mask_threads
+    info.setdefault("gemv", {})[mode] = eng.gemv_choice
     info.setdefault("attention", {})[mode] = {"name": eng.attention_choice.name,
                                               "reason": eng.attention_choice.reason}
     info.setdefault("pointwise_kernels", {})[mode] = eng.ops_choice

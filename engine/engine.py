@@ -17,7 +17,7 @@ from .cpu_features import mask_threads_for, usable_cores
 from .errors import InvalidRequest
 from .executor import StepExecutor
 from .graphs import DecodeGraphs, graphs_mode
-from .kernels import model_ops
+from .kernels import model_ops, triton_gemv, triton_ops
 from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_for_budget
 from .memory import empty_huge, kv_budget_gib
 from .models.config import CheckpointError, load_model_config
@@ -120,6 +120,12 @@ class EngineCore:
         ops, self.ops_choice = model_ops(device, dtype, triton=self.attention_choice.name == "triton")
         self.model = LlamaFamilyModel(mc, source, device, dtype, ops, small_batch_gemm=config.cpu_small_batch_gemm)
         source.close()
+        # Batch-1 matrix-vector products: cuBLAS, or our Triton kernel per weight
+        # shape where timing it here finds it faster (with the Triton pointwise kernels).
+        self.gemv_choice = ""
+        if device.type == "cuda":
+            self.gemv_choice = triton_gemv.install(self.model.linears(), device, dtype) if ops is triton_ops \
+                else "batch-1 GEMV: cuBLAS (no Triton kernels here)"
         if wrap_model is not None:
             self.model = wrap_model(self.model)
 
@@ -204,6 +210,8 @@ class EngineCore:
                                                mc.vocab_size, overlap=config.overlap, graphs=self.graphs)
         log.info("attention: %s (%s)", self.attention_choice.name, self.attention_choice.reason)
         log.info("pointwise kernels: %s", self.ops_choice)
+        if self.gemv_choice:
+            log.info("%s", self.gemv_choice)
         log.info("grammar masks: %d fill thread(s)%s", mask_threads,
                  "" if config.grammar_mask_threads else f" (chosen for {cores} usable cores, {device.type})")
         if self.graphs is not None:

@@ -11,6 +11,10 @@ second copy of the weights, in blocks of 16 output features, once per call at
 the machine's full memory bandwidth (12.7 ms for that pass at 1 row, 23.6 ms
 at 16). The copy doubles fp32 weight memory on CPU, so it is an engine option
 (`EngineConfig.cpu_small_batch_gemm`).
+
+On CUDA a single row (batch-1 decoding) takes our Triton matrix-vector kernel
+for the weight shapes where the start-up timing found it faster than cuBLAS
+(`gemv`, set by engine/kernels/triton_gemv.py `install`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_features
+from engine.kernels import triton_gemv
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -54,6 +59,8 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.blocked: torch.Tensor | None = None
         self.ops = small_batch_ops
+        # The Triton kernel's launch for one row, where it beats cuBLAS (CUDA, 16-bit).
+        self.gemv: triton_gemv.GemvConfig | None = None
         if small_batch_ops is not None and weight.device.type == "cpu" and weight.dtype == torch.float32 \
                 and getattr(small_batch_ops, "has_avx512", False):
             from engine.memory import empty_huge
@@ -68,6 +75,9 @@ class Linear:
             self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] == 1:
+            assert self.weight is not None
+            return triton_gemv.gemv(x if x.stride(1) == 1 else x.contiguous(), self.weight, self.bias, self.gemv)
         if self.blocked is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.float32:
             assert self.ops is not None
             return self.ops.small_gemm(x if x.stride(1) == 1 else x.contiguous(), self.blocked,

@@ -104,6 +104,11 @@ class LlamaFamilyModel:
         # The kernels of `ops` read the same table as (cos, sin) float pairs.
         self.rotation_pairs = torch.view_as_real(self.rotations).flatten(1) if self.ops is not None else None
 
+    def linears(self) -> list[Linear]:
+        """Every linear layer, the LM head last."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] \
+            + [self.lm_head]
+
     # -- building blocks --------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)

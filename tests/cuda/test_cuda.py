@@ -345,6 +345,30 @@ def test_embeddings_on_cuda_match_cpu(tmp_path: Path) -> None:
 # -- start-up choices and the stream order ----------------------------------------------
 
 
+def test_batch1_gemv_is_chosen_by_timing_and_agrees_with_cublas(cuda_llm) -> None:
+    """bfloat16 on CUDA: the start-up timed every weight shape (the log line
+    names each), and each linear layer's one-row product, cuBLAS's or the
+    Triton kernel's, agrees with F.linear to bfloat16 rounding; the same holds
+    for 8B-shaped weights timed here."""
+    from engine.kernels import triton_gemv
+    from engine.models.linear import Linear
+
+    llm = cuda_llm("tiny-llama", dtype="bfloat16")
+    layers = llm.engine.model.linears()
+    assert llm.engine.gemv_choice.startswith("batch-1 GEMV: triton for ")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    big = [Linear(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5)
+           for n, k in ((6144, 4096), (28672, 4096), (4096, 14336))]
+    line = triton_gemv.install(big, torch.device("cuda"), torch.bfloat16)
+    assert all(f"{n}x{k}:" in line for n, k in ((6144, 4096), (28672, 4096), (4096, 14336))), line
+    for lin in [*layers, *big]:
+        assert lin.weight is not None
+        x = torch.randn(1, lin.in_features, device="cuda", dtype=torch.bfloat16, generator=gen)
+        want = torch.nn.functional.linear(x, lin.weight, lin.bias).float()
+        got = lin(x).float()
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), (lin.gemv, lin.weight.shape)
+
+
 def test_startup_choices_and_pinned_step_inputs(cuda_llm, caplog) -> None:
     """On CUDA with Triton: the log says "attention: triton" and "decode graphs
     (captured)", a batch-1 decode replays bucket 1, and every host tensor of a

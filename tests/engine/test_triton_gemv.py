@@ -1,0 +1,122 @@
+"""The batch-1 Triton matrix-vector kernel (engine/kernels/triton_gemv.py): its
+results against a float64 reference in every config, the per-shape choice
+against cuBLAS's time, and a linear layer's dispatch to it.
+
+Without CUDA the kernel runs in Triton's interpreter; on a GPU the same tests
+run there, and `install` times real shapes (tests/cuda)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from engine.kernels import triton_gemv as tg  # noqa: E402
+from engine.models.linear import Linear  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# One rounding of the output (bfloat16 keeps 8 bits, float16 11), on sums of
+# products whose order differs from the reference's.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, w, b
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("config", tg.CONFIGS)
+def test_every_config_computes_the_product(dtype, config):
+    block_n, block_k, warps = config
+    # Shapes that leave a partial block of outputs and of the reduction.
+    for n, k, bias in ((block_n * 2 + 3, block_k + 40, False), (block_n - 5, 2 * block_k + 7, True)):
+        x, w, b = _weights(n, k, dtype, bias)
+        got = tg.gemv(x, w, b, tg.GemvConfig(block_n, block_k, warps))
+        assert got.shape == (1, n) and got.dtype == dtype
+        want = _reference(x, w, b)
+        tol = TOL[dtype]
+        assert torch.allclose(got.double(), want, rtol=tol, atol=tol * float(want.abs().max())), (n, k, bias)
+
+
+def test_only_one_row_with_unit_stride_is_taken():
+    x, w, _ = _weights(16, 64, torch.float32, False)
+    cfg = tg.GemvConfig(16, 64, 4)
+    with pytest.raises(ValueError):
+        tg.gemv(torch.cat([x, x]), w, None, cfg)
+    with pytest.raises(ValueError):
+        tg.gemv(x, w.t().contiguous().t(), None, cfg)
+
+
+def test_the_grid_covers_the_sms_twice_before_blocks_shrink_below_eight():
+    assert tg.grid_block_n(28672, 64, 132) == 64  # 448 programs already
+    assert tg.grid_block_n(6144, 64, 132) == 16  # 96 -> 192 -> 384
+    assert tg.grid_block_n(4096, 64, 132) == 8  # 256 at 16: one more halving
+    assert tg.grid_block_n(100, 64, 132) == 8  # never below 8
+
+
+def _timing(shape, cublas, *times):
+    configs = tuple((tg.GemvConfig(16 * (i + 1), 256, 4), us) for i, us in enumerate(times))
+    return tg.ShapeTiming(shape, cublas, configs)
+
+
+def test_a_shape_takes_the_fastest_config_only_if_it_clearly_beats_cublas():
+    assert tg.pick(_timing((8, 8), 10.0, 9.0, 8.0, None)) == tg.GemvConfig(32, 256, 4)
+    assert tg.pick(_timing((8, 8), 10.0, 9.8)) is None  # within the margin: cuBLAS stays
+    assert tg.pick(_timing((8, 8), 10.0, None, None)) is None  # nothing ran
+    assert tg.pick(_timing((8, 8), 10.0, 12.0)) is None
+
+
+def test_choose_times_each_distinct_shape_once_and_describes_the_choice():
+    weights = [(torch.empty(96, 32), None), (torch.empty(64, 32), None), (torch.empty(96, 32), None)]
+    timed = []
+
+    def timer(w, b):
+        timed.append(tuple(w.shape))
+        return _timing(tuple(w.shape), 10.0, 7.5 if w.shape[0] == 96 else 11.0)
+
+    chosen, timings = tg.choose(weights, timer)
+    assert timed == [(96, 32), (64, 32)]
+    assert chosen == {(96, 32): tg.GemvConfig(16, 256, 4)}
+    line = tg.describe(chosen, timings)
+    assert line.startswith("batch-1 GEMV: triton for 1 of 2 weight shapes")
+    assert "96x32: triton 7.5 us (cuBLAS 10.0 us)" in line and "64x32: cuBLAS (cuBLAS 10.0 us)" in line
+
+
+def test_install_leaves_a_cpu_or_float32_model_on_the_library():
+    layer = Linear(torch.randn(8, 8), prepack=False)
+    assert tg.install([layer], torch.device("cpu"), torch.bfloat16).startswith("batch-1 GEMV: cuBLAS")
+    assert layer.gemv is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_linear_layer_takes_the_kernel_for_one_row_only(dtype):
+    x, w, b = _weights(40, 96, dtype, True, seed=3)
+    layer = Linear(w, b, prepack=False)
+    plain = layer(x)
+    layer.gemv = tg.GemvConfig(16, 64, 4)
+    one = layer(x)
+    tol = TOL[dtype]
+    want = _reference(x, w, b)
+    assert torch.allclose(one.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    assert torch.allclose(one.double(), plain.double(), rtol=2 * tol, atol=2 * tol * float(want.abs().max()))
+    rows = torch.cat([x, x])
+    assert torch.equal(layer(rows), F.linear(rows, w, b))  # two rows: the library, untouched
+    # A row that is a strided view reaches the kernel contiguous.
+    wide = torch.cat([x, x], dim=1)[:, ::2]
+    assert torch.allclose(layer(wide).double(), _reference(wide, w, b), rtol=tol,
+                          atol=tol * float(want.abs().max()) * 4)
