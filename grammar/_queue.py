@@ -40,6 +40,10 @@ from typing import Any
 _MAX_HOLD_S = 120.0
 
 
+def _ran() -> Any:
+    raise RuntimeError("this job has run")
+
+
 @dataclass(eq=False)
 class Job:
     """One queued compile: what to run, for whom, by when."""
@@ -250,6 +254,7 @@ class FairQueue:
                 for wait in job.holds:
                     wait(_MAX_HOLD_S)
         finally:
+            job.run = _ran  # what it closed over (a spec, a given compile) is not kept with the job
             with self._cond:
                 job.state = "done"
                 self._tenants[tenant].running -= 1

@@ -64,7 +64,7 @@ from .bitmask import BitmaskFiller, allocate_bitmask
 from .cache import CacheInfo, GrammarCache
 from .config import CompilerConfig
 from .errors import GrammarError
-from .export import CompiledExport, portable_payload
+from .export import CompiledExport, ExportSlot, portable_payload
 from .matcher import Matcher
 from .output_check import OutputCheck
 from .schema_plan import SchemaPlan, plan_for, with_validator
@@ -115,8 +115,8 @@ class _Artifact:
     tags: TagPlan | None = None  # structural tags: the value checks inside their tags
     compile_seconds: float = 0.0
     # A fresh compile's result for another process (CompilerConfig.export_compiled);
-    # never kept in the cache: only the matchers of that compile carry it.
-    export: CompiledExport | None = None
+    # never kept in the cache: the first matcher of that compile takes it.
+    export: ExportSlot | None = None
 
 
 @dataclass(frozen=True)
@@ -474,8 +474,9 @@ class GrammarCompiler:
                 break
             started = time.monotonic()
             try:
-                artifact = self._compile_one(b, spec if plan is None else plan.views[b], deadline,
-                                             given if given is not None and given.backend == b else None)
+                view = spec if plan is None else plan.views[b]
+                artifact = self._compile_one(b, view, deadline, given if given is not None and
+                                             given.backend == b and given.spec == view else None)
                 if plan is not None:
                     artifact = dataclasses.replace(
                         artifact, spec=spec, unenforced=plan.unenforced[b],
@@ -536,16 +537,23 @@ class GrammarCompiler:
                 ) from None
         try:
             artifact = self._load(backend, spec, payload)
-            if self.config.export_compiled:
-                export = CompiledExport(self.tokenizer_data.fingerprint, backend, portable_payload(payload))
-                artifact = dataclasses.replace(artifact, export=export)
-            return artifact
         except GrammarError:
             raise
         except Exception as e:  # a library failure rebuilding the result, not the user's
             raise GrammarError(
                 f"grammar compile failed ({type(e).__name__})", reason="crashed", backend=backend
             ) from None
+        return self._with_export(artifact, backend, spec, payload) if self.config.export_compiled else artifact
+
+    def _with_export(self, artifact: _Artifact, backend: str, spec: GrammarSpec, payload: dict) -> _Artifact:
+        """`artifact` with its export; without, if one cannot be made (an
+        optional saving: the compile itself succeeded)."""
+        try:
+            export = CompiledExport(self.tokenizer_data.fingerprint, backend, spec, portable_payload(payload))
+        except Exception as e:  # noqa: BLE001 - the other side compiles it instead
+            log.warning("could not export a compiled %s grammar (%s: %s)", backend, type(e).__name__, e)
+            return artifact
+        return dataclasses.replace(artifact, export=ExportSlot(export))
 
     def _load(self, backend: str, spec: GrammarSpec, payload: dict) -> _Artifact:
         tok = self.tokenizer_data
@@ -576,7 +584,7 @@ class GrammarCompiler:
         matcher.watch_plan = artifact.watch
         matcher.tag_plan = artifact.tags
         matcher.compile_seconds = artifact.compile_seconds
-        matcher.export = artifact.export
+        matcher.export = artifact.export.take() if artifact.export is not None else None
         return matcher
 
     # ---- bitmasks ----------------------------------------------------------

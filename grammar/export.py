@@ -11,14 +11,20 @@ its result in picklable form (`Matcher.export`), and the other side's
 
 What crosses is the compile worker's own payload: xgrammar's serialized
 grammar, or llguidance's grammar text, the very thing a worker process sends
-its parent. It only stands in for the compile of its spec, its backend and
-its tokenizer (the fingerprint is checked): anything else compiles as usual.
+its parent. It stands in only for the compile it is of: the same spec (as the
+backend compiled it), backend and tokenizer (all three are checked); anything
+else compiles as usual. Only the first matcher of a fresh compile carries it
+(`ExportSlot`): requests that shared the compile send it once, and nothing
+keeps the payload once it is sent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .spec import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class CompiledExport:
 
     fingerprint: str  # TokenizerData.fingerprint of the compiler that made it
     backend: str  # "xgrammar" or "llguidance"
+    spec: GrammarSpec  # what the backend compiled (a JSON schema's view for that backend)
     payload: dict[str, Any]  # a worker's compile payload (never a native object)
 
     @property
@@ -34,6 +41,19 @@ class CompiledExport:
         """Roughly what it costs to send."""
         body = self.payload.get("json", self.payload.get("grammar", ""))
         return len(body)
+
+
+class ExportSlot:
+    """A fresh compile's export, given to the first matcher made from it (`take`)."""
+
+    __slots__ = ("_export",)
+
+    def __init__(self, export: CompiledExport):
+        self._export: CompiledExport | None = export
+
+    def take(self) -> CompiledExport | None:
+        export, self._export = self._export, None
+        return export
 
 
 def portable_payload(payload: dict[str, Any]) -> dict[str, Any]:

@@ -36,8 +36,8 @@ from .triton_base import jit, tl, triton
 
 log = logging.getLogger(__name__)
 
-# (block_n, block_k, num_warps) tried per shape; the first element of each pair
-# is halved until the grid covers the SMs twice (see `grid_block_n`).
+# (block_n, block_k, num_warps) tried per shape; block_n is halved until the
+# grid covers the SMs twice (see `grid_block_n`).
 CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 256, 4), (32, 512, 4), (16, 1024, 8))
 # Taken only when faster than cuBLAS by this share: timing noise must not flip
 # a shape to a kernel that is no better.
@@ -112,24 +112,45 @@ def pick(timing: ShapeTiming, margin: float = MARGIN) -> GemvConfig | None:
     return cfg if us < timing.cublas_us * (1 - margin) else None
 
 
-def _time_us(fn: Callable[[], object], reps: int = 50) -> float:
-    """Mean device time of `fn` in microseconds (CUDA events around `reps` calls, after a warm-up)."""
-    for _ in range(3):
-        fn()
+# Weight bytes a timed pass streams at least: more than a GPU's L2 cache (50 MB
+# on an H100/H200), so that the timing reads memory as decoding does.
+_STREAM_BYTES = 256 << 20
+_MAX_COPIES = 64
+
+
+def _graph_time_us(calls: list[Callable[[], object]], rounds: int = 4) -> float:
+    """Mean device time of one call in microseconds, `calls` captured `rounds`
+    times over in one CUDA graph: no launch overhead, as in the decode graphs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and library workspaces, outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread's CUDA calls meanwhile are not this capture's business.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn()
+    graph.replay()
+    graph.replay()
     end.record()
     end.synchronize()
-    return 1e3 * start.elapsed_time(end) / reps
+    return 1e3 * start.elapsed_time(end) / (2 * rounds * len(calls))
 
 
 def time_shape(weight: torch.Tensor, bias: torch.Tensor | None, num_sms: int) -> ShapeTiming:
-    """Time cuBLAS and every config on `weight` (CUDA) at batch 1."""
+    """Time cuBLAS and every config on `weight` (CUDA) at batch 1, each in a CUDA
+    graph that cycles through enough copies of the weight to miss the L2 cache."""
     n, k = weight.shape
     x = torch.randn(1, k, device=weight.device, dtype=weight.dtype)
-    cublas = _time_us(lambda: F.linear(x, weight, bias))
+    copies = min(_MAX_COPIES, max(1, -(-_STREAM_BYTES // (weight.numel() * weight.element_size()))))
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    cublas = _graph_time_us([functools.partial(F.linear, x, w, bias) for w in weights])
     configs: list[tuple[GemvConfig, float | None]] = []
     for block_n, block_k, warps in CONFIGS:
         cfg = GemvConfig(grid_block_n(n, block_n, num_sms), block_k, warps)
@@ -138,7 +159,8 @@ def time_shape(weight: torch.Tensor, bias: torch.Tensor | None, num_sms: int) ->
             got = gemv(x, weight, bias, cfg).float()
             # A kernel that disagrees beyond 16-bit rounding is never taken.
             ok = torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()) + 1e-3)
-            configs.append((cfg, _time_us(functools.partial(gemv, x, weight, bias, cfg)) if ok else None))
+            configs.append((cfg, _graph_time_us([functools.partial(gemv, x, w, bias, cfg) for w in weights])
+                            if ok else None))
         except Exception as e:  # noqa: BLE001 - a config this GPU cannot compile is not taken
             log.debug("gemv config %s failed on %s: %s", cfg, tuple(weight.shape), e)
             configs.append((cfg, None))
@@ -195,8 +217,13 @@ def install(linears: Sequence[LinearLayer], device: torch.device, dtype: torch.d
         return "batch-1 GEMV: cuBLAS (no Triton on CUDA here)"
     if dtype not in DTYPES:
         return "batch-1 GEMV: cuBLAS (float32 weights keep cuBLAS's summation order)"
-    layers = [lin for lin in linears if lin.weight is not None]
-    chosen, timings = choose((lin.weight, lin.bias) for lin in layers)  # type: ignore[misc]
+    # (The kernel reads the weight along K with unit stride, as loaded weights are.)
+    layers = [lin for lin in linears if lin.weight is not None and lin.weight.stride(1) == 1]
+    try:
+        chosen, timings = choose((lin.weight, lin.bias) for lin in layers)  # type: ignore[misc]
+    except Exception as e:  # noqa: BLE001 - the timing is an optimisation: cuBLAS serves anyway
+        log.warning("batch-1 GEMV timing failed (%s: %s); cuBLAS serves every shape", type(e).__name__, e)
+        return "batch-1 GEMV: cuBLAS (the start-up timing failed)"
     for lin in layers:
         assert lin.weight is not None
         lin.gemv = chosen.get((lin.weight.shape[0], lin.weight.shape[1]))

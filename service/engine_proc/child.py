@@ -19,6 +19,7 @@ would re-import the server's `__main__`).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import importlib
 import logging
 import os
@@ -106,10 +107,13 @@ class EngineChild:
             self._enqueue(sub, None)
             return
         spec, backend = sub.grammar
+        # The server's compile goes to the compiler alone: the callback below
+        # keeps `sub` as long as the future lives, and need not keep the payload.
+        given, sub = sub.compiled, dataclasses.replace(sub, compiled=None)
         with self._lock:
             self._compiling[sub.request_id] = False
         try:
-            future = self.engine.structured.compile_async(spec, backend, sub.compiled)
+            future = self.engine.structured.compile_async(spec, backend, given)
         except Exception as exc:  # noqa: BLE001 - a compile that cannot start fails this request
             self._compiled_failed(sub.request_id, exc)
             return

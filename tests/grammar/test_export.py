@@ -78,6 +78,27 @@ def test_an_in_process_xgrammar_compile_is_exported_serialized(tokenizer) -> Non
     pickle.dumps(export)
 
 
+def test_requests_sharing_a_compile_send_its_export_once(exporter) -> None:
+    spec = GrammarSpec.ebnf('root ::= "shared" [0-9]{1,3}')
+    futures = [exporter.compile_async(spec, "xgrammar") for _ in range(3)]  # one compile, three waiters
+    exports = [f.result(timeout=30).export for f in futures]
+    assert sum(e is not None for e in exports) == 1
+
+
+def test_an_export_that_fails_leaves_the_compile_alone(tokenizer, monkeypatch, caplog) -> None:
+    from grammar import compiler as compiler_module
+
+    def fail(payload):
+        raise RuntimeError("cannot serialize")
+
+    monkeypatch.setattr(compiler_module, "portable_payload", fail)
+    spec = GrammarSpec.ebnf('root ::= "kept" [a-z]*')
+    with _compiler(tokenizer, isolation="thread", export_compiled=True) as c, caplog.at_level(logging.WARNING):
+        assert c.compile(spec, "xgrammar").export is None
+        assert c.compile(spec, "xgrammar").accept_tokens(c.tokenizer_data.encode("kept")) > 0  # cached, not failed
+    assert "could not export" in caplog.text
+
+
 def test_a_compiler_without_export_gives_none(compiler) -> None:
     assert compiler.compile(GrammarSpec.regex("no-export-[0-9]"), "llguidance").export is None
 
@@ -88,7 +109,7 @@ def _given_elsewhere(exporter, spec: GrammarSpec, backend: str) -> CompiledExpor
     return matcher.export
 
 
-@pytest.mark.parametrize("change", ["fingerprint", "backend", "payload"])
+@pytest.mark.parametrize("change", ["fingerprint", "backend", "spec", "payload"])
 def test_a_given_compile_that_does_not_fit_is_compiled_here(exporter, tokenizer, change, caplog) -> None:
     spec = GrammarSpec.ebnf(f'root ::= "{change}" [a-c]*')
     export = _given_elsewhere(exporter, spec, "xgrammar")
@@ -96,6 +117,8 @@ def test_a_given_compile_that_does_not_fit_is_compiled_here(exporter, tokenizer,
         export = dataclasses.replace(export, fingerprint="another tokenizer")
     elif change == "backend":
         export = dataclasses.replace(export, backend="llguidance")
+    elif change == "spec":  # another grammar's compile, sent with this spec
+        export = dataclasses.replace(export, spec=GrammarSpec.ebnf('root ::= "other"'))
     else:
         export = dataclasses.replace(export, payload={"json": "{not a grammar", "size": 1})
     with _compiler(tokenizer, isolation="thread") as receiver, caplog.at_level(logging.WARNING):
