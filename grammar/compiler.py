@@ -210,7 +210,8 @@ class GrammarCompiler:
 
         `given`: another compiler's export of this spec's compile (see
         grammar/export.py); on a cache miss it is loaded instead of compiling,
-        if it is of this tokenizer and of the backend the compile would use.
+        if it is of this tokenizer, of the backend the compile would use and of
+        the spec as that backend compiles it (`CompiledExport.fits`).
         """
         out: Future[Matcher] = Future()
         try:
@@ -405,8 +406,6 @@ class GrammarCompiler:
 
     def _resolve(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float,
                  given: CompiledExport | None = None) -> _Artifact:
-        if given is not None and given.fingerprint != self.tokenizer_data.fingerprint:
-            given = None  # another tokenizer's compile: of no use here
         if spec.kind not in JSON_KINDS:
             return self._resolve_order(spec, order, deadline, None, given=given)
         if deadline <= time.monotonic() and self._cache.get(("plan", spec)) is None:
@@ -475,8 +474,8 @@ class GrammarCompiler:
             started = time.monotonic()
             try:
                 view = spec if plan is None else plan.views[b]
-                artifact = self._compile_one(b, view, deadline, given if given is not None and
-                                             given.backend == b and given.spec == view else None)
+                fits = given is not None and given.fits(self.tokenizer_data.fingerprint, b, view)
+                artifact = self._compile_one(b, view, deadline, given if fits else None)
                 if plan is not None:
                     artifact = dataclasses.replace(
                         artifact, spec=spec, unenforced=plan.unenforced[b],

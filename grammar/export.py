@@ -36,11 +36,9 @@ class CompiledExport:
     spec: GrammarSpec  # what the backend compiled (a JSON schema's view for that backend)
     payload: dict[str, Any]  # a worker's compile payload (never a native object)
 
-    @property
-    def size_bytes(self) -> int:
-        """Roughly what it costs to send."""
-        body = self.payload.get("json", self.payload.get("grammar", ""))
-        return len(body)
+    def fits(self, fingerprint: str, backend: str, spec: GrammarSpec) -> bool:
+        """Whether this is the compile of `spec` by `backend` over the tokenizer `fingerprint`."""
+        return self.fingerprint == fingerprint and self.backend == backend and self.spec == spec
 
 
 class ExportSlot:

@@ -151,11 +151,11 @@ def time_shape(weight: torch.Tensor, bias: torch.Tensor | None, num_sms: int) ->
     copies = min(_MAX_COPIES, max(1, -(-_STREAM_BYTES // (weight.numel() * weight.element_size()))))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     cublas = _graph_time_us([functools.partial(F.linear, x, w, bias) for w in weights])
+    want = F.linear(x, weight, bias).float()
     configs: list[tuple[GemvConfig, float | None]] = []
     for block_n, block_k, warps in CONFIGS:
         cfg = GemvConfig(grid_block_n(n, block_n, num_sms), block_k, warps)
         try:
-            want = F.linear(x, weight, bias).float()
             got = gemv(x, weight, bias, cfg).float()
             # A kernel that disagrees beyond 16-bit rounding is never taken.
             ok = torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()) + 1e-3)

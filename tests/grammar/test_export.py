@@ -74,7 +74,6 @@ def test_an_in_process_xgrammar_compile_is_exported_serialized(tokenizer) -> Non
     with _compiler(tokenizer, isolation="thread", export_compiled=True) as c:
         export = c.compile(spec, "xgrammar").export
     assert export is not None and "json" in export.payload and "compiled" not in export.payload
-    assert export.size_bytes == len(export.payload["json"])
     pickle.dumps(export)
 
 
