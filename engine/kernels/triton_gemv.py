@@ -37,8 +37,15 @@ from .triton_base import jit, tl, triton
 log = logging.getLogger(__name__)
 
 # (block_n, block_k, num_warps) tried per shape; block_n is halved until the
-# grid covers the SMs twice (see `grid_block_n`).
-CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 256, 4), (32, 512, 4), (16, 1024, 8))
+# grid covers the SMs twice (see `grid_block_n`). A program holds its
+# block_n x block_k tile twice over in registers (the loaded weights and the
+# float32 partial sums), so the first three (16k elements, 150-250 registers a
+# thread) leave an SM two or three programs; the last three (4-8k elements,
+# 56-72 registers) leave it six or more, with as many bytes in flight: which
+# streams faster depends on the GPU, so both kinds are timed. None spills
+# registers on sm_80 or sm_90 (tests/engine/test_triton_kernels.py).
+CONFIGS: tuple[tuple[int, int, int], ...] = (
+    (64, 256, 4), (32, 512, 4), (16, 1024, 8), (8, 1024, 8), (4, 1024, 4), (4, 2048, 8))
 # Taken only when faster than cuBLAS by this share: timing noise must not flip
 # a shape to a kernel that is no better.
 MARGIN = 0.03
@@ -78,6 +85,13 @@ def grid_block_n(n: int, block_n: int, num_sms: int) -> int:
     while block_n > 8 and -(-n // block_n) < 2 * num_sms:
         block_n //= 2
     return block_n
+
+
+def shape_configs(n: int, num_sms: int) -> list[GemvConfig]:
+    """The distinct configs to time for `n` output features: `CONFIGS` with
+    block_n fitted to the grid (two may fit to the same launch)."""
+    fitted = (GemvConfig(grid_block_n(n, block_n, num_sms), block_k, warps) for block_n, block_k, warps in CONFIGS)
+    return list(dict.fromkeys(fitted))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
@@ -153,8 +167,7 @@ def time_shape(weight: torch.Tensor, bias: torch.Tensor | None, num_sms: int) ->
     cublas = _graph_time_us([functools.partial(F.linear, x, w, bias) for w in weights])
     want = F.linear(x, weight, bias).float()
     configs: list[tuple[GemvConfig, float | None]] = []
-    for block_n, block_k, warps in CONFIGS:
-        cfg = GemvConfig(grid_block_n(n, block_n, num_sms), block_k, warps)
+    for cfg in shape_configs(n, num_sms):
         try:
             got = gemv(x, weight, bias, cfg).float()
             # A kernel that disagrees beyond 16-bit rounding is never taken.

@@ -44,7 +44,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 def test_every_config_computes_the_product(dtype, config):
     block_n, block_k, warps = config
     # Shapes that leave a partial block of outputs and of the reduction.
-    for n, k, bias in ((block_n * 2 + 3, block_k + 40, False), (block_n - 5, 2 * block_k + 7, True)):
+    for n, k, bias in ((block_n * 2 + 3, block_k + 40, False), (max(1, block_n - 5), 2 * block_k + 7, True)):
         x, w, b = _weights(n, k, dtype, bias)
         got = tg.gemv(x, w, b, tg.GemvConfig(block_n, block_k, warps))
         assert got.shape == (1, n) and got.dtype == dtype
@@ -67,6 +67,13 @@ def test_the_grid_covers_the_sms_twice_before_blocks_shrink_below_eight():
     assert tg.grid_block_n(6144, 64, 132) == 16  # 96 -> 192 -> 384
     assert tg.grid_block_n(4096, 64, 132) == 8  # 256 at 16: one more halving
     assert tg.grid_block_n(100, 64, 132) == 8  # never below 8
+
+
+def test_configs_fitted_to_one_launch_are_timed_once():
+    small = tg.shape_configs(4096, 132)  # every block_n of 16 or more fits down to 8
+    assert len(small) == len(set(small)) and tg.GemvConfig(8, 1024, 8) in small
+    assert len(small) < len(tg.CONFIGS)
+    assert len(tg.shape_configs(28672, 132)) == len(tg.CONFIGS)  # wide enough for every block_n
 
 
 def _timing(shape, cublas, *times):

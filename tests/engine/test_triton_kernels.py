@@ -6,7 +6,11 @@ Without CUDA the kernels run in Triton's interpreter, which is chosen when they
 are decorated, so TRITON_INTERPRET must be set before the module is imported.
 With CUDA the same tests run on the GPU, plus CUDA-graph capture and replay.
 Either way one test compiles the kernels for sm_80 and sm_90 with Triton's
-bundled ptxas (no GPU needed), which checks what the interpreter does not.
+bundled ptxas (no GPU needed), which checks what the interpreter does not, and
+that no kernel spills registers. The CUDA builds of torch 2.10 to 2.13 pin
+Triton 3.6 or 3.7, CPU set-ups get the newest: to check another release, put
+it first on the path (`pip install --target DIR --no-deps triton==3.6.0`, then
+`PYTHONPATH=DIR pytest -k compile_for_gpus`).
 
 Every cache slot that holds no key of a sequence is NaN and unused block-table
 entries hold garbage page ids (out of range, or the NaN page), so a kernel
@@ -332,7 +336,7 @@ def test_cuda_graph_replay_follows_new_metadata(max_q):
 # -- GPU code generation, checked without a GPU ---------------------------------------------------
 
 _COMPILE_SCRIPT = r"""
-import os, sys
+import os, re, subprocess, sys
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -371,10 +375,34 @@ class Compile:
                 if aligned:
                     attrs[(i,)] = [["tt.divisibility", 16]]
             for arch in archs:
-                triton.compile(ASTSource(self.fn, signature, constants, attrs),
-                               target=GPUTarget("cuda", arch, 32), options=options)
+                kernel = triton.compile(ASTSource(self.fn, signature, constants, attrs),
+                                        target=GPUTarget("cuda", arch, 32), options=options)
                 compiled.append((self.fn.__name__, arch))
+                check_no_spills(kernel, f"{self.fn.__name__} sm_{arch} {constants}")
         return launch
+
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def check_no_spills(kernel, what):
+    # Registers spilled to local memory make a slow kernel that still computes the
+    # right thing, which no other test would notice. ptxas -v counts the spills;
+    # Triton bundles a ptxas per GPU generation, so take one that reads this PTX.
+    path = os.path.join(os.environ["TRITON_CACHE_DIR"], "spill-check.ptx")
+    with open(path, "w") as f:
+        f.write(kernel.asm["ptx"])
+    arch = re.search(r"^\.target\s+(\w+)", kernel.asm["ptx"], re.M).group(1)
+    for ptxas in sorted(p for p in os.listdir(BIN) if p.startswith("ptxas")):
+        report = subprocess.run([os.path.join(BIN, ptxas), "-v", f"--gpu-name={arch}", path, "-o", os.devnull],
+                                capture_output=True, text=True)
+        if report.returncode == 0:
+            break
+    else:
+        sys.exit(f"{what}: no bundled ptxas assembles it: {report.stderr[-500:]}")
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report.stderr)]
+    if not spills or any(spills):
+        sys.exit(f"{what}: registers spill: {report.stderr.strip()}")
 
 
 for name in ("_decode_kernel", "_merge_kernel", "_prefill_kernel"):
@@ -399,6 +427,16 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
     to.rotary_embedding(torch.zeros(2, 40, 128, dtype=dtype), torch.zeros(10, 128), torch.zeros(2, dtype=torch.int64))
     kv = torch.zeros(2, 8, 128, dtype=dtype)
     tk.write_kv(torch.zeros(64, 8, 128, dtype=dtype), torch.zeros(2, dtype=torch.int64), 16, 48, kv, kv)
+# The batch-1 matrix-vector kernel in every config and the block_n its grid may
+# halve to, 16-bit only (float32 keeps cuBLAS).
+from engine.kernels import triton_gemv as tg
+tg._gemv_kernel = Compile(tg._gemv_kernel)
+for dtype, bias in ((torch.float16, True), (torch.bfloat16, False)):
+    weight = torch.zeros(64, 4096, dtype=dtype)
+    for block_n, block_k, warps in tg.CONFIGS:
+        for n in sorted({block_n, min(block_n, 8)}):
+            tg.gemv(torch.zeros(1, 4096, dtype=dtype), weight, torch.zeros(64, dtype=dtype) if bias else None,
+                    tg.GemvConfig(n, block_k, warps))
 print("compiled", len(compiled))
 """
 
@@ -424,5 +462,7 @@ def test_kernels_compile_for_gpus(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     # 4 configurations x (decode, decode + merge, prefill) x 2 architectures, then
-    # 3 dtypes x 4 pointwise kernels x 2 architectures.
-    assert result.stdout.split()[-1] == str(4 * 4 * 2 + 3 * 4 * 2)
+    # 3 dtypes x 4 pointwise kernels x 2 architectures, then 2 dtypes x 9 GEMV
+    # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) x 2
+    # architectures.
+    assert result.stdout.split()[-1] == str(4 * 4 * 2 + 3 * 4 * 2 + 2 * 9 * 2)
