@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .attention import DenseDecodeAttention, choose_attention, make_attention
+from .attention import DenseDecodeAttention, HeadShape, choose_attention, make_attention
 from .config import EngineConfig
 from .context import GenerationStatus, TextContext
 from .cpu_features import mask_threads_for, usable_cores
@@ -115,7 +115,9 @@ class EngineCore:
         config, mc = self.config, self.model_config
         device, dtype = config.torch_device, config.torch_dtype
         source = WeightSource(config.model)
-        self.attention_choice = choose_attention(device, dtype, config.attention)
+        self.attention_choice = choose_attention(
+            device, dtype, config.attention,
+            shape=HeadShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size))
         # The model's pointwise kernels follow the attention's probe: Triton's where it runs.
         ops, self.ops_choice = model_ops(device, dtype, triton=self.attention_choice.name == "triton")
         self.model = LlamaFamilyModel(mc, source, device, dtype, ops, small_batch_gemm=config.cpu_small_batch_gemm)

@@ -14,8 +14,11 @@ turns the step's `KVCacheInputs` and spans into its own metadata once per step
   decode graph's attention when Triton cannot run.
 
 The backend is chosen once, at start-up, by `choose_attention`, which probes
-what the installed PyTorch and the device offer (never a try/except per step);
-the engine logs the choice and its reason.
+what the installed PyTorch and the device offer (never a try/except per step):
+Triton's kernels are run at the model's head shape and page size and checked
+against float32 math, so a GPU or Triton release they do not work on falls back
+to `TorchAttention` at start-up, not at the first step. The engine logs the
+choice and its reason.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from .paged import DenseDecodeAttention, PagedMetadata
 from .torch_backend import TorchAttention
 
 __all__ = ["ATTENTION_CHOICES", "AttentionBackend", "AttentionChoice", "DenseDecodeAttention", "KernelAttention",
-           "PagedMetadata", "SeqSpan", "TorchAttention", "choose_attention", "make_attention", "probe_triton"]
+           "HeadShape", "PagedMetadata", "SeqSpan", "TorchAttention", "choose_attention", "make_attention",
+           "probe_triton"]
 
 # What `EngineConfig.attention` may ask for.
 ATTENTION_CHOICES = ("auto", "torch", "triton")
@@ -54,10 +58,20 @@ class AttentionChoice:
         return self.name == "triton"
 
 
-def probe_triton(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Run the Triton kernels once on tiny tensors of `dtype` on `device`:
-    None if they work, else why not (no Triton, no interpreter on a CPU, a
-    compile error for this GPU)."""
+@dataclass(frozen=True)
+class HeadShape:
+    """What the Triton probe runs its kernels at: a model's attention heads and the cache's page size."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+
+
+def probe_triton(device: torch.device, dtype: torch.dtype, shape: HeadShape = HeadShape(2, 1, 16, 4)) -> str | None:
+    """Run the Triton kernels once at `shape` in `dtype` on `device` and check
+    them (`triton_kernels.self_check`): None if they work, else why not (no
+    Triton, no interpreter on a CPU, a compile error or a wrong result here)."""
     from . import triton_kernels
 
     if not triton_kernels.triton_available():
@@ -65,12 +79,8 @@ def probe_triton(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "Triton kernels run on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1)"
     try:
-        kv = torch.zeros(2, 2, 1, 4, 1, 16, dtype=dtype, device=device)
-        q = torch.zeros(1, 2, 16, dtype=dtype, device=device)
-        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-        lens = torch.ones(1, dtype=torch.int32, device=device)
-        cu_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        triton_kernels.paged_attention(q, kv, 0, table, lens, cu_q, 1, 0.25)
+        triton_kernels.self_check(device, dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                  shape.page_size)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - any failure means: not this backend
@@ -79,11 +89,12 @@ def probe_triton(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def choose_attention(device: torch.device, dtype: torch.dtype, prefer: str = "auto", *,
+                     shape: HeadShape = HeadShape(2, 1, 16, 4),
                      cpu_kernel: Callable[[], bool] | None = None,
                      triton: Callable[[], str | None] | None = None) -> AttentionChoice:
-    """Pick the backend for an engine on `device`, once. `cpu_kernel` (does the
-    native CPU kernel build here?) and `triton` (probe_triton's answer) are the
-    probes; tests pass their own."""
+    """Pick the backend for an engine on `device`, once, for a model of `shape`.
+    `cpu_kernel` (does the native CPU kernel build here?) and `triton`
+    (probe_triton's answer) are the probes; tests pass their own."""
     if prefer not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}")
     if cpu_kernel is None:
@@ -93,7 +104,7 @@ def choose_attention(device: torch.device, dtype: torch.dtype, prefer: str = "au
             return cpu_ops() is not None
     if triton is None:
         def triton() -> str | None:
-            return probe_triton(device, dtype)
+            return probe_triton(device, dtype, shape)
     if prefer == "torch":
         return AttentionChoice("torch", "asked for (--attention torch)")
     if prefer == "triton":

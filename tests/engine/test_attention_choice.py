@@ -9,11 +9,14 @@ import logging
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.attention import TorchAttention, choose_attention, probe_triton
+from engine import LLM, SamplingParams, attention
+from engine.attention import HeadShape, TorchAttention, choose_attention, probe_triton
+from engine.attention import triton_kernels as tk
 from engine.attention.cpu_kernel import KernelAttention
 from engine.config import EngineConfig
 from engine.kernels import triton_ops
+from engine.models.config import load_model_config
+from engine.presets import ensure_preset
 
 from .reference import hf_greedy, prompts
 
@@ -66,6 +69,48 @@ def test_the_triton_probe_runs_the_kernels(dtype: torch.dtype, monkeypatch) -> N
     assert probe_triton(CPU, dtype) is None  # the interpreter (tests/conftest.py)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "CUDA" in (probe_triton(CPU, dtype) or "")
+
+
+@pytest.mark.parametrize("shape", [HeadShape(32, 8, 128, 16), HeadShape(12, 12, 80, 3), HeadShape(4, 1, 256, 1)])
+def test_the_probe_runs_at_the_models_shape(shape: HeadShape) -> None:
+    """Llama-3-8B's heads, an odd head_dim with an odd page size, a wide head with one token a page."""
+    assert probe_triton(CPU, torch.bfloat16, shape) is None
+
+
+def test_the_probe_turns_down_kernels_that_compute_wrong_results(monkeypatch) -> None:
+    shape = HeadShape(4, 2, 32, 4)
+
+    def off_by_a_little(*args, **kwargs):  # what a miscompiled split merge might return
+        return real(*args, **kwargs) + 0.1
+
+    real = tk.paged_attention
+    monkeypatch.setattr(tk, "paged_attention", off_by_a_little)
+    assert "RuntimeError: decode differs from float32 attention by 0.1" in (probe_triton(CPU, torch.float32, shape) or "")
+
+    def nan_prefill(q, *args, **kwargs):
+        out = real(q, *args, **kwargs)
+        return out if args[5] == 1 else out * float("nan")  # args[5]: max_q
+
+    monkeypatch.setattr(tk, "paged_attention", nan_prefill)
+    assert "prefill differs" in (probe_triton(CPU, torch.float32, shape) or "")
+    monkeypatch.setattr(tk, "paged_attention", real)
+    monkeypatch.setattr(tk, "write_kv", lambda *args: None)
+    assert "write_kv stored keys or values in the wrong cache rows" in (probe_triton(CPU, torch.float32, shape) or "")
+
+
+def test_an_engine_probes_triton_at_its_models_shape(monkeypatch) -> None:
+    probed = []
+
+    def probe(device, dtype, shape):
+        probed.append(shape)
+        return "not today"
+
+    monkeypatch.setattr(attention, "probe_triton", probe)
+    path = ensure_preset("tiny-qwen3")
+    with pytest.raises(ValueError, match="--attention triton: not today"):
+        LLM(path, attention="triton", kv_cache_gib=0.05, page_size=5)
+    mc = load_model_config(path)
+    assert probed == [HeadShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, 5)]
 
 
 @pytest.mark.parametrize(("attention", "backend"), [("auto", KernelAttention), ("torch", TorchAttention)])
