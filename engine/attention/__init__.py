@@ -16,7 +16,7 @@ turns the step's `KVCacheInputs` and spans into its own metadata once per step
 The backend is chosen once, at start-up, by `choose_attention`, which probes
 what the installed PyTorch and the device offer (never a try/except per step):
 Triton's kernels are run at the model's head shape and page size and checked
-against float32 math, so a GPU or Triton release they do not work on falls back
+against float64 math, so a GPU or Triton release they do not work on falls back
 to `TorchAttention` at start-up, not at the first step. The engine logs the
 choice and its reason.
 """

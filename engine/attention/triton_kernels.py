@@ -514,7 +514,7 @@ def _check(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: to
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
 
 
-# How far a kernel's output may stray from float32 math on the same inputs in
+# How far a kernel's output may stray from exact math on the same inputs in
 # `self_check`: loose (it looks for a broken kernel, not for rounding; the tests
 # hold the kernels to their real tolerances).
 _CHECK_ATOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
@@ -523,7 +523,8 @@ _CHECK_ATOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                page_size: int) -> None:
     """Run every kernel once at a model's head shape and page size on `device`
-    and compare with float32 math on the same data: `write_kv` fills the cache
+    and compare with float64 math on the same data (not float32, which a
+    global TF32 switch would round): `write_kv` fills the cache
     of two sequences (partial last pages, pages out of order), then decode in
     one split and in two (with the merge), then prefill over it. Raises
     RuntimeError on a wrong result; a kernel that cannot compile for this
@@ -556,23 +557,23 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
         q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device, dtype)
         cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
         got = paged_attention(q, kv_blocks, 0, block_table, lens, cu_q, max(q_lens), scale, num_splits=num_splits)
-        want = torch.cat([_float_attention(q[int(cu_q[b]):int(cu_q[b + 1])], keys[b], values[b], group, scale)
+        want = torch.cat([_exact_attention(q[int(cu_q[b]):int(cu_q[b + 1])], keys[b], values[b], group, scale)
                           for b in range(len(q_lens))])
-        err = float((got.float() - want).abs().max())
+        err = float((got.double() - want).abs().max())
         if not err <= _CHECK_ATOL[dtype]:  # NaN fails too
-            raise RuntimeError(f"{what} differs from float32 attention by {err:.3g}")
+            raise RuntimeError(f"{what} differs from exact attention by {err:.3g}")
 
     compare([1, 1], "decode", num_splits=1)
     compare([1, 1], "split decode", num_splits=2)
     compare([3, 2], "prefill")
 
 
-def _float_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float) -> torch.Tensor:
-    """float32 causal attention of `q` `[Q, H, D]`, the last Q positions of a
+def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+    """float64 causal attention of `q` `[Q, H, D]`, the last Q positions of a
     sequence, over its keys and values `[N, kv_heads, D]`."""
     q_len, n = q.shape[0], k.shape[0]
-    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    k, v = k.double().repeat_interleave(group, dim=1), v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     positions = torch.arange(n - q_len, n, device=q.device)[:, None]
     scores = scores.masked_fill(torch.arange(n, device=q.device)[None, :] > positions, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
