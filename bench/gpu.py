@@ -940,6 +940,13 @@ def main(argv: list[str] | None = None) -> int:
                        f"bound); TTFT p50 {g.extra['ttft_p50_ms']:.0f} ms, p99 {g.extra['ttft_p99_ms']:.0f} ms")
 
     results["models"] = models
+    summarize(figures, args, report, results, stamp)
+    return 0
+
+
+def summarize(figures: list[Figure], args: argparse.Namespace, report: Report, results: dict[str, Any],
+              stamp: str) -> None:
+    """The run's table of figures and of targets, and its JSON beside the log."""
     results["figures"] = [{**asdict(f), "share_of_bound": f.share} for f in figures]
     goals = targets(figures, args)
     results["targets"] = goals
@@ -960,7 +967,6 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.results_dir / f"gpu-{stamp}.json"
     json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     report(f"\nwrote {report.log_path} and {json_path}")
-    return 0
 
 
 if __name__ == "__main__":

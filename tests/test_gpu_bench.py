@@ -1,0 +1,72 @@
+"""bench/gpu.py's parts run end to end on a CPU, so that a GPU session (rare,
+and 30 minutes long) does not discover a broken benchmark: a tiny Llama
+checkpoint written as the GPU shapes are, stencild offline in its default mode
+(every batch, the JSON schema, the step phases), transformers' eager and
+static-cache modes, `stencild serve` with the engine in a thread and in a
+process of its own, then the tables, the targets and the JSON.
+
+The CUDA calls the benchmark makes around its runs (synchronize, empty_cache,
+memory_allocated) are no-ops here; everything else is the benchmark's code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import gpu
+
+TINY = gpu.ModelShape("tiny-llama-gpu-bench", "tiny (CPU smoke test)", hidden=64, intermediate=128, layers=2,
+                      heads=4, kv_heads=2, vocab=8192, max_positions=256, rope_theta=10000.0)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+
+
+def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monkeypatch):
+    # transformers' compiled mode (reduce-overhead: CUDA graphs) is for the GPU only.
+    modes = gpu._transformers_modes
+    monkeypatch.setattr(gpu, "_transformers_modes", lambda: (modes()[0][:2], modes()[1]))
+    args = gpu.parse_args(["--batches", "1", "4", "--new-tokens", "6", "--repeat", "1", "--prompt-len", "12",
+                           "--grpc-concurrency", "4", "--kv-cache-gib", "0.05", "--default-mode-only",
+                           "--out-dir", str(tmp_path / "models"), "--results-dir", str(tmp_path / "results")])
+    report = gpu.Report(tmp_path / "results" / "gpu-test.log")
+    model_dir = gpu.write_checkpoint(TINY, args.out_dir)
+    assert gpu.write_checkpoint(TINY, args.out_dir) == model_dir  # reused
+    per_step = gpu.bytes_per_decode_step(gpu.tensor_bytes(model_dir))
+    bound = 1e9 / per_step
+    info: dict = {}
+    figures = gpu.run_stencild("1.1b", model_dir, args, bound, report, info)
+    assert [(f.mode, f.batch) for f in figures] == [
+        (gpu.DEFAULT_MODE, 1), (gpu.DEFAULT_MODE, 4), (gpu.DEFAULT_MODE + ", JSON schema", 4)]
+    assert all(f.tok_s > 0 and f.extra["tokens"] == f.batch * args.new_tokens for f in figures)
+    schema = figures[-1]
+    assert schema.extra["phases_summary"] and schema.extra["forced_tokens"] > 0
+    assert set(info) >= {"attention", "pointwise_kernels", "graphs", "gemv", "grammar_mask_threads"}
+
+    hf = gpu.run_transformers("1.1b", model_dir, [1], args, bound, report)
+    assert [f.mode for f in hf] == ["eager (dynamic cache)", "static cache"]
+    figures += hf
+    for engine_process in (False, True):
+        served = gpu.run_grpc("1.1b", model_dir, args, bound, report, engine_process)
+        assert served is not None and served.extra["tokens"] == 4 * args.new_tokens
+        assert served.extra["server_steps"] >= args.new_tokens
+        figures.append(served)
+
+    results: dict = {"models": {"1.1b": info}}
+    gpu.summarize(figures, args, report, results, "test")
+    log = report.log_path.read_text()
+    assert "| target | figure | verdict |" in log
+    saved = json.loads((args.results_dir / "gpu-test.json").read_text())
+    goals = {g["target"]: g for g in saved["targets"]}
+    grpc_goal = goals["gRPC at concurrency 4 >= 90 % of offline (1.1b)"]
+    assert grpc_goal["met"] is not None and "engine process" in log
+    assert goals["JSON schema at batch 4 no slower per request than no schema (1.1b)"]["met"] is not None
+    assert goals["8B batch 1 >= 70 % of the bandwidth bound"]["met"] is None  # not run here
+    assert len(saved["figures"]) == len(figures)
