@@ -70,7 +70,7 @@ class HeadShape:
 
 def probe_triton(device: torch.device, dtype: torch.dtype, shape: HeadShape = HeadShape(2, 1, 16, 4)) -> str | None:
     """Run the Triton kernels once at `shape` in `dtype` on `device` and check
-    them (`triton_kernels.self_check`): None if they work, else why not (no
+    them (`triton_check.self_check`): None if they work, else why not (no
     Triton, no interpreter on a CPU, a compile error or a wrong result here)."""
     from . import triton_kernels
 
@@ -79,8 +79,9 @@ def probe_triton(device: torch.device, dtype: torch.dtype, shape: HeadShape = He
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "Triton kernels run on CUDA (or in Triton's interpreter, TRITON_INTERPRET=1)"
     try:
-        triton_kernels.self_check(device, dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                                  shape.page_size)
+        from .triton_check import self_check
+
+        self_check(device, dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - any failure means: not this backend

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, attention
-from engine.attention import HeadShape, TorchAttention, choose_attention, probe_triton
-from engine.attention import triton_kernels as tk
+from engine.attention import HeadShape, TorchAttention, choose_attention, probe_triton, triton_check
 from engine.attention.cpu_kernel import KernelAttention
 from engine.config import EngineConfig
 from engine.kernels import triton_ops
@@ -83,18 +82,18 @@ def test_the_probe_turns_down_kernels_that_compute_wrong_results(monkeypatch) ->
     def off_by_a_little(*args, **kwargs):  # what a miscompiled split merge might return
         return real(*args, **kwargs) + 0.1
 
-    real = tk.paged_attention
-    monkeypatch.setattr(tk, "paged_attention", off_by_a_little)
+    real = triton_check.paged_attention
+    monkeypatch.setattr(triton_check, "paged_attention", off_by_a_little)
     assert "RuntimeError: decode differs from exact attention by 0.1" in (probe_triton(CPU, torch.float32, shape) or "")
 
     def nan_prefill(q, *args, **kwargs):
         out = real(q, *args, **kwargs)
         return out if args[5] == 1 else out * float("nan")  # args[5]: max_q
 
-    monkeypatch.setattr(tk, "paged_attention", nan_prefill)
+    monkeypatch.setattr(triton_check, "paged_attention", nan_prefill)
     assert "prefill differs" in (probe_triton(CPU, torch.float32, shape) or "")
-    monkeypatch.setattr(tk, "paged_attention", real)
-    monkeypatch.setattr(tk, "write_kv", lambda *args: None)
+    monkeypatch.setattr(triton_check, "paged_attention", real)
+    monkeypatch.setattr(triton_check, "write_kv", lambda *args: None)
     assert "write_kv stored keys or values in the wrong cache rows" in (probe_triton(CPU, torch.float32, shape) or "")
 
 
