@@ -53,7 +53,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 @jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, k, stride_w, HAS_BIAS: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, k, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
@@ -62,7 +62,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, k, stride_w, HAS_BIAS: tl.conste
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if GATED:
+            # The input is [gate | up]; the product's input is silu(gate) * up,
+            # rounded as triton_ops.silu_mul rounds it (so the result is the same
+            # as that kernel's output fed to this one).
+            gate = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
@@ -94,16 +103,20 @@ def shape_configs(n: int, num_sms: int) -> list[GemvConfig]:
     return list(dict.fromkeys(fitted))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
+         gated: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for one row: x `[1, K]` (unit stride), weight `[N, K]`
-    (unit stride along K); returns `[1, N]` in x's dtype."""
+    (unit stride along K); returns `[1, N]` in x's dtype. `gated`: x is `[1, 2K]`,
+    a gate and an up projection side by side, and the product's input is
+    `silu(gate) * up` (a SwiGLU MLP's down projection, without the kernel between)."""
     n, k = weight.shape
-    if x.shape != (1, k) or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"gemv takes one row of {k} features and a [N, {k}] weight, not {tuple(x.shape)}")
+    if x.shape != (1, 2 * k if gated else k) or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes one row of {2 * k if gated else k} features and a [N, {k}] weight, "
+                         f"not {tuple(x.shape)}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = (-(-n // config.block_n),)
     _gemv_kernel[grid](x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
-                       HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                       HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                        num_warps=config.num_warps)
     return y
 

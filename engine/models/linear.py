@@ -14,7 +14,8 @@ at 16). The copy doubles fp32 weight memory on CPU, so it is an engine option
 
 On CUDA a single row (batch-1 decoding) takes our Triton matrix-vector kernel
 for the weight shapes where the start-up timing found it faster than cuBLAS
-(`gemv`, set by engine/kernels/triton_gemv.py `install`).
+(`gemv`, set by engine/kernels/triton_gemv.py `install`); a SwiGLU MLP's down
+projection then also takes the activation into that kernel (`gated_row`).
 """
 
 from __future__ import annotations
@@ -86,3 +87,14 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
+
+    def gated_row(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """This layer applied to `silu(gate) * up` of one row `[1, 2 * in_features]`
+        in one kernel, where this layer takes the Triton kernel for one row; else
+        None (the caller computes the activation first). The same result as the
+        Triton activation kernel's output passed to `__call__`."""
+        if self.gemv is None or gate_up.shape[0] != 1:
+            return None
+        assert self.weight is not None
+        return triton_gemv.gemv(gate_up if gate_up.stride(1) == 1 else gate_up.contiguous(), self.weight,
+                                self.bias, self.gemv, gated=True)

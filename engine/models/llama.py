@@ -127,6 +127,12 @@ class LlamaFamilyModel:
         inter = self.config.intermediate_size
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
+    def _mlp_out(self, layer: DecoderLayer, gate_up: torch.Tensor) -> torch.Tensor:
+        """The down projection of `silu(gate) * up`: one kernel for a single row
+        on the Triton matrix-vector kernel (a launch fewer a layer at batch 1)."""
+        fused = layer.down.gated_row(gate_up)
+        return fused if fused is not None else layer.down(self._silu_mul(gate_up))
+
     def _rope_input(self, positions: torch.Tensor) -> torch.Tensor:
         """What `_rotate` takes for a step: the positions themselves for the
         kernel of `ops`, else each token's rotation, gathered once for all layers."""
@@ -172,7 +178,7 @@ class LlamaFamilyModel:
             attn = attention(q, k, v, i, meta)
             h = layer.o_proj(attn.reshape(t, c.q_size))
             x = self._add_norm(h, residual, layer.post_norm)
-            h = layer.down(self._silu_mul(layer.gate_up(x)))
+            h = self._mlp_out(layer, layer.gate_up(x))
         return self._add_norm(h, residual, self.final_norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -349,7 +349,8 @@ def test_batch1_gemv_is_chosen_by_timing_and_agrees_with_cublas(cuda_llm) -> Non
     """bfloat16 on CUDA: the start-up timed every weight shape (the log line
     names each), and each linear layer's one-row product, cuBLAS's or the
     Triton kernel's, agrees with F.linear to bfloat16 rounding; the same holds
-    for 8B-shaped weights timed here."""
+    for 8B-shaped weights timed here. Where the Triton kernel serves, its gated
+    form (SiLU x up taken in) equals the activation kernel followed by it."""
     from engine.kernels import triton_gemv
     from engine.models.linear import Linear
 
@@ -367,6 +368,11 @@ def test_batch1_gemv_is_chosen_by_timing_and_agrees_with_cublas(cuda_llm) -> Non
         want = torch.nn.functional.linear(x, lin.weight, lin.bias).float()
         got = lin(x).float()
         assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), (lin.gemv, lin.weight.shape)
+        if lin.gemv is not None:  # the down projection's one-kernel form gives the two-kernel result
+            from engine.kernels import triton_ops
+
+            gate_up = torch.randn(1, 2 * lin.in_features, device="cuda", dtype=torch.bfloat16, generator=gen)
+            assert torch.equal(lin.gated_row(gate_up), lin(triton_ops.silu_mul(gate_up)))
 
 
 def test_startup_choices_and_pinned_step_inputs(cuda_llm, caplog) -> None:

@@ -127,3 +127,62 @@ def test_a_linear_layer_takes_the_kernel_for_one_row_only(dtype):
     wide = torch.cat([x, x], dim=1)[:, ::2]
     assert torch.allclose(layer(wide).double(), _reference(wide, w, b), rtol=tol,
                           atol=tol * float(want.abs().max()) * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("config", tg.CONFIGS[::2])
+def test_the_gated_product_is_the_activation_kernel_then_the_product(dtype, config):
+    """`gated`: silu(gate) * up computed as the kernel loads its input, rounded as
+    the activation kernel rounds it: the same bits as that kernel, then gemv."""
+    from engine.kernels import triton_ops
+
+    block_n, block_k, warps = config
+    cfg = tg.GemvConfig(block_n, block_k, warps)
+    n, k = block_n + 3, block_k + 24
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (2 * torch.randn(1, 2 * k, generator=gen)).to(DEVICE, dtype)
+    for bias in (False, True):
+        _, w, b = _weights(n, k, dtype, bias, seed=6)
+        fused = tg.gemv(gate_up, w, b, cfg, gated=True)
+        assert torch.equal(fused, tg.gemv(triton_ops.silu_mul(gate_up), w, b, cfg))
+        act = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+        want = _reference(act, w, b)
+        tol = TOL[dtype]
+        assert torch.allclose(fused.double(), want, rtol=2 * tol, atol=2 * tol * float(want.abs().max()))
+    with pytest.raises(ValueError):
+        tg.gemv(gate_up[:, :k].contiguous(), w, b, cfg, gated=True)
+
+
+@pytest.mark.parametrize("cuda_graphs", ["off", "emulate"])
+def test_at_batch_one_the_down_projection_takes_the_activation_in_its_kernel(make_llm, monkeypatch, cuda_graphs):
+    """A whole Triton engine at batch 1 (eagerly, and through the decode graphs'
+    static-buffer path) with every layer on the GEMV: the down projection runs
+    gated, one kernel instead of two, and the tokens and their log-probabilities
+    are those of the two-kernel path."""
+    from engine import SamplingParams
+    from engine.kernels import triton_ops
+    from engine.models import linear
+
+    monkeypatch.setattr(linear, "_onednn_usable", lambda weight: False)  # keep plain weights, as on CUDA
+    llm = make_llm("tiny-llama", attention="triton", cuda_graphs=cuda_graphs, kv_cache_gib=0.05, max_num_seqs=2)
+    assert llm.engine.model.ops is triton_ops
+    for lin in llm.engine.model.linears():
+        lin.gemv = tg.GemvConfig(16, 64, 4)
+    plain_gemv, gated = tg.gemv, []
+
+    def counting(*args, **kwargs):
+        gated.append(kwargs.get("gated", False))
+        return plain_gemv(*args, **kwargs)
+
+    monkeypatch.setattr(tg, "gemv", counting)
+    params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=2)
+    prompt = [5, 17, 301, 42, 9]
+    [fused] = llm.generate([prompt], params)
+    layers = len(llm.engine.model.layers)
+    assert gated.count(True) >= layers * 4  # every decode step's every layer
+    monkeypatch.setattr(Linear, "gated_row", lambda self, gate_up: None)
+    gated.clear()
+    [plain] = llm.generate([prompt], params)
+    assert True not in gated
+    assert fused.token_ids == plain.token_ids
+    assert fused.logprobs == plain.logprobs

@@ -437,6 +437,8 @@ for dtype, bias in ((torch.float16, True), (torch.bfloat16, False)):
         for n in sorted({block_n, min(block_n, 8)}):
             tg.gemv(torch.zeros(1, 4096, dtype=dtype), weight, torch.zeros(64, dtype=dtype) if bias else None,
                     tg.GemvConfig(n, block_k, warps))
+            if dtype == torch.bfloat16:  # the down projection's, with SiLU x up on its input
+                tg.gemv(torch.zeros(1, 8192, dtype=dtype), weight, None, tg.GemvConfig(n, block_k, warps), gated=True)
 print("compiled", len(compiled))
 """
 
@@ -463,6 +465,6 @@ def test_kernels_compile_for_gpus(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # 4 configurations x (decode, decode + merge, prefill) x 2 architectures, then
     # 3 dtypes x 4 pointwise kernels x 2 architectures, then 2 dtypes x 9 GEMV
-    # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) x 2
-    # architectures.
-    assert result.stdout.split()[-1] == str(4 * 4 * 2 + 3 * 4 * 2 + 2 * 9 * 2)
+    # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
+    # the 9 gated ones in bfloat16, x 2 architectures.
+    assert result.stdout.split()[-1] == str(4 * 4 * 2 + 3 * 4 * 2 + 3 * 9 * 2)
