@@ -165,6 +165,16 @@ class AttentionBackend(ABC, Generic[M]):
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> M:
         """This backend's metadata for a step (`table` is kv.lookup_table on the host)."""
 
+    # Whether `attend_rotating` works: the rotary embedding done in the cache write.
+    rotates_in_write = False
+
     @abstractmethod
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: M) -> torch.Tensor:
         """Store the new keys and values of `layer`, attend, return [T, heads, head_dim]."""
+
+    def attend_rotating(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: M,
+                        rotation_pairs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`__call__` for q and k not yet rotated: each token's pairs turn by
+        `rotation_pairs[positions[t]]` (float32 (cos, sin), interleaved) as its
+        keys are stored. Only where `rotates_in_write`."""
+        raise NotImplementedError(f"{self.name} attention does not rotate in its cache write")

@@ -19,7 +19,7 @@ from engine.staging import Staging
 
 from .base import AttentionBackend, SeqSpan
 from .paged import PagedMetadata, paged_plan
-from .triton_kernels import default_num_splits, paged_attention, sm_count, write_kv
+from .triton_kernels import default_num_splits, paged_attention, rotate_write_kv, sm_count, write_kv
 
 
 class TritonAttention(AttentionBackend[PagedMetadata]):
@@ -32,10 +32,23 @@ class TritonAttention(AttentionBackend[PagedMetadata]):
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> PagedMetadata:
         return paged_plan(spans, table, kv, self.staging)
 
+    rotates_in_write = True
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                  meta: PagedMetadata) -> torch.Tensor:
         rows = meta.rows
         # One kernel for the layer's keys and values (CacheRows.write takes four).
         write_kv(rows.flat, meta.write_rows, rows.key_offset(layer), rows.value_offset(layer), k, v)
-        return paged_attention(q, rows.blocks, layer, meta.block_table, meta.seq_lens, meta.cu_q, meta.max_q,
+        return self._attend(q, layer, meta)
+
+    def attend_rotating(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: PagedMetadata,
+                        rotation_pairs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rows = meta.rows
+        # The rotary embedding of q and k and the cache write in one kernel (a launch fewer a layer).
+        rotate_write_kv(q, k, v, rotation_pairs, positions, rows.flat, meta.write_rows, rows.key_offset(layer),
+                        rows.value_offset(layer))
+        return self._attend(q, layer, meta)
+
+    def _attend(self, q: torch.Tensor, layer: int, meta: PagedMetadata) -> torch.Tensor:
+        return paged_attention(q, meta.rows.blocks, layer, meta.block_table, meta.seq_lens, meta.cu_q, meta.max_q,
                                self.scale, num_splits=self.decode_splits)

@@ -67,7 +67,7 @@ import torch
 from engine.kernels.triton_base import interpreted, next_pow2, tl, triton, triton_available
 from engine.kernels.triton_base import jit as _jit
 
-__all__ = ["default_num_splits", "paged_attention", "sm_count", "triton_available", "write_kv"]
+__all__ = ["default_num_splits", "paged_attention", "rotate_write_kv", "sm_count", "triton_available", "write_kv"]
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
@@ -320,6 +320,47 @@ def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, rows_ptr, key_offset, value_offset
     tl.store(cache_ptr + (base + value_offset) * stride_cr + inner, v, mask=ok)
 
 
+@_jit
+def _rotate_write_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, rows_ptr, table_ptr, pos_ptr, key_offset, value_offset,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cr, stride_ch,
+                            stride_tab, q_heads, kv_heads, half, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                            BLOCK_P: tl.constexpr):
+    """Token `t`: its query heads rotated in place, its key heads rotated into
+    the cache row `rows[t] + key_offset`, its values copied to `rows[t] +
+    value_offset`. Pair i of a token at position p turns by `table[p, 2i]`
+    (cos) and `table[p, 2i + 1]` (sin), in float32, rounded once on store: the
+    bits triton_ops.rotary_embedding and `_write_kv_kernel` would store."""
+    tok = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < half
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cos = tl.load(table_ptr + pos * stride_tab + 2 * p, mask=p_ok, other=0.0)[None, :]
+    sin = tl.load(table_ptr + pos * stride_tab + 2 * p + 1, mask=p_ok, other=0.0)[None, :]
+
+    hq = tl.arange(0, BLOCK_QH)
+    ok = (hq < q_heads)[:, None] & p_ok[None, :]
+    at = q_ptr + tok * stride_qt + hq[:, None] * stride_qh + 2 * p[None, :]
+    re = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    im = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+    tl.store(at, (re * cos - im * sin).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(at + 1, (re * sin + im * cos).to(q_ptr.dtype.element_ty), mask=ok)
+
+    base = tl.load(rows_ptr + tok).to(tl.int64)
+    hk = tl.arange(0, BLOCK_KH)
+    ok = (hk < kv_heads)[:, None] & p_ok[None, :]
+    at = k_ptr + tok * stride_kt + hk[:, None] * stride_kh + 2 * p[None, :]
+    re = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    im = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+    inner = hk[:, None] * stride_ch + 2 * p[None, :]
+    key = cache_ptr + (base + key_offset) * stride_cr + inner
+    tl.store(key, (re * cos - im * sin).to(cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(key + 1, (re * sin + im * cos).to(cache_ptr.dtype.element_ty), mask=ok)
+    at = v_ptr + tok * stride_vt + hk[:, None] * stride_vh + 2 * p[None, :]
+    value = cache_ptr + (base + value_offset) * stride_cr + inner
+    tl.store(value, tl.load(at, mask=ok), mask=ok)
+    tl.store(value + 1, tl.load(at + 1, mask=ok), mask=ok)
+
+
 # ---------------------------------------------------------------------------
 # Launch wrappers (host ints and shapes only: no tensor value is read here)
 # ---------------------------------------------------------------------------
@@ -475,6 +516,36 @@ def write_kv(flat: torch.Tensor, rows: torch.Tensor, key_offset: int, value_offs
         k, v, flat, rows, key_offset, value_offset, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         flat.stride(0), flat.stride(1), kv_heads, head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=1 if block_h * block_d <= 512 else 4)
+
+
+def rotate_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation_pairs: torch.Tensor,
+                    positions: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor, key_offset: int,
+                    value_offset: int) -> None:
+    """Rotary embedding and the cache write of a layer in one kernel: q `[T, H,
+    D]` rotated in place, k `[T, kv_heads, D]` rotated into `flat[rows +
+    key_offset]` (k itself is left as it was), v copied into `flat[rows +
+    value_offset]`; token t turns by `rotation_pairs[positions[t]]` (float32
+    (cos, sin) pairs, interleaved). What triton_ops.rotary_embedding on q and k
+    and then `write_kv` do, in one launch instead of two, bit for bit."""
+    if triton is None:
+        raise RuntimeError("rotate_write_kv needs Triton, which is not installed")
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if v.shape != k.shape or k.shape[::2] != q.shape[::2] or flat.shape[1:] != k.shape[1:] \
+            or not flat.is_contiguous() or head_dim % 2 or flat.dtype != q.dtype \
+            or any(t.stride(2) != 1 or t.dtype != q.dtype for t in (k, v)) or q.stride(2) != 1:
+        raise ValueError("rotate_write_kv: q [T, H, D], k and v [T, kv_heads, D] of unit last stride, even D, "
+                         "of the cache's dtype")
+    if rotation_pairs.stride(1) != 1 or rotation_pairs.dtype != torch.float32:
+        raise ValueError("rotate_write_kv takes float32 (cos, sin) pairs of unit last stride")
+    if num_tokens == 0:
+        return
+    block_qh, block_kh, block_p = next_pow2(num_heads), next_pow2(kv_heads), next_pow2(head_dim // 2)
+    _rotate_write_kv_kernel[(num_tokens,)](
+        q, k, v, flat, rows, rotation_pairs, positions, key_offset, value_offset, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), flat.stride(0), flat.stride(1), rotation_pairs.stride(0),
+        num_heads, kv_heads, head_dim // 2, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_P=block_p,
+        num_warps=1 if block_qh * block_p <= 512 else 4)
 
 
 def _check(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: torch.Tensor,

@@ -145,7 +145,9 @@ class LlamaFamilyModel:
             return x
         return apply_rotation(x, rope)
 
-    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, rope: torch.Tensor):
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, rope: torch.Tensor, rotate: bool):
+        """Queries, keys and values of a layer; q and k rotated unless `rotate` is
+        False (the attention backend then rotates them as it stores the keys)."""
         c = self.config
         t = x.shape[0]
         qkv = layer.qkv(x)
@@ -153,12 +155,13 @@ class LlamaFamilyModel:
         v = qkv[:, q_size + kv_size:].view(t, c.num_kv_heads, c.head_dim)
         if layer.q_norm is None:
             qk = qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
-            qk = self._rotate(qk, rope)
+            if rotate:
+                qk = self._rotate(qk, rope)
             return qk[:, :c.num_heads], qk[:, c.num_heads:], v
         assert layer.k_norm is not None
         q = self._norm(qkv[:, :q_size].view(t, c.num_heads, c.head_dim), layer.q_norm)
         k = self._norm(qkv[:, q_size:q_size + kv_size].view(t, c.num_kv_heads, c.head_dim), layer.k_norm)
-        return self._rotate(q, rope), self._rotate(k, rope), v
+        return (self._rotate(q, rope), self._rotate(k, rope), v) if rotate else (q, k, v)
 
     # -- forward ----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
@@ -168,14 +171,17 @@ class LlamaFamilyModel:
         c = self.config
         t = input_ids.shape[0]
         rope = self._rope_input(positions)
+        # With the Triton kernels, rotary embedding and the cache write are one kernel.
+        pairs = self.rotation_pairs if attention.rotates_in_write else None
         h = F.embedding(input_ids, self.embed)
         residual = h.clone()
         x = self._norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x = self._add_norm(h, residual, layer.input_norm)
-            q, k, v = self._qkv(layer, x, rope)
-            attn = attention(q, k, v, i, meta)
+            q, k, v = self._qkv(layer, x, rope, rotate=pairs is None)
+            attn = attention(q, k, v, i, meta) if pairs is None else \
+                attention.attend_rotating(q, k, v, i, meta, pairs, rope)
             h = layer.o_proj(attn.reshape(t, c.q_size))
             x = self._add_norm(h, residual, layer.post_norm)
             h = self._mlp_out(layer, layer.gate_up(x))

@@ -122,10 +122,23 @@ def test_cpu_engines_log_their_choice(make_llm, caplog, attention, backend) -> N
 
 @pytest.mark.parametrize(("preset", "cuda_graphs"), [("tiny-llama", "off"), ("tiny-llama", "emulate"),
                                                      ("tiny-qwen2", "off"), ("tiny-qwen3", "emulate")])
-def test_a_triton_engine_matches_transformers(make_llm, caplog, preset: str, cuda_graphs: str) -> None:
+def test_a_triton_engine_matches_transformers(make_llm, caplog, monkeypatch, preset: str, cuda_graphs: str) -> None:
     """The Triton kernels in a whole engine (in the interpreter here): attention
     and the fused pointwise kernels, mixed prefill/decode batches eagerly,
-    decode steps through the graph path; q/k/v biases (Qwen2) and q/k norms (Qwen3)."""
+    decode steps through the graph path; q/k/v biases (Qwen2) and q/k norms
+    (Qwen3). Every layer's rotary embedding happens in its cache write."""
+    from engine.attention import triton_backend
+
+    writes = {"rotating": 0, "plain": 0}
+
+    def counted(name, fn):
+        def call(*args):
+            writes[name] += 1
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(triton_backend, "rotate_write_kv", counted("rotating", triton_backend.rotate_write_kv))
+    monkeypatch.setattr(triton_backend, "write_kv", counted("plain", triton_backend.write_kv))
     with caplog.at_level(logging.INFO, logger="engine.engine"):
         llm = make_llm(preset, attention="triton", cuda_graphs=cuda_graphs, kv_cache_gib=0.05, max_num_seqs=4,
                        page_size=5)
@@ -139,6 +152,7 @@ def test_a_triton_engine_matches_transformers(make_llm, caplog, preset: str, cud
         assert res.token_ids == hf_greedy(preset, prompt, 6)
     if cuda_graphs == "emulate":
         assert llm.engine.graphs is not None and sum(llm.engine.graphs.replays.values()) > 0
+    assert writes["rotating"] > 0 and writes["plain"] == 0
 
 
 def test_config_checks() -> None:

@@ -415,11 +415,12 @@ for dtype, head_dim, page_size, group in ((torch.float32, 80, 3, 4), (torch.floa
         cu_q = torch.arange(4, dtype=torch.int32) * max_q
         tk.paged_attention(q, kv, 1, torch.zeros(3, 8, dtype=torch.int32), torch.ones(3, dtype=torch.int32),
                            cu_q, max_q, 0.125, num_splits=splits)
-# The one-kernel KV write and the model's pointwise kernels, at Llama-3-8B's widths.
+# The KV writes (plain, and with the rotary embedding in) and the pointwise kernels, at Llama-3-8B's widths.
 from engine.kernels import triton_ops as to
 for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kernel"):
     setattr(to, name, Compile(getattr(to, name)))
 tk._write_kv_kernel = Compile(tk._write_kv_kernel)
+tk._rotate_write_kv_kernel = Compile(tk._rotate_write_kv_kernel)
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     x = torch.zeros(2, 4096, dtype=dtype)
     to.add_rms_norm(x, x.clone(), torch.zeros(4096, dtype=dtype), 1e-5)
@@ -427,6 +428,9 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
     to.rotary_embedding(torch.zeros(2, 40, 128, dtype=dtype), torch.zeros(10, 128), torch.zeros(2, dtype=torch.int64))
     kv = torch.zeros(2, 8, 128, dtype=dtype)
     tk.write_kv(torch.zeros(64, 8, 128, dtype=dtype), torch.zeros(2, dtype=torch.int64), 16, 48, kv, kv)
+    tk.rotate_write_kv(torch.zeros(2, 32, 128, dtype=dtype), kv, kv, torch.zeros(10, 128),
+                       torch.zeros(2, dtype=torch.int64), torch.zeros(64, 8, 128, dtype=dtype),
+                       torch.zeros(2, dtype=torch.int64), 16, 48)
 # The batch-1 matrix-vector kernel in every config and the block_n its grid may
 # halve to, 16-bit only (float32 keeps cuBLAS).
 from engine.kernels import triton_gemv as tg
@@ -464,7 +468,7 @@ def test_kernels_compile_for_gpus(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     # 4 configurations x (decode, decode + merge, prefill) x 2 architectures, then
-    # 3 dtypes x 4 pointwise kernels x 2 architectures, then 2 dtypes x 9 GEMV
+    # 3 dtypes x 5 pointwise kernels (both KV writes among them) x 2 architectures, then 2 dtypes x 9 GEMV
     # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
     # the 9 gated ones in bfloat16, x 2 architectures.
-    assert result.stdout.split()[-1] == str(4 * 4 * 2 + 3 * 4 * 2 + 3 * 9 * 2)
+    assert result.stdout.split()[-1] == str(4 * 4 * 2 + 3 * 5 * 2 + 3 * 9 * 2)

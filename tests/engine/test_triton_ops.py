@@ -1,6 +1,6 @@
 """The Triton pointwise kernels (engine/kernels/triton_ops.py) and the one-kernel
-KV write (engine/attention/triton_kernels.py `write_kv`) against the torch ops
-they replace.
+KV write (engine/attention/triton_kernels.py `write_kv`, and `rotate_write_kv`
+with the rotary embedding in it) against the ops they replace.
 
 Without CUDA they run in Triton's interpreter (chosen when the kernels are
 decorated, so TRITON_INTERPRET is set before the modules are imported); with
@@ -120,6 +120,41 @@ def test_write_kv_stores_what_cache_rows_write_does(dtype, kv_heads, head_dim, p
     tk.write_kv(rows.flat, base, rows.key_offset(layer), rows.value_offset(layer), k, v)
     assert torch.equal(blocks, want_blocks)
     assert blocks.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "page_size"), [(4, 2, 16, 4), (6, 3, 64, 16),
+                                                                       (5, 1, 128, 5)])
+def test_rotate_write_kv_is_the_rotary_kernel_then_the_kv_write(dtype, heads, kv_heads, head_dim, page_size):
+    """One kernel, the same bits: q rotated in place, the rotated keys and the
+    values in the cache rows, k itself untouched (views of the fused q|k|v rows)."""
+    layers, layer, pages, tokens = 3, 1, 6, 9
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=11)
+    want_qkv = qkv.clone()
+
+    def split(t):
+        q = t[:, :heads * head_dim].view(tokens, heads, head_dim)
+        k = t[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        return q, k, t[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+
+    angles = torch.rand(40, head_dim // 2, generator=torch.Generator().manual_seed(12)) * 6
+    pairs = torch.view_as_real(torch.polar(torch.ones_like(angles), angles)).flatten(1).to(DEVICE)
+    positions = torch.tensor([0, 39, 3, 3, 17, 1, 30, 8, 2], device=DEVICE)
+    blocks = torch.zeros(pages, 2, layers, page_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    want_blocks = blocks.clone()
+    rows, want_rows = CacheRows(blocks), CacheRows(want_blocks)
+    table = torch.randperm(pages, generator=torch.Generator().manual_seed(13)).numpy()
+    base = torch.from_numpy(rows.base_rows(table, 2, 2 + tokens)).to(DEVICE)
+
+    wq, wk, wv = split(want_qkv)
+    triton_ops.rotary_embedding(wq, pairs, positions)
+    rotated_k = wk.clone()
+    triton_ops.rotary_embedding(rotated_k, pairs, positions)
+    tk.write_kv(want_rows.flat, base, want_rows.key_offset(layer), want_rows.value_offset(layer), rotated_k, wv)
+    q, k, v = split(qkv)
+    tk.rotate_write_kv(q, k, v, pairs, positions, rows.flat, base, rows.key_offset(layer), rows.value_offset(layer))
+    assert torch.equal(blocks, want_blocks) and blocks.abs().sum() > 0
+    assert torch.equal(qkv, want_qkv)  # q rotated in place as the rotary kernel does; k and v as they were
 
 
 def test_wrappers_refuse_shapes_they_cannot_take():
