@@ -30,6 +30,7 @@ One command on a CUDA machine:
     python bench/gpu.py --quick                  # the 1.1B shape only, 64 new tokens
     python bench/gpu.py --models 8b --skip-transformers --skip-grpc
     python bench/gpu.py --with-tests
+    python bench/gpu.py --with-tests --profile-server --profile-kernels   # and where the time goes
 
 Needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy and
 grpcio (gRPC part), and stencild's own dependencies. Not part of `make test`.
@@ -670,6 +671,18 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
                                  "server_cpu_ms_per_step": best_steps.cpu_ms_per_step()})
 
 
+def profile_kernels(key: str, model_dir: Path, report: Report) -> list[str]:
+    """bench/gpu_profile.py's table for batch 1 (eager steps: the kernels a decode graph replays)."""
+    from bench.gpu_profile import kernel_table
+
+    lines = kernel_table(model_dir, batch=1, prompt_len=16, steps=16, top=25, device=DEVICE)
+    report(f"  [{key}] kernels of a batch-1 decode step:")
+    for line in lines:
+        report("    " + line)
+    free_cuda()
+    return lines
+
+
 def profile_grpc(key: str, server: Any, address: str, args: argparse.Namespace, report: Report) -> None:
     """py-spy on the server while the same streams run again (bench/pyspy.py): every
     running thread's samples, then only the GIL holder's; raw files beside the log."""
@@ -859,6 +872,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-grpc", action="store_true")
     p.add_argument("--profile-server", action="store_true",
                    help="after the gRPC runs, sample the server with py-spy (bench/pyspy.py) while they run again")
+    p.add_argument("--profile-kernels", action="store_true",
+                   help="per model, the kernels of an eager batch-1 decode step by GPU time (bench/gpu_profile.py)")
     p.add_argument("--with-tests", action="store_true", help="run `pytest -q tests/cuda` first and record it")
     p.add_argument("--default-mode-only", action="store_true",
                    help=f"stencild offline in its default mode only ({DEFAULT_MODE})")
@@ -926,6 +941,9 @@ def main(argv: list[str] | None = None) -> int:
         models[key] = info_m
         figures += guarded(report, f"[{key}] stencild offline", run_stencild,
                            key, model_dir, args, bound, report, info_m) or []
+        if args.profile_kernels:
+            info_m["kernels_batch1"] = guarded(report, f"[{key}] kernel profile", profile_kernels, key, model_dir,
+                                               report)
         if not args.skip_transformers:
             hf_batches = [1] if args.quick or key == "8b" else [b for b in (1, 16) if b in args.batches] or [1]
             figures += guarded(report, f"[{key}] transformers", run_transformers,

@@ -31,23 +31,37 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
         print("bench/gpu_profile.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    from bench.gpu import SHAPES, default_out_dir, make_prompts, write_checkpoint
-    from engine import LLM, SamplingParams
+    from bench.gpu import SHAPES, default_out_dir, write_checkpoint
 
     model_dir = Path(args.model) if args.model not in SHAPES else write_checkpoint(SHAPES[args.model],
                                                                                   default_out_dir())
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", cuda_graphs="off", overlap=False,
-              max_num_seqs=max(args.batch, 1), kv_cache_gib=2.0)
-    prompts = make_prompts(args.batch, args.prompt_len, 0)
-    params = SamplingParams(temperature=0.0, max_new_tokens=4 + args.steps, ignore_eos=True)
+    for line in kernel_table(model_dir, args.batch, args.prompt_len, args.steps, args.top):
+        print(line)
+    return 0
+
+
+def kernel_table(model_dir: Path, batch: int, prompt_len: int, steps: int, top: int,
+                 device: str = "cuda") -> list[str]:
+    """Eager decode steps of `batch` rows under torch.profiler: a line of totals,
+    then the `top` kernels by GPU time per step (on a CPU, for tests: ops by
+    CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu import make_prompts
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device=device, dtype="bfloat16", cuda_graphs="off", overlap=False,
+              max_num_seqs=max(batch, 1), kv_cache_gib=2.0 if device == "cuda" else 0.05)
+    prompts = make_prompts(batch, prompt_len, 0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4 + steps, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up: kernels compiled and tuned
-    params = SamplingParams(temperature=0.0, max_new_tokens=1 + args.steps, ignore_eos=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    params = SamplingParams(temperature=0.0, max_new_tokens=1 + steps, ignore_eos=True)
+    kind = "CUDA" if device == "cuda" else "CPU"
+    with profile(activities=[getattr(ProfilerActivity, kind)]) as prof:
         llm.generate(prompts, params)  # a prefill, then `steps` decode steps
     llm.close()
     # Kernels of the prefill step are counted too; with a short prompt they are
@@ -55,19 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     calls: dict[str, int] = defaultdict(int)
     micros: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        if event.device_type.name != "CUDA" or event.device_time_total <= 0:
+        us = event.device_time_total if kind == "CUDA" else event.self_cpu_time_total
+        if event.device_type.name != kind or us <= 0:
             continue
         calls[event.key] += event.count
-        micros[event.key] += event.device_time_total
-    steps = args.steps + 1
+        micros[event.key] += us
+    runs = steps + 1
     total = sum(micros.values())
-    print(f"{model_dir.name}, batch {args.batch}: {sum(calls.values()) / steps:.0f} kernels and "
-          f"{total / steps / 1000:.3f} ms of GPU time per step (mean over {steps} steps, the prefill included)")
-    print(f"{'kernel':<90} {'calls/step':>10} {'us/step':>9} {'share':>6}")
-    for name in sorted(micros, key=micros.get, reverse=True)[:args.top]:  # type: ignore[arg-type]
-        print(f"{name[:90]:<90} {calls[name] / steps:>10.1f} {micros[name] / steps:>9.1f} "
-              f"{100 * micros[name] / total:>5.1f}%")
-    return 0
+    lines = [f"{model_dir.name}, batch {batch}: {sum(calls.values()) / runs:.0f} kernels and "
+             f"{total / runs / 1000:.3f} ms of {'GPU' if kind == 'CUDA' else 'CPU'} time per step "
+             f"(mean over {runs} steps, the prefill included)",
+             f"{'kernel':<90} {'calls/step':>10} {'us/step':>9} {'share':>6}"]
+    for name in sorted(micros, key=micros.__getitem__, reverse=True)[:top]:
+        lines.append(f"{name[:90]:<90} {calls[name] / runs:>10.1f} {micros[name] / runs:>9.1f} "
+                     f"{100 * micros[name] / total:>5.1f}%")
+    return lines
 
 
 if __name__ == "__main__":

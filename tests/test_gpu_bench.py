@@ -1,7 +1,8 @@
 """bench/gpu.py's parts run end to end on a CPU, so that a GPU session (rare,
 and 30 minutes long) does not discover a broken benchmark: a tiny Llama
 checkpoint written as the GPU shapes are, stencild offline in its default mode
-(every batch, the JSON schema, the step phases), transformers' eager and
+(every batch, the JSON schema, the step phases), the batch-1 profile
+(bench/gpu_profile.py, here ops by CPU time), transformers' eager and
 static-cache modes, `stencild serve` with the engine in a thread and in a
 process of its own, then the tables, the targets and the JSON.
 
@@ -35,6 +36,7 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     monkeypatch.setattr(gpu, "_transformers_modes", lambda: (modes()[0][:2], modes()[1]))
     args = gpu.parse_args(["--batches", "1", "4", "--new-tokens", "6", "--repeat", "1", "--prompt-len", "12",
                            "--grpc-concurrency", "4", "--kv-cache-gib", "0.05", "--default-mode-only",
+                           "--profile-kernels",
                            "--out-dir", str(tmp_path / "models"), "--results-dir", str(tmp_path / "results")])
     report = gpu.Report(tmp_path / "results" / "gpu-test.log")
     model_dir = gpu.write_checkpoint(TINY, args.out_dir)
@@ -49,6 +51,9 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     schema = figures[-1]
     assert schema.extra["phases_summary"] and schema.extra["forced_tokens"] > 0
     assert set(info) >= {"attention", "pointwise_kernels", "graphs", "gemv", "grammar_mask_threads"}
+
+    lines = gpu.profile_kernels("1.1b", model_dir, report)  # on a CPU: ops by CPU time
+    assert lines[0].startswith(f"{model_dir.name}, batch 1: ") and len(lines) > 3
 
     hf = gpu.run_transformers("1.1b", model_dir, [1], args, bound, report)
     assert [f.mode for f in hf] == ["eager (dynamic cache)", "static cache"]
