@@ -24,6 +24,7 @@ from .triton_kernels import default_num_splits, paged_attention, rotate_write_kv
 
 class TritonAttention(AttentionBackend[PagedMetadata]):
     name = "triton"
+    rotates_in_write = True
 
     def __init__(self, num_heads: int, head_dim: int, staging: Staging, num_kv_heads: int, max_keys: int):
         super().__init__(num_heads, head_dim, staging)
@@ -31,8 +32,6 @@ class TritonAttention(AttentionBackend[PagedMetadata]):
 
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> PagedMetadata:
         return paged_plan(spans, table, kv, self.staging)
-
-    rotates_in_write = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                  meta: PagedMetadata) -> torch.Tensor:

@@ -582,4 +582,3 @@ def _check(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: to
         raise ValueError("max_q must be >= 0")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
-
