@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -28,9 +29,10 @@ def loop_thread() -> Iterator[LoopThread]:
     runner.close()
 
 
-@pytest.fixture(scope="session")
-def make_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]]:
-    """Start servers (ready unless wait=False); each is checked for leaked pages and stopped."""
+@contextmanager
+def _servers(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]]:
+    """A maker of servers (ready unless wait=False); on leaving, each is checked
+    for leaked pages and stopped, its engine and compile workers with it."""
     made: list[ServerHandle] = []
 
     def start(factory: Callable[[], EngineCore] | None = None, wait: bool = True,
@@ -64,28 +66,50 @@ def make_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]
         handle.stop()
 
 
+# One maker per scope: a server lives as long as the fixture or test that made
+# it, not to the end of the session (each holds an engine and compile worker
+# processes; kept to the end, a run's servers outgrew the machine's memory).
 @pytest.fixture(scope="session")
-def server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+def make_session_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]]:
+    with _servers(loop_thread) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def make_module_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]]:
+    with _servers(loop_thread) as start:
+        yield start
+
+
+@pytest.fixture
+def make_server(loop_thread: LoopThread) -> Iterator[Callable[..., ServerHandle]]:
+    """Servers of one test, stopped when it ends."""
+    with _servers(loop_thread) as start:
+        yield start
+
+
+@pytest.fixture(scope="session")
+def server(make_session_server: Callable[..., ServerHandle]) -> ServerHandle:
     """The shared server: tiny-llama at full speed."""
-    return make_server()
+    return make_session_server()
 
 
 @pytest.fixture(scope="session")
-def slow_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+def slow_server(make_session_server: Callable[..., ServerHandle]) -> ServerHandle:
     """tiny-llama with 20 ms per step, for cancelling requests mid-stream."""
-    return make_server(engine_factory(slow_s=0.02))
+    return make_session_server(engine_factory(slow_s=0.02))
 
 
 @pytest.fixture(scope="session")
-def grammar_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+def grammar_server(make_session_server: Callable[..., ServerHandle]) -> ServerHandle:
     """tiny-llama with a 1.5 s grammar compile timeout and the compile worker warm."""
-    return make_server(engine_factory(grammar_compile_timeout_s=1.5), warmup_grammar=True)
+    return make_session_server(engine_factory(grammar_compile_timeout_s=1.5), warmup_grammar=True)
 
 
 @pytest.fixture(scope="session")
-def embed_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+def embed_server(make_session_server: Callable[..., ServerHandle]) -> ServerHandle:
     """tiny-llama and all-MiniLM-L6-v2 at once, sharing the engine's device thread."""
-    return make_server(embedding=EmbeddingOptions(EmbeddingConfig()))
+    return make_session_server(embedding=EmbeddingOptions(EmbeddingConfig()))
 
 
 @pytest.fixture
@@ -94,10 +118,10 @@ def stub(server: ServerHandle) -> pb_grpc.GenerationStub:
 
 
 @pytest.fixture(scope="session")
-def speech_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+def speech_server(make_session_server: Callable[..., ServerHandle]) -> ServerHandle:
     """tiny-llama, and demo-speech + tiny-codec on a speech engine of its own
     (sharing the generation engine's device thread)."""
-    return make_server(speech=SpeechOptions("demo-speech", speech_factory()))
+    return make_session_server(speech=SpeechOptions("demo-speech", speech_factory()))
 
 
 def shared_plan() -> ServePlan:
@@ -112,7 +136,7 @@ def shared_plan() -> ServePlan:
 
 
 @pytest.fixture(scope="session")
-def shared_speech_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+def shared_speech_server(make_session_server: Callable[..., ServerHandle]) -> ServerHandle:
     """One engine (demo-speech + tiny-codec) serving text and speech, as the CLI builds it."""
     plan = shared_plan()
-    return make_server(plan.engine_factory, model_name=plan.model_name, speech=plan.speech)
+    return make_session_server(plan.engine_factory, model_name=plan.model_name, speech=plan.speech)

@@ -35,8 +35,8 @@ def code_and_reason(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str | No
 
 
 @pytest.fixture(scope="module")
-def keyed(make_server: Callable[..., ServerHandle]) -> ServerHandle:
-    return make_server(engine_factory(slow_s=0.02), api_keys=KEYS)
+def keyed(make_module_server: Callable[..., ServerHandle]) -> ServerHandle:
+    return make_module_server(engine_factory(slow_s=0.02), api_keys=KEYS)
 
 
 def tokenize(handle: ServerHandle, metadata: tuple[tuple[str, str], ...] = ()) -> list[int]:

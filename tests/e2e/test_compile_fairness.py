@@ -37,14 +37,14 @@ def bearer(secret: str | None) -> tuple[tuple[str, str], ...]:
 
 
 @pytest.fixture(scope="module")
-def keyed(make_server: Callable[..., ServerHandle]) -> ServerHandle:
-    return make_server(engine_factory(grammar_compile_timeout_s=COMPILE_TIMEOUT), warmup_grammar=True,
-                       api_keys=(ApiKey("mallory", MALLORY), ApiKey("bob", BOB)))
+def keyed(make_module_server: Callable[..., ServerHandle]) -> ServerHandle:
+    return make_module_server(engine_factory(grammar_compile_timeout_s=COMPILE_TIMEOUT), warmup_grammar=True,
+                              api_keys=(ApiKey("mallory", MALLORY), ApiKey("bob", BOB)))
 
 
 @pytest.fixture(scope="module")
-def open_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
-    return make_server(engine_factory(grammar_compile_timeout_s=COMPILE_TIMEOUT), warmup_grammar=True)
+def open_server(make_module_server: Callable[..., ServerHandle]) -> ServerHandle:
+    return make_module_server(engine_factory(grammar_compile_timeout_s=COMPILE_TIMEOUT), warmup_grammar=True)
 
 
 def first_chunk_after(stub: Any, req: pb.GenerateRequest, metadata: tuple[tuple[str, str], ...]) -> float:

@@ -24,8 +24,8 @@ from .metrics_helpers import scrape
 
 
 @pytest.fixture(scope="module")
-def process_server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
-    return make_server(process_factory(), telemetry=TelemetryConfig(metrics_port=0))
+def process_server(make_module_server: Callable[..., ServerHandle]) -> ServerHandle:
+    return make_module_server(process_factory(), telemetry=TelemetryConfig(metrics_port=0))
 
 
 def _requests() -> list[pb.GenerateRequest]:

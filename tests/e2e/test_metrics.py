@@ -39,10 +39,10 @@ MAX_PENDING = 4
 
 
 @pytest.fixture(scope="module")
-def msrv(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+def msrv(make_module_server: Callable[..., ServerHandle]) -> ServerHandle:
     """tiny-llama at 20 ms a step, metrics on a free port, at most 4 requests in flight."""
-    return make_server(engine_factory(slow_s=0.02), telemetry=TelemetryConfig(metrics_port=0),
-                       max_pending_requests=MAX_PENDING)
+    return make_module_server(engine_factory(slow_s=0.02), telemetry=TelemetryConfig(metrics_port=0),
+                              max_pending_requests=MAX_PENDING)
 
 
 def running(s: Scrape) -> float:

@@ -28,15 +28,15 @@ def _streams(server: ServerHandle, n: int) -> list[tuple[str, list[int], list]]:
 
 
 @pytest.fixture(scope="module")
-def paced(make_server) -> ServerHandle:  # type: ignore[no-untyped-def]
+def paced(make_module_server) -> ServerHandle:  # type: ignore[no-untyped-def]
     # 8 streams and 100 messages a second: each waits 80 ms after a chunk,
     # while a step takes 10 ms.
-    return make_server(engine_factory(slow_s=0.01, max_num_seqs=8), stream_messages_per_s=100.0)
+    return make_module_server(engine_factory(slow_s=0.01, max_num_seqs=8), stream_messages_per_s=100.0)
 
 
 @pytest.fixture(scope="module")
-def unpaced(make_server) -> ServerHandle:  # type: ignore[no-untyped-def]
-    return make_server(engine_factory(slow_s=0.01, max_num_seqs=8), stream_messages_per_s=0.0)
+def unpaced(make_module_server) -> ServerHandle:  # type: ignore[no-untyped-def]
+    return make_module_server(engine_factory(slow_s=0.01, max_num_seqs=8), stream_messages_per_s=0.0)
 
 
 def test_paced_streams_send_fewer_chunks_of_the_same_tokens(paced: ServerHandle, unpaced: ServerHandle) -> None:

@@ -30,8 +30,8 @@ Finish = pb.GenerateComplete.FinishReason
 
 
 @pytest.fixture(scope="module")
-def demo(make_server) -> ServerHandle:  # type: ignore[no-untyped-def]
-    return make_server(engine_factory("demo"), model_name="demo")
+def demo(make_module_server) -> ServerHandle:  # type: ignore[no-untyped-def]
+    return make_module_server(engine_factory("demo"), model_name="demo")
 
 
 @pytest.fixture(scope="module")

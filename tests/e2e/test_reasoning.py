@@ -62,11 +62,11 @@ def _script() -> dict[int, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reasoner(make_server):  # type: ignore[no-untyped-def]
+def reasoner(make_module_server):  # type: ignore[no-untyped-def]
     path = ensure_preset("tiny-reasoning")
     config = EngineConfig(model=str(path), kv_cache_gib=0.05, reasoning_parser="qwen3")
-    return make_server(lambda: EngineCore(config, wrap_model=scripted_by_position(_script())),
-                       model_name="tiny-reasoning")
+    return make_module_server(lambda: EngineCore(config, wrap_model=scripted_by_position(_script())),
+                              model_name="tiny-reasoning")
 
 
 def _request(prompt: list[int], max_new_tokens: int = 60, **fields) -> pb.GenerateRequest:  # type: ignore[no-untyped-def]

@@ -32,8 +32,8 @@ def _matches(pattern: str, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def demo(make_server) -> ServerHandle:  # type: ignore[no-untyped-def]
-    return make_server(engine_factory("demo"), model_name="demo", warmup_grammar=True)
+def demo(make_module_server) -> ServerHandle:  # type: ignore[no-untyped-def]
+    return make_module_server(engine_factory("demo"), model_name="demo", warmup_grammar=True)
 
 
 def _request(pattern: str, seed: int, backend: int = C.BACKEND_UNSPECIFIED) -> pb.GenerateRequest:

@@ -135,8 +135,8 @@ def _error(call: Any) -> grpc.RpcError:
 
 
 @pytest.fixture(scope="module")
-def no_overlap_server(make_server) -> ServerHandle:  # type: ignore[no-untyped-def]
-    return make_server(engine_factory(overlap=False), warmup_grammar=True)
+def no_overlap_server(make_module_server) -> ServerHandle:  # type: ignore[no-untyped-def]
+    return make_module_server(engine_factory(overlap=False), warmup_grammar=True)
 
 
 @pytest.fixture(params=["overlap", "no-overlap"])
@@ -499,9 +499,9 @@ def test_invalid_constraint_is_invalid_argument_within_a_second(grammar_server: 
 
 
 @pytest.fixture(scope="module")
-def slow_grammar_server(make_server) -> ServerHandle:  # type: ignore[no-untyped-def]
+def slow_grammar_server(make_module_server) -> ServerHandle:  # type: ignore[no-untyped-def]
     """20 ms per step (streams outlast a compile) and a 1 s compile timeout."""
-    return make_server(engine_factory(slow_s=0.02, grammar_compile_timeout_s=1.0), warmup_grammar=True)
+    return make_module_server(engine_factory(slow_s=0.02, grammar_compile_timeout_s=1.0), warmup_grammar=True)
 
 
 def test_compile_timeout_fails_only_its_request(slow_grammar_server: ServerHandle) -> None:

@@ -30,8 +30,8 @@ def exporter() -> InMemorySpanExporter:
 
 
 @pytest.fixture(scope="module")
-def traced(make_server: Callable[..., ServerHandle], exporter: InMemorySpanExporter) -> ServerHandle:
-    return make_server(telemetry=TelemetryConfig(span_exporter=exporter))
+def traced(make_module_server: Callable[..., ServerHandle], exporter: InMemorySpanExporter) -> ServerHandle:
+    return make_module_server(telemetry=TelemetryConfig(span_exporter=exporter))
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:

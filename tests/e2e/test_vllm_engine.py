@@ -29,9 +29,9 @@ def _num_cached(engine: EngineCore) -> int:
 
 
 @pytest.fixture(scope="module", params=["engine thread", "engine process"])
-def vllm(make_server, request):  # type: ignore[no-untyped-def]
+def vllm(make_module_server, request):  # type: ignore[no-untyped-def]
     factory = process_factory if request.param == "engine process" else engine_factory
-    handle = make_server(factory(page_size=4))
+    handle = make_module_server(factory(page_size=4))
     return handle, vpb_grpc.VllmEngineStub(handle.channel)
 
 
