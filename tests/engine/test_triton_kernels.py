@@ -10,7 +10,10 @@ bundled ptxas (no GPU needed), which checks what the interpreter does not, and
 that no kernel spills registers. The CUDA builds of torch 2.10 to 2.13 pin
 Triton 3.6 or 3.7, CPU set-ups get the newest: to check another release, put
 it first on the path (`pip install --target DIR --no-deps triton==3.6.0`, then
-`PYTHONPATH=DIR pytest -k compile_for_gpus`).
+`PYTHONPATH=DIR pytest -k compile_for_gpus`). The interpreter of Triton 3.6
+(not 3.9) fails on these kernels with numpy 2.4 (a loop bound loaded from
+memory is a one-element array it cannot turn into an int); with numpy 2.3
+every test here passes there too.
 
 Every cache slot that holds no key of a sequence is NaN and unused block-table
 entries hold garbage page ids (out of range, or the NaN page), so a kernel
