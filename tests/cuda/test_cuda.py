@@ -350,7 +350,7 @@ def test_batch1_gemv_is_chosen_by_timing_and_agrees_with_cublas(cuda_llm) -> Non
     names each), and each linear layer's one-row product, cuBLAS's or the
     Triton kernel's, agrees with F.linear to bfloat16 rounding; the same holds
     for 8B-shaped weights timed here. Where the Triton kernel serves, its gated
-    form (SiLU x up taken in) equals the activation kernel followed by it."""
+    form (SiLU x up taken in) agrees with the activation kernel followed by it."""
     from engine.kernels import triton_gemv
     from engine.models.linear import Linear
 
@@ -372,7 +372,11 @@ def test_batch1_gemv_is_chosen_by_timing_and_agrees_with_cublas(cuda_llm) -> Non
             from engine.kernels import triton_ops
 
             gate_up = torch.randn(1, 2 * lin.in_features, device="cuda", dtype=torch.bfloat16, generator=gen)
-            assert torch.equal(lin.gated_row(gate_up), lin(triton_ops.silu_mul(gate_up)))
+            fused, two = lin.gated_row(gate_up), lin(triton_ops.silu_mul(gate_up))
+            assert fused is not None
+            # Bit for bit in the interpreter (tests/engine/test_triton_gemv.py); here the
+            # compiler may contract the activation differently in the two kernels.
+            assert torch.allclose(fused.float(), two.float(), rtol=1e-2, atol=1e-2 * float(two.abs().max()))
 
 
 def test_startup_choices_and_pinned_step_inputs(cuda_llm, caplog) -> None:
