@@ -66,6 +66,7 @@ import torch
 
 from engine.kernels.triton_base import interpreted, next_pow2, tl, triton, triton_available
 from engine.kernels.triton_base import jit as _jit
+from engine.kernels.triton_ops import rotate_pairs
 
 __all__ = ["default_num_splits", "paged_attention", "rotate_write_kv", "sm_count", "triton_available", "write_kv"]
 
@@ -328,8 +329,8 @@ def _rotate_write_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, rows_ptr, table_ptr,
     """Token `t`: its query heads rotated in place, its key heads rotated into
     the cache row `rows[t] + key_offset`, its values copied to `rows[t] +
     value_offset`. Pair i of a token at position p turns by `table[p, 2i]`
-    (cos) and `table[p, 2i + 1]` (sin), in float32, rounded once on store: the
-    bits triton_ops.rotary_embedding and `_write_kv_kernel` would store."""
+    (cos) and `table[p, 2i + 1]` (sin), in float32 (`triton_ops.rotate_pairs`,
+    as triton_ops.rotary_embedding turns them), rounded once on store."""
     tok = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, BLOCK_P)
     p_ok = p < half
@@ -340,21 +341,21 @@ def _rotate_write_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, rows_ptr, table_ptr,
     hq = tl.arange(0, BLOCK_QH)
     ok = (hq < q_heads)[:, None] & p_ok[None, :]
     at = q_ptr + tok * stride_qt + hq[:, None] * stride_qh + 2 * p[None, :]
-    re = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-    im = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
-    tl.store(at, (re * cos - im * sin).to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(at + 1, (re * sin + im * cos).to(q_ptr.dtype.element_ty), mask=ok)
+    re, im = rotate_pairs(tl.load(at, mask=ok, other=0.0).to(tl.float32),
+                          tl.load(at + 1, mask=ok, other=0.0).to(tl.float32), cos, sin)
+    tl.store(at, re.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(at + 1, im.to(q_ptr.dtype.element_ty), mask=ok)
 
     base = tl.load(rows_ptr + tok).to(tl.int64)
     hk = tl.arange(0, BLOCK_KH)
     ok = (hk < kv_heads)[:, None] & p_ok[None, :]
     at = k_ptr + tok * stride_kt + hk[:, None] * stride_kh + 2 * p[None, :]
-    re = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-    im = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+    re, im = rotate_pairs(tl.load(at, mask=ok, other=0.0).to(tl.float32),
+                          tl.load(at + 1, mask=ok, other=0.0).to(tl.float32), cos, sin)
     inner = hk[:, None] * stride_ch + 2 * p[None, :]
     key = cache_ptr + (base + key_offset) * stride_cr + inner
-    tl.store(key, (re * cos - im * sin).to(cache_ptr.dtype.element_ty), mask=ok)
-    tl.store(key + 1, (re * sin + im * cos).to(cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(key, re.to(cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(key + 1, im.to(cache_ptr.dtype.element_ty), mask=ok)
     at = v_ptr + tok * stride_vt + hk[:, None] * stride_vh + 2 * p[None, :]
     value = cache_ptr + (base + value_offset) * stride_cr + inner
     tl.store(value, tl.load(at, mask=ok), mask=ok)

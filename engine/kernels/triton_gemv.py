@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .triton_base import jit, tl, triton
+from .triton_ops import silu_times
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, k, stride_w, HAS_BIAS: tl.conste
         k_ok = ks < k
         if GATED:
             # The input is [gate | up]; the product's input is silu(gate) * up,
-            # rounded as triton_ops.silu_mul rounds it (so the result is the same
-            # as that kernel's output fed to this one).
+            # computed as triton_ops.silu_mul computes it.
             gate = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = silu_times(gate, up, x_ptr.dtype.element_ty).to(tl.float32)
         else:
             x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)

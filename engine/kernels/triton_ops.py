@@ -22,7 +22,10 @@ SiLU rounded before the product, as torch rounds between its kernels. So the
 two paths agree to float32 rounding in float32 (a norm's sum is reduced in
 another order) and to one rounding of the output in 16-bit types
 (tests/engine/test_triton_ops.py). Launch sizes come from shapes only,
-so the kernels run inside CUDA graphs.
+so the kernels run inside CUDA graphs. The math of SiLU x up and of a rotary
+pair lives in one device function each (`silu_times`, `rotate_pairs`), which
+the kernels that fold those steps into others (the batch-1 GEMV, the KV write
+with rotation) call too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from .triton_base import jit, next_pow2, tl
 
-__all__ = ["add_rms_norm", "rotary_embedding", "silu_mul"]
+__all__ = ["add_rms_norm", "rotary_embedding", "rotate_pairs", "silu_mul", "silu_times"]
 
 # A row of RMSNorm is one program; rows wider than this would spill registers.
 _MAX_NORM_WIDTH = 32768
@@ -55,15 +58,30 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, stride_x, stride_r, n, eps, BLOCK:
 
 
 @jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """`silu(gate) * up` from float32 operands, in `dtype`: SiLU rounded to it
+    before the product, as torch's F.silu stores its result in the model dtype.
+    Every kernel that computes this step calls it (the batch-1 GEMV's gated
+    input too), so they agree bit for bit."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@jit
+def rotate_pairs(re, im, cos, sin):
+    """An interleaved pair (re, im) turned by (cos, sin), in float32; every
+    kernel that applies the rotary embedding calls it."""
+    return re * cos - im * sin, re * sin + im * cos
+
+
+@jit
 def _silu_mul_kernel(in_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
     gate = tl.load(in_ptr + row * stride_in + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(in_ptr + row * stride_in + inter + offs, mask=ok, other=0.0).to(tl.float32)
-    # torch's F.silu stores its result in the model dtype before the product.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * stride_out + offs, silu_times(gate, up, out_ptr.dtype.element_ty), mask=ok)
 
 
 @jit
@@ -80,8 +98,9 @@ def _rotary_kernel(x_ptr, table_ptr, pos_ptr, stride_xt, stride_xh, stride_tab, 
     at = x_ptr + tok * stride_xt + h[:, None] * stride_xh + 2 * p[None, :]
     re = tl.load(at, mask=ok, other=0.0).to(tl.float32)
     im = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
-    tl.store(at, (re * cos[None, :] - im * sin[None, :]).to(x_ptr.dtype.element_ty), mask=ok)
-    tl.store(at + 1, (re * sin[None, :] + im * cos[None, :]).to(x_ptr.dtype.element_ty), mask=ok)
+    re, im = rotate_pairs(re, im, cos[None, :], sin[None, :])
+    tl.store(at, re.to(x_ptr.dtype.element_ty), mask=ok)
+    tl.store(at + 1, im.to(x_ptr.dtype.element_ty), mask=ok)
 
 
 def _warps(block: int) -> int:
