@@ -288,6 +288,47 @@ def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
     assert staged == {True}, "a mask reached the device thread in pageable memory, or its rows as a list"
 
 
+def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch) -> None:
+    """Once warm, no step the device thread runs (prefill, eager and graph
+    decode, a JSON schema's masks, sampling with penalties, bias and
+    log-probabilities) makes a call that waits for the GPU:
+    `torch.cuda.set_sync_debug_mode("error")` is on while each step runs, so
+    `.item()`, `.tolist()`, a copy that synchronises, `nonzero` and the like
+    raise. The host waits only where the engine thread reads a step's tokens
+    (an event). The CPU twin, which cannot see a synchronising copy, is
+    tests/engine/test_stream_order.py::test_device_thread_reads_no_tensor_value_during_a_step."""
+    from engine import pipeline as pipeline_module
+
+    llm = cuda_llm("tiny-llama", max_num_seqs=8)
+    sampled = SamplingParams(temperature=0.8, seed=5, top_k=20, top_p=0.9, min_p=0.02, logit_bias={9: 1.5},
+                             repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
+                             min_new_tokens=3, logprobs=2, max_new_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    params = [sampled, greedy, sampled, greedy, greedy]
+    schema = GrammarSpec.json_schema(json.dumps(PERSON))
+    constraint = [schema if i % 2 else None for i in range(len(params))]
+
+    def run() -> list[CompletionOutput]:
+        return llm.generate(_mixed_prompts(len(params), seed=3), params, constraint=constraint)
+
+    run()  # warm: kernels compiled, the schema compiled, buffers allocated
+    real_run_step = pipeline_module.run_step
+    steps: list[str] = []
+
+    def checked(inputs, *args, **kwargs):  # noqa: ANN001, ANN202
+        steps.append("graph" if inputs.graph else "eager")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_run_step(inputs, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(pipeline_module, "run_step", checked)
+    outs = run()
+    assert all(len(o.token_ids) for o in outs)
+    assert "graph" in steps and "eager" in steps, steps
+
+
 # -- speech and embeddings --------------------------------------------------------------
 
 

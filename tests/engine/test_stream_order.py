@@ -2,11 +2,13 @@
 the device thread alone moves them to the device (engine/staging.py), so on
 CUDA every copy and kernel of a step runs on the executor's stream.
 
-Guarded four ways on CPU: building a step's inputs never calls `Tensor.to`
+Guarded five ways on CPU: building a step's inputs never calls `Tensor.to`
 or `Tensor.cuda`; every tensor of the built inputs is one `upload` reaches
 (uploading to the meta device leaves none behind on the host); `upload` runs
-on the device thread only; and the grammar mask (bitmask and rows) reaches
-the device thread as staged host buffers, page-locked for CUDA."""
+on the device thread only; the grammar mask (bitmask and rows) reaches the
+device thread as staged host buffers, page-locked for CUDA; and while the
+device thread runs a step it reads no tensor's value on the host (on CUDA
+such a read waits for the forward pass in flight)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine import pipeline as pipeline_module
 from engine import step_run as step_run_module
 from engine.staging import Staging, upload
 from engine.step_inputs import advance_with_placeholders, build_step_inputs
@@ -148,3 +151,63 @@ def test_grammar_mask_is_staged_for_the_device_thread(make_llm, monkeypatch, bat
         on_cuda.apply(logits, StepMasks.apply)
         on_cpu.apply(listed, StepMasks.apply)
         assert torch.equal(logits, listed)
+
+
+# Ways Python code turns a tensor's value into a host value. On CUDA each one
+# waits for the stream (the forward pass in flight), so the device thread
+# must never call one while it queues a step: the host reads a step's tokens
+# on the engine thread only, through the copy `SamplerOutput.to_host_async`
+# starts and its event.
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+def _refuse_host_reads_while(monkeypatch, guarded: threading.local) -> list[str]:
+    """Patch `HOST_READS` to refuse (and record) a read on a thread whose
+    `guarded.on` is set; other threads read as usual."""
+    refused: list[str] = []
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, _real=real, _name=name, **kwargs):  # noqa: ANN001, ANN202
+            if getattr(guarded, "on", False):
+                refused.append(_name)
+                raise AssertionError(f"Tensor.{_name} read a value on the device thread during a step")
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    return refused
+
+
+@pytest.mark.parametrize("cuda_graphs", ["off", "emulate"])
+def test_device_thread_reads_no_tensor_value_during_a_step(make_llm, monkeypatch, cuda_graphs: str) -> None:
+    """While the device thread runs a step (prefill, decode, graph replay,
+    grammar mask, sampling with every option), it reads no tensor's value on
+    the host: on CUDA any such read would make the thread wait for the
+    forward pass before it can queue the mask, the sampling and the next step
+    (tests/cuda checks the same with CUDA's own sync detection)."""
+    guarded = threading.local()
+    refused = _refuse_host_reads_while(monkeypatch, guarded)
+    real_run_step = pipeline_module.run_step
+    steps: list[str] = []
+
+    def guarded_run_step(inputs, *args, **kwargs):  # noqa: ANN001, ANN202
+        steps.append("graph" if inputs.graph else "eager")
+        guarded.on = True
+        try:
+            return real_run_step(inputs, *args, **kwargs)
+        finally:
+            guarded.on = False
+
+    monkeypatch.setattr(pipeline_module, "run_step", guarded_run_step)
+    llm = make_llm("tiny-llama", cuda_graphs=cuda_graphs, kv_cache_gib=0.05, max_num_seqs=8)
+    sampled = SamplingParams(temperature=0.8, seed=5, top_k=20, top_p=0.9, min_p=0.02, logit_bias={9: 1.5},
+                             repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
+                             min_new_tokens=3, logprobs=2, max_new_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts(4), [sampled, greedy, sampled, greedy])
+    outs += llm.generate(prompts(3), [greedy, sampled, greedy], constraint=SCHEMA)
+    assert not refused, refused
+    assert all(o.token_ids for o in outs)
+    assert "eager" in steps
+    if cuda_graphs == "emulate":
+        assert "graph" in steps, "no step replayed the decode graph path"
