@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from .attention import AttentionBackend, PagedMetadata, SeqSpan
@@ -96,7 +95,8 @@ def run_step(inputs: StepInputs, model: StepModel, attention: AttentionBackend, 
     input_ids = upload(inputs.input_ids, device)
     if future_rows.numel():
         input_ids[future_rows] = token_buffer[future_buffer_rows]
-    hidden = model.forward(input_ids, upload(inputs.positions, device), attention, upload(inputs.attention, device))
+    positions = upload(inputs.positions, device)
+    hidden = model.forward(input_ids, positions, attention, upload(inputs.attention, device))
     targets = upload(inputs.prompt_logprobs, device)
     prompt_lp = {row: _prompt_logprobs(model, hidden, target) for row, target in targets.items()}
     if s is None:
@@ -111,9 +111,10 @@ def run_step(inputs: StepInputs, model: StepModel, attention: AttentionBackend, 
         # The next decode step of a decode-only batch: one token per sequence.
         spans = [SeqSpan(sp.index, sp.index, sp.index + 1, sp.ctx_len) for sp in spans]
         kv = kv.after_decode_step()
-        positions = torch.from_numpy(np.array([sp.cache_len for sp in spans], dtype=np.int64))
-        hidden = model.forward(out.tokens, positions.to(device), attention,
-                               upload(attention.plan(spans, inputs.table, kv), device))
+        # Each sequence one position further, computed where the positions are
+        # (a host array copied in here would be a synchronous copy on CUDA).
+        positions = positions + 1
+        hidden = model.forward(out.tokens, positions, attention, upload(attention.plan(spans, inputs.table, kv), device))
         count_tokens(s.batch, out.tokens)
         out = _sample(model, hidden, s.batch, None, apply_mask, step)
         outputs.append(out)

@@ -288,10 +288,12 @@ def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
     assert staged == {True}, "a mask reached the device thread in pageable memory, or its rows as a list"
 
 
-def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch) -> None:
+@pytest.mark.parametrize("config", ["default", "multi-step"])
+def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch, config: str) -> None:
     """Once warm, no step the device thread runs (prefill, eager and graph
     decode, a JSON schema's masks, sampling with penalties, bias and
-    log-probabilities) makes a call that waits for the GPU:
+    log-probabilities; or, with overlap off, several decode steps a schedule)
+    makes a call that waits for the GPU:
     `torch.cuda.set_sync_debug_mode("error")` is on while each step runs, so
     `.item()`, `.tolist()`, a copy that synchronises, `nonzero` and the like
     raise. The host waits only where the engine thread reads a step's tokens
@@ -299,14 +301,16 @@ def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch) -> None:
     tests/engine/test_stream_order.py::test_device_thread_reads_no_tensor_value_during_a_step."""
     from engine import pipeline as pipeline_module
 
-    llm = cuda_llm("tiny-llama", max_num_seqs=8)
+    multi = config == "multi-step"
+    llm = cuda_llm("tiny-llama", max_num_seqs=8, **({"overlap": False, "num_steps": 4} if multi else {}))
     sampled = SamplingParams(temperature=0.8, seed=5, top_k=20, top_p=0.9, min_p=0.02, logit_bias={9: 1.5},
                              repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
                              min_new_tokens=3, logprobs=2, max_new_tokens=16, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     params = [sampled, greedy, sampled, greedy, greedy]
     schema = GrammarSpec.json_schema(json.dumps(PERSON))
-    constraint = [schema if i % 2 else None for i in range(len(params))]
+    # A masked row takes one step a schedule: the multi-step run goes unconstrained.
+    constraint = [schema if i % 2 and not multi else None for i in range(len(params))]
 
     def run() -> list[CompletionOutput]:
         return llm.generate(_mixed_prompts(len(params), seed=3), params, constraint=constraint)
@@ -316,7 +320,7 @@ def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch) -> None:
     steps: list[str] = []
 
     def checked(inputs, *args, **kwargs):  # noqa: ANN001, ANN202
-        steps.append("graph" if inputs.graph else "eager")
+        steps.append("graph" if inputs.graph else f"eager x{inputs.num_steps}")
         torch.cuda.set_sync_debug_mode("error")
         try:
             return real_run_step(inputs, *args, **kwargs)
@@ -326,7 +330,10 @@ def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch) -> None:
     monkeypatch.setattr(pipeline_module, "run_step", checked)
     outs = run()
     assert all(len(o.token_ids) for o in outs)
-    assert "graph" in steps and "eager" in steps, steps
+    if multi:
+        assert any(s.startswith("eager x") and s != "eager x1" for s in steps), steps
+    else:
+        assert "graph" in steps and "eager x1" in steps, steps
 
 
 # -- speech and embeddings --------------------------------------------------------------
