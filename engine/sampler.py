@@ -21,7 +21,7 @@ softmax, cumulative sum and search: no random generator per row per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +34,43 @@ from .staging import Staging
 # 1e-5 still leaves them finite.
 _LOW_LOGIT = -1e30
 _HIGH_LOGIT = 1e30
+
+
+@dataclass
+class Penalties:
+    """A step's repetition, frequency and presence penalties.
+
+    The tokens each penalised row has seen come as flat (row, token) pairs,
+    weighted 1 for a generated token and 0 for a prompt token (which only the
+    repetition penalty reads); the device turns them into `[B, V]` counts and
+    masks when the step first needs them (`state`). So the host's work and the
+    copy to the device grow with the tokens, not with the vocabulary (a dense
+    `[64, 128k]` array a step is tens of megabytes).
+    """
+
+    frequency: torch.Tensor  # [B] float
+    presence: torch.Tensor  # [B] float
+    repetition: torch.Tensor  # [B] float
+    rows: torch.Tensor  # [N] int64
+    tokens: torch.Tensor  # [N] int64, each < vocab_size
+    generated: torch.Tensor  # [N] float32: 1.0 for a generated token, 0.0 for a prompt token
+    vocab_size: int
+    # On the device, made by `state` once a step: [B, V] float counts of
+    # generated tokens, and [B, V] bool, token in prompt or output.
+    counts: torch.Tensor | None = field(default=None, init=False)
+    seen: torch.Tensor | None = field(default=None, init=False)
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense counts and seen-mask, built on the pairs' device the first
+        time a step asks (no host read: scatters only)."""
+        if self.counts is None or self.seen is None:
+            shape = (self.frequency.shape[0], self.vocab_size)
+            device = self.tokens.device
+            self.counts = torch.zeros(shape, dtype=torch.float32, device=device).index_put_(
+                (self.rows, self.tokens), self.generated, accumulate=True)
+            self.seen = torch.zeros(shape, dtype=torch.bool, device=device).index_put_(
+                (self.rows, self.tokens), torch.ones_like(self.tokens, dtype=torch.bool))
+        return self.counts, self.seen
 
 
 @dataclass
@@ -52,11 +89,7 @@ class SamplingBatch:
     # decode step (None when every row is greedy).
     uniform: torch.Tensor | None
     # Penalties (None when no row uses them).
-    frequency: torch.Tensor | None = None
-    presence: torch.Tensor | None = None
-    repetition: torch.Tensor | None = None
-    output_counts: torch.Tensor | None = None  # [B, V] float counts of generated tokens
-    seen: torch.Tensor | None = None  # [B, V] bool: token in prompt or output
+    penalties: Penalties | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, cols, values
     eos_block: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, cols masked to -inf
     # Rows restricted to [lo, hi) plus one extra token (speech codebooks): rows, lo, hi, extra (-1: none).
@@ -151,34 +184,32 @@ def build_sampling_batch(contexts: Sequence[TextContext], vocab_size: int, stagi
 def _add_penalties(batch: SamplingBatch, contexts: Sequence[TextContext], vocab: int,
                    staging: Staging) -> None:
     params = [c.sampling_params for c in contexts]
-    batch.frequency = staging.tensor([p.frequency_penalty for p in params], torch.float32)
-    batch.presence = staging.tensor([p.presence_penalty for p in params], torch.float32)
-    batch.repetition = staging.tensor([p.repetition_penalty for p in params], torch.float32)
-    counts = np.zeros((len(contexts), vocab), dtype=np.float32)
-    seen = np.zeros((len(contexts), vocab), dtype=bool)
-    for r, c in enumerate(contexts):
-        if not c.sampling_params.uses_penalties:
-            continue
-        out = c.generated_tokens
-        out = out[(out >= 0) & (out < vocab)]
-        np.add.at(counts[r], out, 1.0)
-        prompt = c.prompt_tokens
-        seen[r, prompt[prompt < vocab]] = True
-        seen[r, out] = True
-    batch.output_counts = staging.tensor(counts)
-    batch.seen = staging.tensor(seen)
+    rows = [r for r, p in enumerate(params) if p.uses_penalties]
+    # Every known token of the penalised rows (prompt, then output), with its row.
+    lengths = np.array([contexts[r].end_idx for r in rows], dtype=np.int64)
+    tokens = np.concatenate([contexts[r].tokens[:contexts[r].end_idx] for r in rows]).astype(np.int64)
+    row_of = np.repeat(np.array(rows, dtype=np.int64), lengths)
+    position = np.arange(len(tokens), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    generated = position >= np.repeat(np.array([contexts[r].prompt_len for r in rows], dtype=np.int64), lengths)
+    keep = (tokens >= 0) & (tokens < vocab)  # placeholders of tokens still on the device are negative
+    batch.penalties = Penalties(
+        frequency=staging.tensor([p.frequency_penalty for p in params], torch.float32),
+        presence=staging.tensor([p.presence_penalty for p in params], torch.float32),
+        repetition=staging.tensor([p.repetition_penalty for p in params], torch.float32),
+        rows=staging.tensor(row_of[keep]), tokens=staging.tensor(tokens[keep]),
+        generated=staging.tensor(generated[keep].astype(np.float32)), vocab_size=vocab)
 
 
 def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """In place: repetition, frequency and presence penalties, logit_bias, EOS block."""
-    if batch.output_counts is not None:
-        assert batch.seen is not None and batch.repetition is not None
-        rep = batch.repetition[:, None]
+    if batch.penalties is not None:
+        pen = batch.penalties
+        counts, seen = pen.state()
+        rep = pen.repetition[:, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits.copy_(torch.where(batch.seen, penalised, logits))
-        assert batch.frequency is not None and batch.presence is not None
-        logits -= batch.frequency[:, None] * batch.output_counts
-        logits -= batch.presence[:, None] * (batch.output_counts > 0).float()
+        logits.copy_(torch.where(seen, penalised, logits))
+        logits -= pen.frequency[:, None] * counts
+        logits -= pen.presence[:, None] * (counts > 0).float()
     if batch.bias is not None:
         rows, cols, vals = batch.bias
         logits.index_put_((rows, cols), vals, accumulate=True)
@@ -285,10 +316,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, grammar_mask=None, step: 
 
 def count_tokens(batch: SamplingBatch, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Add `tokens` (one per row, or per `rows`) to the penalty state."""
-    if batch.output_counts is None or batch.seen is None:
+    if batch.penalties is None:
         return
+    counts, seen = batch.penalties.state()
     if rows is None:
         rows = torch.arange(tokens.shape[0], device=tokens.device)
-    batch.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=batch.output_counts.dtype),
-                                   accumulate=True)
-    batch.seen[rows, tokens] = True
+    counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)
+    seen[rows, tokens] = True

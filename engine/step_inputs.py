@@ -132,7 +132,7 @@ def _sample_inputs(contexts: list[TextContext], spans: list[SeqSpan], buffer: To
                    staging: Staging, num_steps: int) -> SampleInputs:
     batch = build_sampling_batch(contexts, vocab_size, staging, num_steps)
     pending = None
-    if batch.output_counts is not None:
+    if batch.penalties is not None:
         rows = [k for k, c in enumerate(contexts)
                 if c.next_tokens[0] == FUTURE_TOKEN and c.sampling_params.uses_penalties]
         if rows:

@@ -90,6 +90,26 @@ def test_penalties_match_their_definitions():
     torch.testing.assert_close(out[0], expected)
 
 
+def test_penalties_of_a_batch_count_per_row_and_cost_the_host_tokens_not_the_vocabulary():
+    """Rows without penalties and rows with, prompt tokens seen but not counted,
+    placeholders of tokens still on the device left out; the host hands over the
+    seen tokens (a few per row), however large the vocabulary: the [B, V] state
+    is made where the logits are."""
+    free = ctx(SamplingParams(), prompt=(5, 6), generated=(6, 6))
+    penalised = ctx(SamplingParams(frequency_penalty=1.0, repetition_penalty=2.0), prompt=(1, 2), generated=(3, 3))
+    penalised.update_with_future_token()  # a token still being sampled: not known on the host
+    vocab = 1 << 20
+    batch = build_sampling_batch([free, penalised], vocab, Staging(torch.device("cpu")))
+    pen = batch.penalties
+    assert pen is not None
+    assert pen.tokens.numel() == 4 and pen.rows.tolist() == [1] * 4
+    assert all(t.numel() <= 4 for t in (pen.rows, pen.tokens, pen.generated, pen.frequency))
+    counts, seen = pen.state()
+    assert counts.shape == seen.shape == (2, vocab)
+    assert counts[1, 3] == 2 and counts.sum() == 2 and counts[0].sum() == 0
+    assert seen[1, [1, 2, 3]].all() and int(seen.sum()) == 3
+
+
 def test_logit_bias_and_min_new_tokens_block_eos():
     params = SamplingParams(logit_bias={2: 5.0, 7: -1.0}, min_new_tokens=2, stop_token_ids=(8,))
     c = ctx(params, generated=(4,))
