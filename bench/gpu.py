@@ -11,8 +11,9 @@ One command on a CUDA machine:
    and each model's weight bytes read per decode step: the batch-1 bound is
    bandwidth / bytes (tokens/s), and B x that at batch B;
 3. runs stencild offline (`engine.LLM`): decode graphs on/off x overlap on/off x
-   batch 1/16/64, and at batch 64 a JSON schema against none; 128-token random
-   prompts, 128 new tokens, greedy, ignore_eos, a warm-up first; tokens/s =
+   batch 1/16/64, and at batch 64 a JSON schema against none and sampling with
+   top-p and penalties against greedy; 128-token random prompts, 128 new
+   tokens, greedy unless said, ignore_eos, a warm-up first; tokens/s =
    generated tokens / wall time (synchronised), best of --repeat; one more run
    of each at batch 64 is broken down phase by phase (bench/step_phases.py);
 4. runs transformers `generate`: eager, static cache, and static cache compiled
@@ -420,15 +421,17 @@ def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode
     info.setdefault("pointwise_kernels", {})[mode] = eng.ops_choice
     info.setdefault("graphs", {})[mode] = None if eng.graphs is None else \
         {"capture": eng.graphs.capture, "buckets": list(eng.graphs.buckets)}
-    runs: list[tuple[int, Any, str]] = [(b, None, mode) for b in args.batches]
+    runs: list[tuple[int, Any, str, Any]] = [(b, None, mode, params) for b in args.batches]
     default = graphs == "auto" and overlap and fused
     if default:
-        runs.append((max_batch, GrammarSpec.json_schema(json.dumps(BENCH_SCHEMA)), mode + ", JSON schema"))
+        runs.append((max_batch, GrammarSpec.json_schema(json.dumps(BENCH_SCHEMA)), mode + ", JSON schema",
+                     params))
+        runs.append((max_batch, None, mode + SAMPLED_MODE, sampled_params(args.new_tokens)))
     try:
-        for batch, constraint, label in runs:
+        for batch, constraint, label, run_params in runs:
             # The schema's comparison at the biggest batch also gets its steps' phases.
-            phases = default and batch == max_batch
-            fig = _stencild_batch(llm, key, label, batch, params, constraint, args, bound, phases)
+            phases = default and batch == max_batch and run_params is params
+            fig = _stencild_batch(llm, key, label, batch, run_params, constraint, args, bound, phases)
             figures.append(fig)
             report(f"  [{key}] stencild {label}, batch {batch}: {fmt_rate(fig.tok_s)} tok/s "
                    f"({fmt_share(fig.share)} of the {fmt_rate(fig.bound_tok_s)} tok/s bound)"
@@ -741,6 +744,17 @@ def _pick(figures: list[Figure], system: str, model: str, batch: int, mode: str 
 
 DEFAULT_MODE = "graphs on, overlap on"
 UNFUSED_MODE = DEFAULT_MODE + ", torch pointwise ops"
+# At the largest batch, the default mode also samples as a chat client would
+# (temperature, top-p, penalties) against greedy: what sampling costs a step.
+SAMPLED_MODE = ", sampled (T 0.8, top-p 0.95, repetition 1.1, frequency 0.2)"
+
+
+def sampled_params(new_tokens: int) -> Any:
+    """The sampled run's parameters (SAMPLED_MODE)."""
+    from engine import SamplingParams
+
+    return SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2, seed=7,
+                          max_new_tokens=new_tokens, ignore_eos=True)
 
 
 def targets(figures: list[Figure], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -820,6 +834,9 @@ def figure_notes(f: Figure, figures: list[Figure]) -> str:
         return f"{share}TTFT p50 {f.extra['ttft_p50_ms']:.0f} ms"
     if f.system == "stencild" and "schema" in f.mode:
         return f"{f.extra['forced_tokens']} forced tokens"
+    if f.system == "stencild" and f.mode.endswith(SAMPLED_MODE):
+        greedy = _pick(figures, "stencild", f.model, f.batch, f.mode[:-len(SAMPLED_MODE)])
+        return f"{f.tok_s / greedy.tok_s:.2f}x greedy's tok/s" if greedy else ""
     if f.system == "stencild" and f.mode == UNFUSED_MODE:
         fused = _pick(figures, "stencild", f.model, f.batch, DEFAULT_MODE)
         return f"the fused kernels (default mode) run {fused.tok_s / f.tok_s:.2f}x this" if fused else ""

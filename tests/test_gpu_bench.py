@@ -1,7 +1,7 @@
 """bench/gpu.py's parts run end to end on a CPU, so that a GPU session (rare,
 and 30 minutes long) does not discover a broken benchmark: a tiny Llama
 checkpoint written as the GPU shapes are, stencild offline in its default mode
-(every batch, the JSON schema, the step phases), the batch-1 profile
+(every batch, the JSON schema, sampling with penalties, the step phases), the batch-1 profile
 (bench/gpu_profile.py, here ops by CPU time), transformers' eager and
 static-cache modes, `stencild serve` with the engine in a thread and in a
 process of its own, then the tables, the targets and the JSON.
@@ -46,9 +46,11 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     info: dict = {}
     figures = gpu.run_stencild("1.1b", model_dir, args, bound, report, info)
     assert [(f.mode, f.batch) for f in figures] == [
-        (gpu.DEFAULT_MODE, 1), (gpu.DEFAULT_MODE, 4), (gpu.DEFAULT_MODE + ", JSON schema", 4)]
+        (gpu.DEFAULT_MODE, 1), (gpu.DEFAULT_MODE, 4), (gpu.DEFAULT_MODE + ", JSON schema", 4),
+        (gpu.DEFAULT_MODE + gpu.SAMPLED_MODE, 4)]
     assert all(f.tok_s > 0 and f.extra["tokens"] == f.batch * args.new_tokens for f in figures)
-    schema = figures[-1]
+    schema = figures[2]
+    assert "x greedy's tok/s" in gpu.figure_notes(figures[3], figures)
     assert schema.extra["phases_summary"] and schema.extra["forced_tokens"] > 0
     assert set(info) >= {"attention", "pointwise_kernels", "graphs", "gemv", "grammar_mask_threads"}
 
