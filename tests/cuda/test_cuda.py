@@ -8,11 +8,12 @@ STENCILD_TEST_DEVICE=cuda and no CUDA the module fails to collect instead.
 Tolerances, each justified where it is defined:
 - float32: greedy tokens exactly equal to transformers' (fp32 on the same GPU,
   no TF32), logits within FP32_ATOL;
-- bfloat16: log-probabilities within BF16_TOL of transformers' bf16 ones, and a
-  greedy token may differ from transformers' argmax only at a near-tie
-  (within 2 * BF16_TOL), at most 10 % of positions;
+- bfloat16 and float16: log-probabilities within BF16_TOL of transformers'
+  in the same dtype, and a greedy token may differ from transformers' argmax
+  only at a near-tie (within 2 * BF16_TOL), at most 10 % of positions;
 - graphs vs eager, overlap on vs off: identical tokens in float32 (greedy and
-  seeded sampling); in bfloat16 (greedy) identical up to the first near-tie;
+  seeded sampling); in bfloat16 and float16 (greedy) identical up to the
+  first near-tie;
 - speech: CUDA audio within test_speech.STREAM_BOUND of the CPU's;
 - embeddings: CUDA vectors within 1e-4 of the CPU's.
 """
@@ -119,22 +120,26 @@ def test_fp32_greedy_equals_transformers(cuda_llm, arch: str, attention: str) ->
         torch.testing.assert_close(_our_log_softmax(llm, tokens, chunks), ref, atol=FP32_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_close_to_transformers(cuda_llm, arch: str) -> None:
-    """bfloat16 (the CUDA default): log-probabilities within BF16_TOL of
-    transformers' bf16 ones and no further from the fp32 truth than twice
-    transformers' own bf16 error (+0.03); greedy tokens, teacher-forced
-    through transformers, are its argmax or a near-tie (2 * BF16_TOL), and
-    exactly its argmax at >= 90 % of positions (measured on CPU: 127 of 128)."""
-    llm = cuda_llm(arch, dtype="bfloat16")
+def test_16bit_close_to_transformers(cuda_llm, arch: str, dtype: str) -> None:
+    """bfloat16 (the CUDA default) and float16: log-probabilities within
+    BF16_TOL of transformers' in the same dtype and no further from the fp32
+    truth than twice transformers' own error in it (+0.03); greedy tokens,
+    teacher-forced through transformers, are its argmax or a near-tie (2 *
+    BF16_TOL), and exactly its argmax at >= 90 % of positions (bf16 on CPU:
+    127 of 128). float16 keeps 3 more bits than bfloat16, so the bf16 bounds
+    hold it with room; the bound relative to transformers' own error scales
+    with the dtype."""
+    llm = cuda_llm(arch, dtype=dtype)
     tokens = prompts(2)[1]
-    ref = hf_cuda_log_softmax(arch, tokens, "bfloat16")
+    ref = hf_cuda_log_softmax(arch, tokens, dtype)
     truth = hf_cuda_log_softmax(arch, tokens, "float32")
     hf_error = float((ref - truth).abs().max())
     for chunks in ([60], [20, 33, 1, 1, 5]):
         ours = _our_log_softmax(llm, tokens, chunks)
         diff = float((ours - ref).abs().max())
-        assert diff <= BF16_TOL, f"{chunks}: log-softmax differs by {diff:.4f} from transformers' bf16"
+        assert diff <= BF16_TOL, f"{chunks}: log-softmax differs by {diff:.4f} from transformers' {dtype}"
         ours_error = float((ours - truth).abs().max())
         assert ours_error <= 2 * hf_error + 0.03, (ours_error, hf_error)
 
@@ -144,7 +149,7 @@ def test_bf16_close_to_transformers(cuda_llm, arch: str) -> None:
     exact = total = 0
     for prompt, out in zip(batch, outs, strict=True):
         assert len(out.token_ids) == new
-        lp = hf_cuda_log_softmax(arch, prompt + out.token_ids, "bfloat16")[len(prompt) - 1:len(prompt) - 1 + new]
+        lp = hf_cuda_log_softmax(arch, prompt + out.token_ids, dtype)[len(prompt) - 1:len(prompt) - 1 + new]
         chosen = lp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
         gaps = lp.max(dim=1).values - chosen
         assert float(gaps.max()) <= NEAR_TIE, f"a greedy token {float(gaps.max()):.3f} below transformers' best"
@@ -158,14 +163,14 @@ def test_bf16_close_to_transformers(cuda_llm, arch: str) -> None:
 
 def _params(dtype: str, n: int) -> list[SamplingParams]:
     """Lengths 4 + i, so a batch shrinks through the graph buckets as requests
-    end. float32: every third row greedy, the others seeded sampling; bfloat16:
+    end. float32: every third row greedy, the others seeded sampling; 16-bit:
     greedy (a near-tie can be checked from log-probabilities, a draw cannot)."""
-    return [SamplingParams(temperature=0.0 if dtype == "bfloat16" or i % 3 == 0 else 0.8, seed=i,
+    return [SamplingParams(temperature=0.0 if dtype != "float32" or i % 3 == 0 else 0.8, seed=i,
                            max_new_tokens=4 + i, ignore_eos=True, logprobs=5) for i in range(n)]
 
 
 def _assert_same_tokens(got: Sequence[CompletionOutput], want: Sequence[CompletionOutput], dtype: str) -> None:
-    """float32: identical tokens, log-probabilities within FP32_ATOL. bfloat16:
+    """float32: identical tokens, log-probabilities within FP32_ATOL. 16-bit:
     identical up to a first difference, where both runs had seen the same
     tokens: the other run's token must be a near-tie in this run's
     distribution; log-probabilities before it within BF16_TOL."""
@@ -186,7 +191,7 @@ def _assert_same_tokens(got: Sequence[CompletionOutput], want: Sequence[Completi
                 f"tokens differ at {first} beyond a near-tie: {g.logprobs[first]} vs {w.logprobs[first]}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_graphs_and_eager_give_the_same_tokens(cuda_llm, dtype: str) -> None:
     """cuda_graphs="auto" (captured) against "off", batches of 1, 3, 9 and 17
     with max_num_seqs=20: every bucket (1, 2, 4, 8, 16, 20) is replayed."""
