@@ -120,6 +120,20 @@ def test_fp32_greedy_equals_transformers(cuda_llm, arch: str, attention: str) ->
         torch.testing.assert_close(_our_log_softmax(llm, tokens, chunks), ref, atol=FP32_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("page_size", [1, 7, 64])
+def test_any_page_size_the_server_accepts(cuda_llm, page_size: int) -> None:
+    """Page sizes at both ends of what the server accepts (1 to 64) and one
+    that divides nothing: the start-up probe passes the Triton kernels for it,
+    and float32 greedy tokens equal transformers', graphs and chunked prefill
+    included (a prompt longer than the chunk budget)."""
+    llm = cuda_llm("tiny-llama", dtype="float32", page_size=page_size, max_num_batched_tokens=48)
+    assert llm.engine.attention_choice.name == "triton", llm.engine.attention_choice.reason
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    batch = prompts(3)
+    for prompt, res in zip(batch, llm.generate(batch, params), strict=True):
+        assert res.token_ids == hf_cuda_greedy("tiny-llama", prompt, new_tokens=24)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_16bit_close_to_transformers(cuda_llm, arch: str, dtype: str) -> None:
