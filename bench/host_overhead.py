@@ -5,7 +5,8 @@ inputs and postprocess, while the model runs on the device thread; its CPU time
 (`time.thread_time()`) is the engine's host overhead, and it drifts less with a
 busy machine than wall time does. `tiny-llama` keeps the forward pass nearly
 free. Reported, best of --repeat runs: milliseconds of engine-thread CPU per
-step at each batch size (greedy, seeded sampling, and a regex constraint), and
+step at each batch size (greedy, seeded sampling, the same with repetition and
+frequency penalties, and a regex constraint), and
 microseconds per generated token at batch 16 (the figure kept since issue 5).
 
 The CUDA path's goal (issue 25): at most 1 ms per decode step at batch 1 and
@@ -50,12 +51,14 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 8000, size=args.prompt_len).tolist() for _ in range(max(batches))]
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # warm-up
-    kinds = (("greedy", None, 0.0), ("sampled", None, 0.8), ("regex", GrammarSpec.regex(REGEX), 0.8))
+    kinds = (("greedy", None, 0.0), ("sampled", None, 0.8), ("penalties", None, 0.8),
+             ("regex", GrammarSpec.regex(REGEX), 0.8))
     result: dict[str, float] = {}
     for batch in batches:
         for name, spec, temperature in kinds:
+            penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.2} if name == "penalties" else {}
             params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=args.new_tokens,
-                                    ignore_eos=spec is None)
+                                    ignore_eos=spec is None, **penalties)
             best_step = best_token = float("inf")
             for _ in range(args.repeat):
                 passes = llm.engine.pipeline.forward_passes
