@@ -42,7 +42,7 @@ from grammar import GrammarSpec
 
 from ..engine.reference import engine_logits, prompts
 from ..engine.test_speech import STREAM_BOUND
-from ..engine.test_stream_order import step_tensors
+from ..engine.test_stream_order import EVERY_OPTION, step_tensors
 from ..engine.test_structured import PERSON
 from .conftest import (
     CUDA_REQUIRED,
@@ -322,9 +322,7 @@ def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch, config: str) ->
 
     multi = config == "multi-step"
     llm = cuda_llm("tiny-llama", max_num_seqs=8, **({"overlap": False, "num_steps": 4} if multi else {}))
-    sampled = SamplingParams(temperature=0.8, seed=5, top_k=20, top_p=0.9, min_p=0.02, logit_bias={9: 1.5},
-                             repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
-                             min_new_tokens=3, logprobs=2, max_new_tokens=16, ignore_eos=True)
+    sampled = dataclasses.replace(EVERY_OPTION, max_new_tokens=16)
     greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     params = [sampled, greedy, sampled, greedy, greedy]
     schema = GrammarSpec.json_schema(json.dumps(PERSON))

@@ -178,20 +178,29 @@ def _refuse_host_reads_while(monkeypatch, guarded: threading.local) -> list[str]
     return refused
 
 
-@pytest.mark.parametrize("cuda_graphs", ["off", "emulate"])
-def test_device_thread_reads_no_tensor_value_during_a_step(make_llm, monkeypatch, cuda_graphs: str) -> None:
+# Sampling with every option a step's device work has a path for (with greedy
+# rows beside it): the steps the two no-wait tests (here and tests/cuda) run.
+EVERY_OPTION = SamplingParams(temperature=0.8, seed=5, top_k=20, top_p=0.9, min_p=0.02, logit_bias={9: 1.5},
+                              repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
+                              min_new_tokens=3, logprobs=2, max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("config", [{"cuda_graphs": "off"}, {"cuda_graphs": "emulate"},
+                                    {"overlap": False, "num_steps": 4}], ids=["eager", "graphs", "multi-step"])
+def test_device_thread_reads_no_tensor_value_during_a_step(make_llm, monkeypatch, config: dict) -> None:
     """While the device thread runs a step (prefill, decode, graph replay,
-    grammar mask, sampling with every option), it reads no tensor's value on
-    the host: on CUDA any such read would make the thread wait for the
-    forward pass before it can queue the mask, the sampling and the next step
-    (tests/cuda checks the same with CUDA's own sync detection)."""
+    several decode steps a schedule, grammar mask, sampling with every
+    option), it reads no tensor's value on the host: on CUDA any such read
+    would make the thread wait for the forward pass before it can queue the
+    mask, the sampling and the next step (tests/cuda checks the same with
+    CUDA's own sync detection)."""
     guarded = threading.local()
     refused = _refuse_host_reads_while(monkeypatch, guarded)
     real_run_step = pipeline_module.run_step
     steps: list[str] = []
 
     def guarded_run_step(inputs, *args, **kwargs):  # noqa: ANN001, ANN202
-        steps.append("graph" if inputs.graph else "eager")
+        steps.append("graph" if inputs.graph else f"eager x{inputs.num_steps}")
         guarded.on = True
         try:
             return real_run_step(inputs, *args, **kwargs)
@@ -199,15 +208,14 @@ def test_device_thread_reads_no_tensor_value_during_a_step(make_llm, monkeypatch
             guarded.on = False
 
     monkeypatch.setattr(pipeline_module, "run_step", guarded_run_step)
-    llm = make_llm("tiny-llama", cuda_graphs=cuda_graphs, kv_cache_gib=0.05, max_num_seqs=8)
-    sampled = SamplingParams(temperature=0.8, seed=5, top_k=20, top_p=0.9, min_p=0.02, logit_bias={9: 1.5},
-                             repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
-                             min_new_tokens=3, logprobs=2, max_new_tokens=12, ignore_eos=True)
-    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    llm = make_llm("tiny-llama", kv_cache_gib=0.05, max_num_seqs=8, **config)
+    sampled, greedy = EVERY_OPTION, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     outs = llm.generate(prompts(4), [sampled, greedy, sampled, greedy])
     outs += llm.generate(prompts(3), [greedy, sampled, greedy], constraint=SCHEMA)
     assert not refused, refused
     assert all(o.token_ids for o in outs)
-    assert "eager" in steps
-    if cuda_graphs == "emulate":
+    assert "eager x1" in steps
+    if config.get("cuda_graphs") == "emulate":
         assert "graph" in steps, "no step replayed the decode graph path"
+    if config.get("num_steps", 1) > 1:
+        assert any(s not in ("graph", "eager x1") for s in steps), "no schedule took several steps"
