@@ -68,7 +68,11 @@ class HeadShape:
     page_size: int
 
 
-def probe_triton(device: torch.device, dtype: torch.dtype, shape: HeadShape = HeadShape(2, 1, 16, 4)) -> str | None:
+# The probe's shape when no model gives one: grouped heads and a partial page, tiny.
+PROBE_SHAPE = HeadShape(2, 1, 16, 4)
+
+
+def probe_triton(device: torch.device, dtype: torch.dtype, shape: HeadShape = PROBE_SHAPE) -> str | None:
     """Run the Triton kernels once at `shape` in `dtype` on `device` and check
     them (`triton_check.self_check`): None if they work, else why not (no
     Triton, no interpreter on a CPU, a compile error or a wrong result here)."""
@@ -90,7 +94,7 @@ def probe_triton(device: torch.device, dtype: torch.dtype, shape: HeadShape = He
 
 
 def choose_attention(device: torch.device, dtype: torch.dtype, prefer: str = "auto", *,
-                     shape: HeadShape = HeadShape(2, 1, 16, 4),
+                     shape: HeadShape = PROBE_SHAPE,
                      cpu_kernel: Callable[[], bool] | None = None,
                      triton: Callable[[], str | None] | None = None) -> AttentionChoice:
     """Pick the backend for an engine on `device`, once, for a model of `shape`.
