@@ -111,11 +111,10 @@ class OutputStream:
         # (None: not known yet, the text so far is thought).
         gate = ctx.grammar.gate
         params = ctx.sampling_params
-        self._start_text = self._end_text = ""
+        # The end marker's text, cut from the thought where it closes it.
+        self._end_text = ""
         if gate is not None:
-            skip = params.skip_special_tokens
-            self._start_text = tokenizer.decode([gate.parser.start_id], skip_special_tokens=skip)
-            self._end_text = tokenizer.decode([gate.parser.end_id], skip_special_tokens=skip)
+            self._end_text = tokenizer.decode([gate.parser.end_id], skip_special_tokens=params.skip_special_tokens)
         self._reset_split()
 
     def _reset_split(self) -> None:

@@ -40,7 +40,6 @@ from .validation import SchemaValidator, ValidationResult
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 MAX_WHITESPACE = 4
-CHOICES = ("auto", "required", "none")
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _CALL = re.compile(re.escape(CALL_START) + r"\s*(.*?)\s*" + re.escape(CALL_END), re.DOTALL)
 

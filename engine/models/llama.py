@@ -174,7 +174,9 @@ class LlamaFamilyModel:
         # With the Triton kernels, rotary embedding and the cache write are one kernel.
         pairs = self.rotation_pairs if attention.rotates_in_write else None
         h = F.embedding(input_ids, self.embed)
-        residual = h.clone()
+        # The embedding's output is a fresh tensor and h is rebound below, so it
+        # is the residual stream itself, added to in place layer by layer.
+        residual = h
         x = self._norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             if i > 0:
