@@ -270,7 +270,12 @@ class Postprocessor:
         speech = [c for c in touched if isinstance(c, TTSContext) and c.status is not GenerationStatus.CANCELLED
                   and c.status is not GenerationStatus.ERROR and c.request_id in self._streams]
         audio = self.audio
-        if not speech or audio is None:
+        if audio is None:
+            return {}
+        # Most steps complete no chunk, and a call on the device thread queues
+        # behind the next step's launch: only a ready chunk is worth the trip.
+        speech = audio.ready(speech)
+        if not speech:
             return {}
         try:
             return self.executor.call(lambda: audio.drain(speech))

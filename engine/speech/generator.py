@@ -40,6 +40,12 @@ class AudioGenerator:
     def samples_per_frame(self) -> int:
         return self.codec.samples_per_frame
 
+    def ready(self, contexts: Sequence[TTSContext]) -> list[TTSContext]:
+        """The contexts of `contexts` with a chunk ready to decode: host data only,
+        so a caller can skip the device when there is none (most steps)."""
+        return [ctx for ctx in contexts
+                if ctx.next_speech_tokens(None, self.codec.lookback, self.codec.lookahead) is not None]
+
     def next_chunk(self, batch: Mapping[str, TTSContext] | Sequence[TTSContext],
                    num_tokens: int | None = None) -> dict[str, AudioGenerationOutput]:
         """Decode the next ready chunk of every context in `batch`.

@@ -64,6 +64,21 @@ def test_streamed_audio_equals_one_shot_decoding(speech_llm, codec):
     assert steps[0] < last_step / 2
 
 
+def test_the_device_thread_decodes_audio_only_when_a_chunk_is_ready(speech_llm, monkeypatch):
+    """Steps that complete no chunk (most of them) make no call on the device
+    thread for audio: on CUDA such a call queues behind the next step's launch."""
+    llm = speech_llm()
+    eng = llm.engine
+    drains = []
+    drain = eng.audio.drain
+    monkeypatch.setattr(eng.audio, "drain", lambda contexts: drains.append(drain(contexts)) or drains[-1])
+    chunks, steps, last_step, _ = stream(llm, "Only ready chunks cost a trip.", chunk_frames=2,
+                                         max_audio_seconds=1.0)
+    assert len(chunks) >= 3 and last_step > 3 * len(chunks)
+    # One call per step that made audio, each with audio to give.
+    assert len(drains) == len(set(steps)) and all(drains)
+
+
 def test_tokens_follow_the_codebook_layout(speech_llm):
     llm = speech_llm()
     out = llm.synthesize("Every position in its own codebook.", max_audio_seconds=1.0)[0]
