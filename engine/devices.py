@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 DTYPES = (None, "auto", "float32", "bfloat16", "float16")
@@ -35,3 +38,28 @@ class DeviceOptions:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.torch_device, self.dtype)
+
+
+class SideStream:
+    """Where a model that shares the device thread with the engine (the speech
+    codec, an embedding model) queues its kernels: on CUDA a stream of its own,
+    so reading its results back waits for its kernels only, not for the
+    engine's step in flight on the executor's stream; on CPU nothing changes.
+    Its inputs come from the host, so nothing orders it after the engine's
+    steps; make it once the model is loaded: it is ordered after what the
+    calling thread has queued so far (the weights' copies among it)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make it the calling thread's current stream for the block."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield

@@ -233,8 +233,9 @@ class EmbeddingBatcher:
 
     def _complete(self, job: _Job) -> None:
         try:
-            out = job.pooled[0] if len(job.pooled) == 1 else torch.cat(job.pooled)
-            result = (self.pipeline.finish(out, job.request), job.request.prompt_tokens)
+            # Joined by the pipeline, not here: on CUDA this thread's stream is
+            # not the one the passes ran on.
+            result = (self.pipeline.finish(tuple(job.pooled), job.request), job.request.prompt_tokens)
         except Exception as e:  # noqa: BLE001
             job.future.set_exception(e)
         else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.devices import DeviceOptions, validate_device_dtype
+from engine.devices import DeviceOptions, SideStream, validate_device_dtype
 from engine.errors import InvalidRequest
 
 from .bert import BertEncoder
@@ -96,6 +96,9 @@ class EmbeddingPipeline:
                                             lowercase=self.spec.do_lower_case)
         self._lock = threading.Lock()
         self._forward_passes = 0
+        # It shares the engine's device thread: on CUDA its own stream keeps an
+        # embedding's read-back from waiting for the generation step in flight.
+        self._stream = SideStream(self.device)
 
     @property
     def dimension(self) -> int:
@@ -150,15 +153,19 @@ class EmbeddingPipeline:
     @torch.inference_mode()
     def forward(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """One forward pass: pooled float32 vectors [n, dimension], not normalized."""
-        with self._lock:
+        with self._lock, self._stream.active():
             batch = pack(sequences, self.device)
             hidden = self.encoder.forward(batch)
             pooled = pool(hidden, batch, self.spec.pooling)
             self._forward_passes += 1
             return pooled
 
-    def finish(self, pooled: torch.Tensor, request: EmbedRequest) -> np.ndarray:
-        return finalize(pooled, request.normalize, request.dimensions)
+    def finish(self, pooled: Sequence[torch.Tensor], request: EmbedRequest) -> np.ndarray:
+        """A request's vectors on the host from the pooled rows of its passes, in
+        order (joined here, on the stream and thread that made them)."""
+        with self._stream.active():
+            out = pooled[0] if len(pooled) == 1 else torch.cat(list(pooled))
+            return finalize(out, request.normalize, request.dimensions)
 
     def embed(self, texts: Sequence[str], normalize: bool = True, dimensions: int | None = None,
               truncate: bool = False) -> tuple[np.ndarray, int]:
@@ -167,5 +174,4 @@ class EmbeddingPipeline:
         ids = request.token_ids
         runs = plan_batches([len(t) for t in ids], self.config.max_batch_tokens)
         pooled = [self.forward(ids[r.start:r.stop]) for r in runs]
-        out = pooled[0] if len(pooled) == 1 else torch.cat(pooled)
-        return self.finish(out, request), request.prompt_tokens
+        return self.finish(pooled, request), request.prompt_tokens

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.devices import SideStream
 from engine.models.config import CheckpointError
 
 from .layout import split_codebooks
@@ -74,10 +75,8 @@ class SpeechCodec:
         for i, block in enumerate(self._noise_blocks):
             block.forward = self._noise_forward(block, i)  # type: ignore[method-assign]
         self._use_fused_snake(device, dtype)
-        # On CUDA the codec runs on a stream of its own: its codes come from
-        # tokens already on the host, so reading its audio back waits for its
-        # own kernels, not for the engine's step in flight on the executor's stream.
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Its codes come from tokens already on the host: nothing orders it after the step in flight.
+        self._stream = SideStream(device)
 
     def _use_fused_snake(self, device: torch.device, dtype: torch.dtype) -> None:
         """On CPU (fp32), run SNAC's snake activation as one vectorized kernel."""
@@ -109,9 +108,7 @@ class SpeechCodec:
         alone: a batch's activations outgrow the caches, and 8 windows batched
         took 2.2x longer than one at a time on the 2-core machine.
         """
-        if self._stream is None:
-            return self._decode(windows)
-        with torch.cuda.stream(self._stream):
+        with self._stream.active():
             return self._decode(windows)
 
     def _decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:

@@ -65,7 +65,7 @@ class DevicePipeline:
     def forward(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         return self.executor.call(lambda: self.pipeline.forward(sequences))
 
-    def finish(self, pooled: torch.Tensor, request: EmbedRequest) -> np.ndarray:
+    def finish(self, pooled: Sequence[torch.Tensor], request: EmbedRequest) -> np.ndarray:
         return self.executor.call(lambda: self.pipeline.finish(pooled, request))
 
     def __getattr__(self, name: str) -> Any:  # prepare, config, max_length, dimension, ...

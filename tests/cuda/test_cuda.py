@@ -407,6 +407,41 @@ def test_embeddings_on_cuda_match_cpu(tmp_path: Path) -> None:
         np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
+def test_embeddings_beside_generation_on_the_shared_device_thread(cuda_llm, tmp_path: Path) -> None:
+    """The server's arrangement: the embedding model on the generation engine's
+    device thread (on a stream of its own), batched by an EmbeddingBatcher whose
+    passes hold one long text each, so a request spans several passes joined
+    after them, while the engine generates on the same thread: every vector
+    within 1e-4 of the CPU's, and the generation unchanged by it."""
+    import threading
+
+    from engine.embedding import EmbeddingBatcher, EmbeddingConfig, EmbeddingPipeline
+    from service.api.embeddings import DevicePipeline
+
+    llm = cuda_llm("tiny-llama", dtype="float32")
+    root = write_tiny_bert(tmp_path / "bert")
+    cpu = EmbeddingPipeline(EmbeddingConfig(model=str(root)))
+    executor = llm.engine.executor
+    gpu = executor.call(lambda: EmbeddingPipeline(EmbeddingConfig(model=str(root), device="cuda",
+                                                                  dtype="float32")))
+    texts = [f"text {i}: " + "one two three four five six seven eight nine ten " * 8 for i in range(5)]
+    params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(prompts()[:4], params)]
+    beside: list[list[int]] = []
+    runner = threading.Thread(target=lambda: beside.extend(o.token_ids for o in llm.generate(prompts()[:4], params)))
+    with EmbeddingBatcher(DevicePipeline(gpu, executor), max_batch_tokens=64) as batcher:  # type: ignore[arg-type]
+        runner.start()
+        futures = [batcher.submit(texts, truncate=True) for _ in range(3)]
+        got = [f.result(timeout=120) for f in futures]
+        runner.join(120)
+    assert batcher.forward_passes >= 2 * len(futures)
+    ref, ref_tokens = cpu.embed(texts, truncate=True)
+    for vectors, tokens in got:
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(vectors, ref, atol=1e-4, rtol=0)
+    assert beside == alone
+
+
 # -- start-up choices and the stream order ----------------------------------------------
 
 
