@@ -32,8 +32,9 @@ from .kv_cache import KVCacheManager
 from .output import OutputStream, RequestOutput
 from .scheduler import Scheduler
 from .speech import AudioGenerator, TTSContext
+from .staging import HostCopy
 from .step_masks import StepMasks
-from .step_run import LaunchedStep, PromptLogprobs, StepResult
+from .step_run import LaunchedStep, StepResult
 from .stopping import token_verdict
 from .tokenizer import Tokenizer
 
@@ -205,15 +206,16 @@ class Postprocessor:
         return True
 
     @staticmethod
-    def _store_prompt_logprobs(ctx: TextContext, item: PromptLogprobs | None, first: int | None) -> None:
+    def _store_prompt_logprobs(ctx: TextContext, item: HostCopy | None, first: int | None) -> None:
         if ctx.sampling_params.prompt_logprobs is not None and not ctx.output.prompt_logprobs:
             ctx.output.prompt_logprobs.append(None)  # the first prompt token has no prediction
         if item is None or first is None:
             return
-        chosen, top_ids, top_lp = item
-        ids_h = top_ids.cpu().tolist() if top_ids is not None else None
-        lp_h = top_lp.cpu().tolist() if top_lp is not None else None
-        for j, value in enumerate(chosen.cpu().tolist()):
+        chosen, top_ids, top_lp = item.arrays()
+        assert chosen is not None
+        ids_h = top_ids.tolist() if top_ids is not None else None
+        lp_h = top_lp.tolist() if top_lp is not None else None
+        for j, value in enumerate(chosen.tolist()):
             top = list(zip(ids_h[j], lp_h[j], strict=True)) if ids_h is not None and lp_h is not None else []
             ctx.output.prompt_logprobs.append(TokenLogprobs(int(ctx.tokens[first + j]), value, top))
 

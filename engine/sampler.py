@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .context import TextContext
-from .staging import Staging
+from .staging import HostCopy, Staging
 
 # What non-finite model logits become (see the module docstring). Finite with
 # room to spare: a repetition penalty (at most 10) or a temperature down to
@@ -262,27 +262,18 @@ class SamplerOutput:
     logprob: torch.Tensor | None = None  # [B] log p(sampled token) under the raw model
     top_ids: torch.Tensor | None = None  # [B, N]
     top_logprobs: torch.Tensor | None = None  # [B, N]
-    _host: list[torch.Tensor | None] | None = None
-    _ready: torch.cuda.Event | None = None
+    _copy: HostCopy | None = None
 
     def to_host_async(self) -> None:
-        """Start copying to host memory (non-blocking on CUDA, with an event)."""
-        fields = [self.tokens, self.logprob, self.top_ids, self.top_logprobs]
-        if self.tokens.device.type != "cuda":
-            self._host = fields
-            return
-        self._host = [None if t is None else t.to("cpu", non_blocking=True) for t in fields]
-        self._ready = torch.cuda.Event()
-        self._ready.record()
+        """Start copying to host memory (on the device thread, behind the sampling)."""
+        self._copy = HostCopy([self.tokens, self.logprob, self.top_ids, self.top_logprobs])
 
     def host(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
         """(tokens, logprob, top_ids, top_logprobs) as numpy arrays; waits for the copy."""
-        if self._host is None:
+        if self._copy is None:
             self.to_host_async()
-        if self._ready is not None:
-            self._ready.synchronize()
-        assert self._host is not None
-        tokens, lp, ids, tlp = (None if t is None else t.numpy() for t in self._host)
+        assert self._copy is not None
+        tokens, lp, ids, tlp = self._copy.arrays()
         assert tokens is not None
         return tokens, lp, ids, tlp
 

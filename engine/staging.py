@@ -1,4 +1,4 @@
-"""Host-side step data and its one way onto the device.
+"""Host-side step data: its one way onto the device, and the way back.
 
 A step's inputs are built on the engine thread as host tensors only
 (`Staging.tensor`: page-locked memory when the model runs on CUDA, so the copy
@@ -9,11 +9,18 @@ of a step is thereby ordered on that one stream, and the engine thread never
 touches the device. A pinned source buffer stays valid until its copy has run:
 PyTorch's pinned-memory allocator does not reuse a block while a copy that
 reads it is still pending on a stream.
+
+What a step hands back (sampled tokens, log-probabilities) comes the other
+way in a `HostCopy`: started on the device thread behind the step's kernels,
+read on the engine thread, which waits for an event and never enqueues
+device work of its own (its current stream is not the executor's: a copy it
+started there would not be ordered after the step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -80,3 +87,26 @@ def _moved(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: _moved(v, device) for k, v in obj.items()}
     return obj
+
+
+class HostCopy:
+    """Tensors on their way to host memory. Made on the device thread right after
+    the kernels that produce them: on CUDA each is copied without blocking, on
+    the current (executor's) stream, and an event marks the end; `arrays`,
+    called on any thread, waits for that event only. On the CPU the tensors are
+    kept as they are. None entries stay None."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor | None]):
+        on_cuda = any(t is not None and t.device.type == "cuda" for t in tensors)
+        self._tensors = [t if t is None or t.device.type != "cuda" else t.to("cpu", non_blocking=True)
+                         for t in tensors]
+        self._ready: torch.cuda.Event | None = None
+        if on_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def arrays(self) -> list[np.ndarray | None]:
+        """The tensors as numpy arrays, once their copies have landed."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [None if t is None else t.numpy() for t in self._tensors]

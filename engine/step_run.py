@@ -20,7 +20,7 @@ from .attention import AttentionBackend, PagedMetadata, SeqSpan
 from .context import TextContext
 from .graphs import DecodeGraphs
 from .sampler import SamplerOutput, SamplingBatch, count_tokens, sample
-from .staging import upload
+from .staging import HostCopy, upload
 from .step_inputs import PromptLogprobTarget, SampleInputs, StepInputs
 from .step_masks import PendingMask
 
@@ -46,7 +46,7 @@ class StepResult:
     """What the device hands back: sampled tokens per decode step, prompt log-probabilities."""
 
     outputs: list[SamplerOutput]
-    prompt_logprobs: dict[int, PromptLogprobs]
+    prompt_logprobs: dict[int, HostCopy]  # per row: PromptLogprobs on their way to the host
     forward_passes: int
 
 
@@ -98,7 +98,7 @@ def run_step(inputs: StepInputs, model: StepModel, attention: AttentionBackend, 
     positions = upload(inputs.positions, device)
     hidden = model.forward(input_ids, positions, attention, upload(inputs.attention, device))
     targets = upload(inputs.prompt_logprobs, device)
-    prompt_lp = {row: _prompt_logprobs(model, hidden, target) for row, target in targets.items()}
+    prompt_lp = {row: HostCopy(_prompt_logprobs(model, hidden, target)) for row, target in targets.items()}
     if s is None:
         return StepResult([], prompt_lp, 1)
     if s.pending_counts is not None:
@@ -121,7 +121,7 @@ def run_step(inputs: StepInputs, model: StepModel, attention: AttentionBackend, 
     return _finish(s, outputs, prompt_lp, token_buffer, inputs.num_steps)
 
 
-def _finish(s: SampleInputs, outputs: list[SamplerOutput], prompt_lp: dict[int, PromptLogprobs],
+def _finish(s: SampleInputs, outputs: list[SamplerOutput], prompt_lp: dict[int, HostCopy],
             token_buffer: torch.Tensor, num_steps: int) -> StepResult:
     """Write the last sampled tokens to the token buffer and start the copies to the host."""
     token_buffer.index_copy_(0, s.buffer_rows, outputs[-1].tokens)

@@ -309,44 +309,58 @@ def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
 
 @pytest.mark.parametrize("config", ["default", "multi-step"])
 def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch, config: str) -> None:
-    """Once warm, no step the device thread runs (prefill, eager and graph
-    decode, a JSON schema's masks, sampling with penalties, bias and
-    log-probabilities; or, with overlap off, several decode steps a schedule)
-    makes a call that waits for the GPU:
-    `torch.cuda.set_sync_debug_mode("error")` is on while each step runs, so
-    `.item()`, `.tolist()`, a copy that synchronises, `nonzero` and the like
-    raise. The host waits only where the engine thread reads a step's tokens
-    (an event). The CPU twin, which cannot see a synchronising copy, is
+    """Once warm, no engine step makes a call that waits for the GPU, on the
+    device thread (prefill, eager and graph decode, a JSON schema's masks,
+    sampling with penalties, bias and log-probabilities; or, with overlap off,
+    several decode steps a schedule) or on the engine thread (scheduling,
+    postprocessing, prompt log-probabilities of prompt chunks that sample
+    nothing): `torch.cuda.set_sync_debug_mode("error")` (process-wide) is on
+    while each `EngineCore.step` runs, so `.item()`, `.tolist()`, `.cpu()`, a
+    copy that synchronises, `nonzero` and the like raise. The host waits only
+    where the engine thread reads what a step handed back (an event). The CPU
+    twin, which cannot see a synchronising copy, is
     tests/engine/test_stream_order.py::test_device_thread_reads_no_tensor_value_during_a_step."""
     from engine import pipeline as pipeline_module
 
     multi = config == "multi-step"
-    llm = cuda_llm("tiny-llama", max_num_seqs=8, **({"overlap": False, "num_steps": 4} if multi else {}))
-    sampled = dataclasses.replace(EVERY_OPTION, max_new_tokens=16)
+    # 32 tokens a step: the longer prompts prefill in chunks, some steps sampling nothing.
+    llm = cuda_llm("tiny-llama", max_num_seqs=8, max_num_batched_tokens=32,
+                   **({"overlap": False, "num_steps": 4} if multi else {}))
+    sampled = dataclasses.replace(EVERY_OPTION, max_new_tokens=16, prompt_logprobs=2)
     greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     params = [sampled, greedy, sampled, greedy, greedy]
     schema = GrammarSpec.json_schema(json.dumps(PERSON))
     # A masked row takes one step a schedule: the multi-step run goes unconstrained.
     constraint = [schema if i % 2 and not multi else None for i in range(len(params))]
+    batch = [[7] * 70, *_mixed_prompts(len(params) - 1, seed=3)]  # a 70-token prompt: three chunks
 
     def run() -> list[CompletionOutput]:
-        return llm.generate(_mixed_prompts(len(params), seed=3), params, constraint=constraint)
+        return llm.generate(batch, params, constraint=constraint)
 
-    run()  # warm: kernels compiled, the schema compiled, buffers allocated
-    real_run_step = pipeline_module.run_step
+    warm = run()  # warm: kernels compiled, the schema compiled, buffers allocated
+    real_run_step, real_step = pipeline_module.run_step, llm.engine.step
     steps: list[str] = []
 
-    def checked(inputs, *args, **kwargs):  # noqa: ANN001, ANN202
+    def recorded(inputs, *args, **kwargs):  # noqa: ANN001, ANN202
         steps.append("graph" if inputs.graph else f"eager x{inputs.num_steps}")
+        return real_run_step(inputs, *args, **kwargs)
+
+    def checked():  # noqa: ANN202
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return real_run_step(inputs, *args, **kwargs)
+            return real_step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(pipeline_module, "run_step", checked)
+    monkeypatch.setattr(pipeline_module, "run_step", recorded)
+    monkeypatch.setattr(llm.engine, "step", checked)
     outs = run()
     assert all(len(o.token_ids) for o in outs)
+    # The first prompt's log-probabilities, one a token after the first, as in the warm run.
+    lp = outs[0].prompt_logprobs
+    assert lp is not None and len(lp) == 70 and lp[0] is None and all(len(e.top) == 2 for e in lp[1:])
+    assert warm[0].prompt_logprobs is not None
+    assert [e.logprob for e in lp[1:]] == pytest.approx([e.logprob for e in warm[0].prompt_logprobs[1:]], abs=1e-4)
     if multi:
         assert any(s.startswith("eager x") and s != "eager x1" for s in steps), steps
     else:
