@@ -171,7 +171,7 @@ def _refuse_host_reads_while(monkeypatch, guarded: threading.local) -> list[str]
         def read(self, *args, _real=real, _name=name, **kwargs):  # noqa: ANN001, ANN202
             if getattr(guarded, "on", False):
                 refused.append(_name)
-                raise AssertionError(f"Tensor.{_name} read a value on the device thread during a step")
+                raise AssertionError(f"Tensor.{_name} read a value on a thread that must not read one now")
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, read)
@@ -219,3 +219,42 @@ def test_device_thread_reads_no_tensor_value_during_a_step(make_llm, monkeypatch
         assert "graph" in steps, "no step replayed the decode graph path"
     if config.get("num_steps", 1) > 1:
         assert any(s not in ("graph", "eager x1") for s in steps), "no schedule took several steps"
+
+
+def test_engine_thread_reads_step_results_only_through_their_host_copy(make_llm, monkeypatch) -> None:
+    """What a step hands back (tokens, log-probabilities, prompt log-probabilities,
+    a prompt chunk's that samples nothing included) reaches the engine thread
+    only through the HostCopy the device thread started: the engine thread reads
+    no tensor while it processes a step's result. On CUDA its own reads would be
+    queued on its own stream, unordered with the step (tests/cuda's no-sync test
+    sees them as synchronising copies)."""
+    from engine.postprocess import Postprocessor
+    from engine.staging import HostCopy
+
+    guarded = threading.local()
+    refused = _refuse_host_reads_while(monkeypatch, guarded)
+    real_done, real_arrays = Postprocessor.step_done, HostCopy.arrays
+
+    def step_done(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        guarded.on = True
+        try:
+            return real_done(self, *args, **kwargs)
+        finally:
+            guarded.on = False
+
+    def arrays(self):  # noqa: ANN001, ANN202
+        guarded.on = False
+        try:
+            return real_arrays(self)
+        finally:
+            guarded.on = True
+
+    monkeypatch.setattr(Postprocessor, "step_done", step_done)
+    monkeypatch.setattr(HostCopy, "arrays", arrays)
+    # 16 tokens a step: the 60-token prompt prefills in chunks, the first steps sampling nothing.
+    llm = make_llm("tiny-llama", kv_cache_gib=0.05, max_num_seqs=8, max_num_batched_tokens=16)
+    params = dataclasses.replace(EVERY_OPTION, prompt_logprobs=2)
+    [out] = llm.generate([prompts(2)[1]], params)
+    assert not refused, refused
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == 60
+    assert all(len(e.top) == 2 for e in out.prompt_logprobs[1:])
