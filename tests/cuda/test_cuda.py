@@ -318,8 +318,9 @@ def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch, config: str) ->
     while each `EngineCore.step` runs, so `.item()`, `.tolist()`, `.cpu()`, a
     copy that synchronises, `nonzero` and the like raise. The host waits only
     where the engine thread reads what a step handed back (an event). The CPU
-    twin, which cannot see a synchronising copy, is
-    tests/engine/test_stream_order.py::test_device_thread_reads_no_tensor_value_during_a_step."""
+    twins, which cannot see a synchronising copy, are
+    tests/engine/test_stream_order.py::test_device_thread_reads_no_tensor_value_during_a_step
+    and ::test_engine_thread_reads_step_results_only_through_their_host_copy."""
     from engine import pipeline as pipeline_module
 
     multi = config == "multi-step"
