@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -29,15 +30,23 @@ def hf_model(name: str):
     return AutoModelForCausalLM.from_pretrained(ensure_preset(name), dtype=torch.float32).eval()
 
 
+def cache_argument(model) -> str:  # type: ignore[no-untyped-def]
+    """What `model.forward` calls its KV cache: transformers 5.24 renamed
+    `past_key_values` (in arguments and outputs) to `cache`, and drops the old
+    name in 5.40; the tests run on releases from either side."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def greedy_argmax(model, prompt: tuple[int, ...], new_tokens: int, device: str = "cpu") -> tuple[int, ...]:  # type: ignore[no-untyped-def]
     """A transformers model's greedy continuation by plain argmax over its KV cache."""
     out: list[int] = []
+    name = cache_argument(model)
     past = None
     x = torch.tensor([prompt], device=device)
     with torch.no_grad():
         for _ in range(new_tokens):
-            r = model(input_ids=x, past_key_values=past, use_cache=True)
-            past = r.past_key_values
+            r = model(input_ids=x, use_cache=True, **{name: past})
+            past = getattr(r, name)
             tok = int(r.logits[0, -1].argmax())
             out.append(tok)
             x = torch.tensor([[tok]], device=device)
