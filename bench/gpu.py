@@ -131,8 +131,11 @@ SCHEMA_NOISE = 0.03
 class Report:
     """Prints lines and appends them to the run's log file (engine log lines go there too)."""
 
-    def __init__(self, log_path: Path):
+    def __init__(self, log_path: Path, budget_s: float | None = None):
         self.log_path = log_path
+        # When parts not yet started are skipped (--budget-s), so that a run
+        # under a caller's time limit still ends with its tables and JSON.
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
         handler = logging.FileHandler(log_path, mode="a")
@@ -147,6 +150,10 @@ class Report:
         print(line, flush=True)
         with self.log_path.open("a") as f:
             f.write(line + "\n")
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the deadline (None: no deadline)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     def raw(self, text: str) -> None:
         """Text for the log file only (a subprocess's whole output)."""
@@ -722,8 +729,17 @@ def run_tests(report: Report) -> dict[str, Any]:
     """`pytest -q tests/cuda` with CUDA required; its last line and exit status."""
     env = {**os.environ, "STENCILD_TEST_DEVICE": "cuda"}
     start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cuda"],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False)
+    left = report.seconds_left()
+    try:
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cuda"],
+                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False,
+                             timeout=None if left is None else max(left, 1.0))
+    except subprocess.TimeoutExpired as e:
+        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        report.raw("---- pytest -q tests/cuda (stopped at the --budget-s deadline) ----\n" + out)
+        summary = f"stopped at the --budget-s deadline after {time.perf_counter() - start:.0f} s"
+        report(f"tests/cuda: {summary}")
+        return {"summary": summary, "returncode": None}
     output = res.stdout + res.stderr
     report.raw("---- pytest -q tests/cuda ----\n" + output + "---- end of pytest ----")
     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
@@ -852,7 +868,12 @@ def verdict(met: bool | None) -> str:
 
 def guarded(report: Report, what: str, fn: Callable[..., T], *fn_args: Any) -> T | None:
     """fn(*fn_args), or None when it fails: the failure is reported (its
-    traceback goes to the log) and the rest of the benchmark still runs."""
+    traceback goes to the log) and the rest of the benchmark still runs. Past
+    the run's deadline (--budget-s) the part is skipped and reported so."""
+    left = report.seconds_left()
+    if left is not None and left <= 0:
+        report(f"  {what} skipped: past the --budget-s deadline")
+        return None
     try:
         return fn(*fn_args)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - one part's failure is a result, not the end
@@ -892,6 +913,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-kernels", action="store_true",
                    help="per model, the kernels of an eager batch-1 decode step by GPU time (bench/gpu_profile.py)")
     p.add_argument("--with-tests", action="store_true", help="run `pytest -q tests/cuda` first and record it")
+    p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                   help="parts not started within SECONDS of the start are skipped (and pytest stopped there), "
+                        "so a run under a time limit still writes its tables and JSON")
     p.add_argument("--default-mode-only", action="store_true",
                    help=f"stencild offline in its default mode only ({DEFAULT_MODE})")
     args = p.parse_args(argv)
@@ -924,7 +948,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    report = Report(args.results_dir / f"gpu-{stamp}.log")
+    report = Report(args.results_dir / f"gpu-{stamp}.log", args.budget_s)
     info = device_info()
     report(f"# stencild GPU benchmark, {stamp}")
     report(f"device {info['device']} (sm {info['capability']}, {info['memory_gib']} GiB), driver {info['driver']}, "
@@ -945,6 +969,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.models:
         shape = SHAPES[key]
         report(f"\n## {shape.label}")
+        left = report.seconds_left()
+        if left is not None and left <= 0:
+            report("  skipped: past the --budget-s deadline")
+            continue
         start = time.perf_counter()
         model_dir = write_checkpoint(shape, args.out_dir)
         sizes = tensor_bytes(model_dir)

@@ -12,6 +12,7 @@ memory_allocated) are no-ops here; everything else is the benchmark's code."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -77,3 +78,20 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     assert goals["JSON schema at batch 4 no slower per request than no schema (1.1b)"]["met"] is not None
     assert goals["8B batch 1 >= 70 % of the bandwidth bound"]["met"] is None  # not run here
     assert len(saved["figures"]) == len(figures)
+
+
+def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
+    # A GPU session's commands run under a time limit: past --budget-s a part is
+    # not started, so the run still reaches its tables and JSON.
+    ran: list[str] = []
+    report = gpu.Report(tmp_path / "gpu-budget.log", budget_s=60)
+    assert gpu.guarded(report, "[1.1b] first part", lambda: ran.append("first") or 1) == 1
+    report.deadline = 0.0  # the budget is spent
+    assert gpu.guarded(report, "[1.1b] second part", lambda: ran.append("second") or 2) is None
+    assert ran == ["first"]
+    assert "[1.1b] second part skipped: past the --budget-s deadline" in report.log_path.read_text()
+    assert gpu.parse_args(["--budget-s", "540"]).budget_s == 540
+    # pytest tests/cuda is stopped at the deadline, not waited for.
+    report.deadline = time.monotonic()
+    tests = gpu.run_tests(report)
+    assert tests["returncode"] is None and tests["summary"].startswith("stopped at the --budget-s deadline")
