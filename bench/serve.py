@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -164,8 +165,9 @@ def main() -> int:
     if not args.skip_offline:
         from engine import LLM
 
+        overlap: dict[str, Any] = {"overlap": False} if args.no_overlap else {}
         llm = LLM(str(model_dir), device=args.device, kv_cache_gib=args.kv_cache_gib,
-                  max_num_seqs=args.max_num_seqs, **({"overlap": False} if args.no_overlap else {}))
+                  max_num_seqs=args.max_num_seqs, **overlap)
     try:
         # Warm both paths with a full-width batch of short requests.
         warm = make_prompts(max(args.concurrency), args.prompt_len, vocab, seed=999)

@@ -31,7 +31,7 @@ class StepPhases:
 
     def __init__(self, llm: Any):
         self._llm = llm
-        self._seconds: collections.Counter[str] = collections.Counter()
+        self._seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
         self._steps0 = 0
         self.steps = 0
         self._undo: list[tuple[Any, str, Any, bool]] = []
