@@ -155,6 +155,10 @@ class Report:
         """Seconds until the deadline (None: no deadline)."""
         return None if self.deadline is None else self.deadline - time.monotonic()
 
+    def past_deadline(self) -> bool:
+        left = self.seconds_left()
+        return left is not None and left <= 0
+
     def raw(self, text: str) -> None:
         """Text for the log file only (a subprocess's whole output)."""
         with self.log_path.open("a") as f:
@@ -870,8 +874,7 @@ def guarded(report: Report, what: str, fn: Callable[..., T], *fn_args: Any) -> T
     """fn(*fn_args), or None when it fails: the failure is reported (its
     traceback goes to the log) and the rest of the benchmark still runs. Past
     the run's deadline (--budget-s) the part is skipped and reported so."""
-    left = report.seconds_left()
-    if left is not None and left <= 0:
+    if report.past_deadline():
         report(f"  {what} skipped: past the --budget-s deadline")
         return None
     try:
@@ -969,8 +972,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.models:
         shape = SHAPES[key]
         report(f"\n## {shape.label}")
-        left = report.seconds_left()
-        if left is not None and left <= 0:
+        if report.past_deadline():
             report("  skipped: past the --budget-s deadline")
             continue
         start = time.perf_counter()
