@@ -54,7 +54,7 @@ def make_inputs(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def best_rates(fns: Sequence[Callable[[], None]], n: int, repeats: int) -> list[float]:
+def best_rates(fns: Sequence[Callable[[], object]], n: int, repeats: int) -> list[float]:
     """Inputs/s of each fn, best of `repeats`; runs are interleaved so that load
     from other processes on the machine hits every contender alike."""
     for fn in fns:
@@ -103,12 +103,12 @@ def main() -> None:
     short = texts[:args.batch1_inputs]
     tokens = [len(t) for t in pipe.prepare(texts).token_ids]
 
-    def ours(batch: int, xs: Sequence[str]) -> Callable[[], None]:
-        return lambda: [pipe.embed(b) for b in batched(xs, batch)] and None
+    def ours(batch: int, xs: Sequence[str]) -> Callable[[], object]:
+        return lambda: [pipe.embed(b) for b in batched(xs, batch)]
 
-    def theirs(batch: int, xs: Sequence[str]) -> Callable[[], None]:
+    def theirs(batch: int, xs: Sequence[str]) -> Callable[[], object]:
         return lambda: [st.encode(list(b), batch_size=batch, normalize_embeddings=True)
-                        for b in batched(xs, batch)] and None
+                        for b in batched(xs, batch)]
 
     rows: list[tuple[str, float, float | None]] = []
     for batch, xs in ((1, short), (32, texts)):
@@ -126,10 +126,10 @@ def main() -> None:
           f"(mean {sum(tokens) / len(tokens):.0f})\n")
     print("| workload | stencild (inputs/s) | sentence-transformers (inputs/s) | ratio |")
     print("|---|---:|---:|---:|")
-    for name, a, b in rows:
-        ref = f"{b:.1f}" if b else "—"
-        ratio = f"{a / b:.2f}x" if b else "—"
-        print(f"| {name} | {a:.1f} | {ref} | {ratio} |")
+    for name, rate, other in rows:
+        ref = f"{other:.1f}" if other else "—"
+        ratio = f"{rate / other:.2f}x" if other else "—"
+        print(f"| {name} | {rate:.1f} | {ref} | {ratio} |")
     print(f"\nbatcher: {passes:.1f} forward passes per {len(texts)} single-input calls")
     print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
 

@@ -124,6 +124,9 @@ def run_router(base: str, model: str, texts: list[str], new_tokens: int, concurr
     from urllib.parse import urlsplit
 
     host = urlsplit(base)
+    if host.hostname is None:
+        raise ValueError(f"no host name in the router's address {base!r}")
+    hostname = host.hostname
 
     def one(text: str) -> tuple[float | None, int]:
         body = {"model": model, "prompt": text, "max_tokens": new_tokens, "temperature": 0.0,
@@ -131,7 +134,7 @@ def run_router(base: str, model: str, texts: list[str], new_tokens: int, concurr
         start = time.perf_counter()
         first = None
         n = 0
-        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=600)
+        conn = http.client.HTTPConnection(hostname, host.port, timeout=600)
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
         if response.status != 200:

@@ -533,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from engine.staging import Staging
     from engine.step_masks import StepMasks
     from engine.structured import StructuredOutput
     from grammar import GrammarCompiler, TokenizerData
@@ -550,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.compile(_spec("person"), backend="xgrammar")  # worker warm-up
                 for name in SCHEMAS:
                     for backend in BACKENDS:
-                        r = mask_times(StepMasks(structured, len(tokenizer)), name, backend, args.iters)
+                        masks = StepMasks(structured, len(tokenizer), Staging(torch.device("cpu")))
+                        r = mask_times(masks, name, backend, args.iters)
                         raw, ours, eng = r["raw"], r["matcher"], r["engine"]
                         mask_rows.append(
                             f"| {label} | {name} | {backend} | {r['tokens']} "

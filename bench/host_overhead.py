@@ -56,9 +56,10 @@ def main() -> None:
     result: dict[str, float] = {}
     for batch in batches:
         for name, spec, temperature in kinds:
-            penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.2} if name == "penalties" else {}
+            penalised = name == "penalties"
             params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=args.new_tokens,
-                                    ignore_eos=spec is None, **penalties)
+                                    ignore_eos=spec is None, repetition_penalty=1.1 if penalised else 1.0,
+                                    frequency_penalty=0.2 if penalised else 0.0)
             best_step = best_token = float("inf")
             for _ in range(args.repeat):
                 passes = llm.engine.pipeline.forward_passes

@@ -100,11 +100,11 @@ def main() -> int:
                 time.sleep(2.0)  # let the other server's threads go quiet
                 if mode == "on":
                     with Scraper(url, args.scrape_interval) as scraper:
-                        secs, toks, _, _ = asyncio.run(run_grpc_level(addresses[mode], batches,
+                        secs, toks, _, _, _ = asyncio.run(run_grpc_level(addresses[mode], batches,
                                                                       args.new_tokens))
                     scrapes = scraper.scrapes
                 else:
-                    secs, toks, _, _ = asyncio.run(run_grpc_level(addresses[mode], batches, args.new_tokens))
+                    secs, toks, _, _, _ = asyncio.run(run_grpc_level(addresses[mode], batches, args.new_tokens))
                     scrapes = 0
                 runs.append({"pair": pair + 1, "metrics": mode, "tok_s": toks / secs, "seconds": secs,
                              "tokens": toks, "scrapes": scrapes})

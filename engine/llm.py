@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class LLM:
     max_num_batched_tokens, max_model_len, enable_prefix_caching, num_steps, ...).
     """
 
-    def __init__(self, model: str, device: str = "cpu", dtype: str | None = None,
+    def __init__(self, model: str | os.PathLike[str], device: str = "cpu", dtype: str | None = None,
                  kv_cache_gib: float = 1.0, max_num_seqs: int = 64, wrap_model: Any = None,
                  executor: Any = None, **kwargs: Any):
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype,

@@ -31,7 +31,7 @@ V = pb.SchemaValidation
 
 # Bounded strings, enums, bounded integers and arrays, no extra keys: a random
 # model cannot wander off, so every output completes within max_new_tokens.
-PERSON = {
+PERSON: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "minLength": 1, "maxLength": 12},
@@ -463,7 +463,7 @@ def test_validate_constraint_reports_without_generating(grammar_server: ServerHa
     assert bad_request_violations(info.value.trailing_metadata())[0][0] == "constraint.json_schema"
 
 
-INVALID = {
+INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "schema not JSON": ({"json_schema": "{not json"}, "constraint.json_schema"),
     "unknown type": ({"json_schema": '{"type": "nonsense"}'}, "constraint.json_schema"),
     "dangling $ref": ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "constraint.json_schema"),
@@ -555,9 +555,11 @@ def test_cancel_while_compiling_leaks_nothing(slow_grammar_server: ServerHandle)
     call.cancel()
     assert _error(call).code() == grpc.StatusCode.CANCELLED
     # Nothing reached the engine; the compile is still counted until it ends (timeout).
-    assert handle.server.engine_loop.num_pending == 0 and state.calls_in_flight == 0
+    loop, compiler = handle.server.engine_loop, state.constraints
+    assert loop is not None and compiler is not None
+    assert loop.num_pending == 0 and state.calls_in_flight == 0
     deadline = time.monotonic() + TIMEOUT
-    while state.constraints.in_flight:
+    while compiler.in_flight:
         assert time.monotonic() < deadline, "the compile never ended"
         time.sleep(0.05)
     assert handle.pages_in_use() == (0, 0)
