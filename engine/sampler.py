@@ -245,13 +245,26 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return out
 
 
-def draw(filtered: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def draw(filtered: torch.Tensor, uniform: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """One token per row of `filtered` logits (-inf: excluded), at the inverse
-    CDF of the row's uniform number in [0, 1). Only tokens of positive
-    probability can be drawn (the search finds the first bucket above it)."""
-    cdf = filtered.softmax(dim=-1).cumsum(dim=-1)
+    CDF of the row's uniform number in [0, 1); `fallback` ([B], a token each
+    row allows) where the search lands on an excluded token.
+
+    The search finds the first bucket above the target, and an excluded
+    token's bucket is empty while the cumulative sum never decreases, which
+    holds for a sum taken in order (the CPU's). On CUDA a one-row cumulative
+    sum is a device-wide scan whose partial sums are added in another order,
+    so it may step up by a rounding unit at an excluded token: once in about
+    a million draws the target would land there. The check costs a gather."""
+    cdf = _cdf(filtered)
     target = (uniform[:, None] * cdf[:, -1:]).to(cdf.dtype)
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=filtered.shape[-1] - 1)
+    drawn = torch.searchsorted(cdf, target, right=True).clamp_(max=filtered.shape[-1] - 1)
+    allowed = filtered.gather(1, drawn)[:, 0] > float("-inf")
+    return torch.where(allowed, drawn[:, 0], fallback)
+
+
+def _cdf(filtered: torch.Tensor) -> torch.Tensor:
+    return filtered.softmax(dim=-1).cumsum(dim=-1)
 
 
 @dataclass
@@ -289,12 +302,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, grammar_mask=None, step: 
     apply_penalties_and_bias(logits, batch)
     if grammar_mask is not None:
         grammar_mask(logits)
+    best = logits.argmax(dim=-1)
     if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = best
     else:
         assert batch.uniform is not None
-        drawn = draw(filter_logits(logits, batch), batch.uniform[step])
-        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), drawn)
+        # The filters never exclude a row's most likely token: it is the draw's fallback.
+        drawn = draw(filter_logits(logits, batch), batch.uniform[step], best)
+        tokens = torch.where(batch.greedy, best, drawn)
     out = SamplerOutput(tokens=tokens)
     if raw_logprobs is not None:
         assert batch.num_logprobs is not None

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import engine.sampler as sampler_module
 from engine import SamplingParams
 from engine.context import TextContext
 from engine.sampler import apply_penalties_and_bias, build_sampling_batch, filter_logits, sample
@@ -217,3 +218,48 @@ def test_a_masked_row_never_leaves_its_mask(params, model_logit):
         logits = torch.zeros(1, VOCAB)
         logits[0, 6] = model_logit
         assert int(sample(logits, batch_for(c), grammar_mask).tokens[0]) == 6
+
+
+def test_a_draw_that_lands_on_an_excluded_token_takes_the_fallback(monkeypatch):
+    # On CUDA a one-row cumulative sum may step up by a rounding unit at an
+    # excluded (zero-probability) token (see `draw`). Injected here, wider: over
+    # probabilities [0.5, 0, 0.5] the CDF rises at the excluded token 1, and
+    # the target 0.5005 falls inside that step.
+    real = sampler_module._cdf
+
+    def stepped(filtered: torch.Tensor) -> torch.Tensor:
+        cdf = real(filtered).clone()
+        cdf[:, 1] += 1e-3
+        return cdf
+
+    filtered = torch.tensor([[0.0, float("-inf"), 0.0]])
+    uniform = torch.tensor([0.5005])
+    assert sampler_module.draw(filtered, uniform, torch.tensor([0])).tolist() == [2]  # token 2's bucket
+    monkeypatch.setattr(sampler_module, "_cdf", stepped)
+    assert sampler_module.draw(filtered, uniform, torch.tensor([0])).tolist() == [0]
+
+
+def test_sampled_rows_stay_in_their_mask_when_the_cdf_steps_at_excluded_tokens(monkeypatch):
+    # The same fault at every excluded token, wide enough that many seeds land
+    # in a step: every token drawn is still one the grammar allows.
+    real = sampler_module._cdf
+
+    def stepped(filtered: torch.Tensor) -> torch.Tensor:
+        cdf = real(filtered)
+        return cdf + torch.isinf(filtered) * 0.2
+
+    monkeypatch.setattr(sampler_module, "_cdf", stepped)
+    landed = 0
+    for seed in range(200):
+        c = ctx(SamplingParams(temperature=1.0, seed=seed))
+        batch = batch_for(c)
+        masked = LOGITS.clone()
+        grammar_mask(masked)
+        filtered = filter_logits(masked, batch)
+        assert batch.uniform is not None
+        cdf = stepped(filtered)
+        target = batch.uniform[0][:, None] * cdf[:, -1:]
+        landed += int(torch.isinf(filtered[0, torch.searchsorted(cdf, target, right=True).clamp(max=VOCAB - 1)]))
+        tok = int(sample(LOGITS.clone(), batch, grammar_mask).tokens[0])
+        assert tok in ALLOWED, (seed, tok)
+    assert landed > 20, "the injected steps were never landed on"
