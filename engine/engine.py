@@ -149,15 +149,16 @@ class EngineCore:
         # request is ever given: one more page than the allocator hands out.
         shape = page_tensor_shape(num_pages + (graph_mode is not None), mc.num_layers, config.page_size,
                                   mc.num_kv_heads, mc.head_dim)
+        # Zeroed on every device, so that the tests on CPU see what a GPU holds:
+        # a kernel may read slots no request has written (the dense decode
+        # fallback gathers whole pages), which must be finite. On CPU it also
+        # moves the OS's page faults out of the first steps (200 ms of a 2.5 s
+        # prefill of 16 x 128 tokens on the bench model; zeroing costs about
+        # 0.25 s per GiB, once); on a GPU it is milliseconds.
         if device.type == "cpu":
-            # Every position is written before it is read, but on CPU the memory
-            # is touched now anyway: left to first use, the OS's page faults land
-            # inside write_kv and cost more than the copy (200 ms of a 2.5 s
-            # prefill of 16 x 128 tokens on the bench model). Zeroing up front
-            # takes about 0.25 s per GiB, once.
             kv_blocks = empty_huge(shape, dtype).zero_()
         else:
-            kv_blocks = torch.empty(shape, dtype=dtype, device=device)
+            kv_blocks = torch.zeros(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(kv_blocks, self.allocator)
         self.attention = make_attention(self.attention_choice, kv_blocks, mc.num_heads, mc.head_dim, max_len)

@@ -74,9 +74,14 @@ class DenseDecodeAttention(AttentionBackend[PagedMetadata]):
         base = meta.block_table.to(torch.int64)[:, :, None] * (2 * rows.layers * page_size) \
             + torch.arange(page_size, device=q.device)
         base = base.reshape(batch, width * page_size)
-        keys = rows.flat[rows.key_rows(base, layer)]  # [B, L, KVH, D]
-        values = rows.flat[rows.value_rows(base, layer)]
         visible = torch.arange(width * page_size, device=q.device)[None, :] < meta.seq_lens[:, None].to(torch.int64)
+        # Slots past a sequence's length hold anything (the dummy page, a last
+        # page's tail, a freed page's old keys): a mask drops their scores, but
+        # a NaN there would still poison the row (NaN + -inf, 0 x NaN), so the
+        # gathered keys and values are zeroed there first.
+        hidden = ~visible[:, :, None, None]
+        keys = rows.flat[rows.key_rows(base, layer)].masked_fill_(hidden, 0)  # [B, L, KVH, D]
+        values = rows.flat[rows.value_rows(base, layer)].masked_fill_(hidden, 0)
         return sdpa_batched(q, keys, values, visible, self.scale)  # one query per sequence: T == B
 
 

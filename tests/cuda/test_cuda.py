@@ -508,6 +508,8 @@ def test_startup_choices_and_pinned_step_inputs(cuda_llm, caplog) -> None:
     assert "decode graphs (captured)" in caplog.text
     assert eng.attention_choice.name == "triton"
     assert eng.graphs is not None and eng.graphs.capture
+    # The pages start zeroed (engine.py): slots no request wrote are finite.
+    assert bool(torch.isfinite(eng.kv_manager.kv_blocks).all())
     llm.generate(prompts(1), SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
     assert eng.graphs.replays[1] > 0
 

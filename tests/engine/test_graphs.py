@@ -195,11 +195,18 @@ def test_padded_rows_write_to_the_dummy_page_only(make_llm, monkeypatch) -> None
 
 
 def test_dense_decode_attention_matches_the_reference() -> None:
+    # Every slot no sequence has written holds NaN: the dense kernel gathers
+    # whole pages (the dummy page's, a last page's tail, a freed page's old
+    # keys), and a NaN there must not reach a row through its mask.
     torch.manual_seed(0)
     layers, page_size, kv_heads, heads, dim = 2, 4, 2, 4, 16
-    blocks = torch.randn(12, 2, layers, page_size, kv_heads, dim)
+    blocks = torch.full((12, 2, layers, page_size, kv_heads, dim), float("nan"))
     table = np.array([[3, 7, 1, 0], [5, 0, 0, 0], [2, 9, 4, 11]], dtype=np.int32)
-    spans = [SeqSpan(i, i, i + 1, n) for i, n in enumerate((9, 2, 15))]
+    cached = (9, 2, 15)
+    for row, n in enumerate(cached):
+        for pos in range(n):  # the step writes position n
+            blocks[table[row, pos // page_size], :, :, pos % page_size] = torch.randn(2, layers, kv_heads, dim)
+    spans = [SeqSpan(i, i, i + 1, n) for i, n in enumerate(cached)]
     kv = KVCacheInputs(blocks, torch.tensor([9, 2, 15], dtype=torch.int32), torch.from_numpy(table),
                        torch.tensor([[1, 16]], dtype=torch.int32))
     q, k, v = torch.randn(3, heads, dim), torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, dim)
@@ -210,7 +217,8 @@ def test_dense_decode_attention_matches_the_reference() -> None:
     out = dense(q, k, v, 1, dense.plan(spans, table, kv))
     kv_ref = KVCacheInputs(ref_blocks, kv.cache_lengths, kv.lookup_table, kv.max_lengths)
     expected = reference(q, k, v, 1, reference.plan(spans, table, kv_ref))
+    assert not out.isnan().any()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(blocks, ref_blocks)  # the same keys and values were written
+    torch.testing.assert_close(blocks, ref_blocks, equal_nan=True)  # the same keys and values were written
     with pytest.raises(ValueError, match="decode steps only"):
         dense.plan([SeqSpan(0, 0, 2, 0)], table[:1], kv)
