@@ -149,8 +149,9 @@ class AttentionBackend(ABC, Generic[M]):
     """Attention over the paged KV cache for a mixed batch, without padding.
 
     `plan` runs once per step on the host and returns the backend's own
-    metadata (which carries the step's KVCacheInputs); the model then calls the
-    backend once per layer with it.
+    metadata (what it reads of the step's KVCacheInputs, as host tensors the
+    device thread uploads); the model then calls the backend once per layer
+    with it.
     """
 
     name = "base"

@@ -26,9 +26,12 @@ from .base import (
 
 @dataclass(frozen=True)
 class TorchMetadata:
-    """A step as TorchAttention runs it: every span gathered from the pages."""
+    """A step as TorchAttention runs it: every span gathered from the pages.
 
-    kv: KVCacheInputs
+    It holds no `KVCacheInputs`: nothing here reads its lengths or table on
+    the device, and the upload would copy them (its `max_lengths`, host data,
+    from pageable memory: a synchronous copy on CUDA)."""
+
     rows: CacheRows
     write_rows: torch.Tensor  # layer-0 rows of the new tokens' keys
     spans: list[Gathered]
@@ -40,7 +43,7 @@ class TorchAttention(AttentionBackend[TorchMetadata]):
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> TorchMetadata:
         rows = CacheRows(kv.kv_blocks)
         places = TokenPlaces.of(spans, table, rows.page_size)
-        return TorchMetadata(kv, rows, places.write_rows(rows, self.staging),
+        return TorchMetadata(rows, places.write_rows(rows, self.staging),
                              [gather(span, rows, table, self.staging) for span in spans])
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

@@ -2,9 +2,11 @@
 the device thread alone moves them to the device (engine/staging.py), so on
 CUDA every copy and kernel of a step runs on the executor's stream.
 
-Guarded five ways on CPU: building a step's inputs never calls `Tensor.to`
+Guarded six ways on CPU: building a step's inputs never calls `Tensor.to`
 or `Tensor.cuda`; every tensor of the built inputs is one `upload` reaches
-(uploading to the meta device leaves none behind on the host); `upload` runs
+(uploading to the meta device leaves none behind on the host); with the
+backends a GPU runs, every host tensor a step uploads was made by `Staging`
+(page-locked on CUDA, so its copy is asynchronous); `upload` runs
 on the device thread only; the grammar mask (bitmask and rows) reaches the
 device thread as staged host buffers, page-locked for CUDA; and while the
 device thread runs a step it reads no tensor's value on the host (on CUDA
@@ -88,6 +90,50 @@ def test_phase_one_builds_host_tensors_only(make_llm, monkeypatch, attention: st
         moved = upload(inputs, torch.device("meta"))
         left = [t for t in step_tensors(moved) if t.device.type == "cpu"]
         assert not left, f"{len(left)} host tensors the upload does not reach"
+    for ctx in contexts:
+        ctx.drop_futures()
+        pipe.release(ctx)
+
+
+@pytest.mark.parametrize(("attention", "cuda_graphs"), [("torch", "off"), ("triton", "off"), ("torch", "emulate"),
+                                                        ("triton", "emulate")])
+def test_what_a_step_uploads_is_staged(make_llm, monkeypatch, attention: str, cuda_graphs: str) -> None:
+    # With the backends a GPU runs, every host tensor of a step that the device
+    # thread uploads came from `Staging` (page-locked on CUDA: an asynchronous
+    # copy). The KVCacheInputs beside them is the host's plan, never uploaded:
+    # a backend's metadata that carried it would upload its `max_lengths`, a
+    # pageable tensor, with a synchronous copy on CUDA.
+    staged: set[int] = set()
+    for name in ("tensor", "buffer"):
+        made = getattr(Staging, name)
+
+        def recording(self, *args, _made=made, **kwargs):  # noqa: ANN001
+            t = _made(self, *args, **kwargs)
+            staged.add(t.untyped_storage().data_ptr())
+            return t
+
+        monkeypatch.setattr(Staging, name, recording)
+    llm = make_llm("tiny-llama", attention=attention, cuda_graphs=cuda_graphs, kv_cache_gib=0.05)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.7, seed=3, top_k=5, top_p=0.9, logit_bias={7: 2.0},
+                            repetition_penalty=1.2, min_new_tokens=2, logprobs=2, prompt_logprobs=1)
+    contexts = [eng.make_context(p, params) for p in prompts(2)]
+    for ctx in contexts:
+        eng.kv_manager.claim(ctx)
+        assert eng.kv_manager.reserve(ctx, ctx.end_idx + 1)
+    pipe = eng.pipeline
+    prefill = build_step_inputs(contexts, 1, eng.kv_manager, pipe.buffer, eng.attention, eng.vocab_size,
+                                pipe.staging, pipe.graphs)
+    advance_with_placeholders(contexts, prefill)
+    decode = build_step_inputs(contexts, 1, eng.kv_manager, pipe.buffer, eng.attention, eng.vocab_size,
+                               pipe.staging, pipe.graphs)
+    for inputs in (prefill, decode):
+        uploaded = [t for f in dataclasses.fields(inputs) if f.name != "kv"
+                    for t in step_tensors(getattr(inputs, f.name))
+                    if t.device.type == "cpu" and t.numel() and t is not eng.kv_manager.kv_blocks]
+        assert uploaded
+        loose = [(tuple(t.shape), t.dtype) for t in uploaded if t.untyped_storage().data_ptr() not in staged]
+        assert not loose, f"host tensors a step uploads that Staging did not make: {loose}"
     for ctx in contexts:
         ctx.drop_futures()
         pipe.release(ctx)
