@@ -71,24 +71,53 @@ class DenseDecodeAttention(AttentionBackend[PagedMetadata]):
         batch, width = meta.block_table.shape
         page_size = rows.page_size
         # [B, W * page_size] layer-0 key rows of every slot a sequence's pages hold.
-        base = meta.block_table.to(torch.int64)[:, :, None] * (2 * rows.layers * page_size) \
+        slots = meta.block_table.to(torch.int64)[:, :, None] * (2 * rows.layers * page_size) \
             + torch.arange(page_size, device=q.device)
-        base = base.reshape(batch, width * page_size)
+        slots = slots.reshape(batch, width * page_size)
         visible = torch.arange(width * page_size, device=q.device)[None, :] < meta.seq_lens[:, None].to(torch.int64)
-        # Slots past a sequence's length hold anything (the dummy page, a last
-        # page's tail, a freed page's old keys): a mask drops their scores, but
-        # a NaN there would still poison the row (NaN + -inf, 0 x NaN), so the
-        # gathered keys and values are zeroed there first.
-        hidden = ~visible[:, :, None, None]
-        keys = rows.flat[rows.key_rows(base, layer)].masked_fill_(hidden, 0)  # [B, L, KVH, D]
-        values = rows.flat[rows.value_rows(base, layer)].masked_fill_(hidden, 0)
-        return sdpa_batched(q, keys, values, visible, self.scale)  # one query per sequence: T == B
+        return decode_over_slots(q, rows, layer, slots, visible, self.scale)  # one query per sequence: T == B
 
 
-def sdpa_batched(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """One query per sequence: q [B, H, D], keys/values [B, L, KVH, D], visible [B, L] -> [B, H, D]."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != keys.shape[2])
-    return out[:, :, 0, :]
+# Float32 bytes of one chunk of gathered keys (and as many of values): what
+# bounds dense decode's scratch memory whatever the context and batch (a
+# CUDA graph's pool keeps what its capture allocated).
+CHUNK_BYTES = 64 << 20
+
+
+def decode_over_slots(q: torch.Tensor, rows: CacheRows, layer: int, slots: torch.Tensor, visible: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence over the cache slots `slots` ([B, L] layer-0 key
+    rows), those not `visible` ignored: q [B, H, D] -> [B, H, D].
+
+    In float32, chunk by chunk with a running maximum and sum (the online
+    softmax of flash attention), so its memory is CHUNK_BYTES whatever L, and
+    each key head serves its group of query heads where it is (SDPA with a
+    mask and grouped heads falls back to its math kernel, which repeats every
+    key and value per query head in float32: gigabytes at batch 64 over an 8k
+    context). A slot not visible may hold anything (the dummy page, a last
+    page's tail, a freed page's old keys): a mask drops its score, but a NaN
+    there would still reach the row (0 x NaN), so its key and value are zeroed
+    first.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = rows.flat.shape[1]
+    group = heads // kv_heads
+    queries = q.float().view(batch, kv_heads, group, dim) * scale
+    chunk = max(1, CHUNK_BYTES // (batch * kv_heads * dim * 4))
+    # A finite start, so that a row with nothing visible (a padded one) gives zeros, not NaN.
+    best = torch.full((batch, kv_heads, group), -1e30, dtype=torch.float32, device=q.device)
+    total = torch.zeros_like(best)
+    acc = torch.zeros(batch, kv_heads, group, dim, dtype=torch.float32, device=q.device)
+    for start in range(0, slots.shape[1], chunk):
+        part, seen = slots[:, start:start + chunk], visible[:, start:start + chunk]
+        unseen = ~seen[:, :, None, None]
+        keys = rows.flat[rows.key_rows(part, layer)].masked_fill_(unseen, 0).float()  # [B, C, KVH, D]
+        values = rows.flat[rows.value_rows(part, layer)].masked_fill_(unseen, 0).float()
+        scores = torch.einsum("bhgd,bchd->bhgc", queries, keys).masked_fill_(~seen[:, None, None, :], float("-inf"))
+        top = torch.maximum(best, scores.amax(dim=-1))
+        weights = torch.exp(scores - top[..., None])
+        rescale = torch.exp(best - top)
+        total = total * rescale + weights.sum(dim=-1)
+        acc = acc * rescale[..., None] + torch.einsum("bhgc,bchd->bhgd", weights, values)
+        best = top
+    return (acc / total.clamp_min(1e-30)[..., None]).view(batch, heads, dim).to(q.dtype)

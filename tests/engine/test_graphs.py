@@ -17,6 +17,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine import pipeline as pipeline_module
 from engine.attention import DenseDecodeAttention, SeqSpan, TorchAttention
+from engine.attention import paged as paged_module
 from engine.context import TextContext
 from engine.graphs import graph_buckets
 from engine.kv_cache import KVCacheInputs
@@ -194,11 +195,15 @@ def test_padded_rows_write_to_the_dummy_page_only(make_llm, monkeypatch) -> None
     assert not torch.equal(dummy, eng.kv_manager.kv_blocks[eng.graphs.dummy_page]), "the padded row wrote there"
 
 
-def test_dense_decode_attention_matches_the_reference() -> None:
+@pytest.mark.parametrize("chunk_slots", [None, 1, 3])
+def test_dense_decode_attention_matches_the_reference(monkeypatch, chunk_slots: int | None) -> None:
     # Every slot no sequence has written holds NaN: the dense kernel gathers
     # whole pages (the dummy page's, a last page's tail, a freed page's old
-    # keys), and a NaN there must not reach a row through its mask.
+    # keys), and a NaN there must not reach a row through its mask. Over the
+    # context in one chunk, and in chunks of 1 and 3 slots (its running softmax).
     torch.manual_seed(0)
+    if chunk_slots is not None:  # bytes of float32 keys a slot: 3 sequences x 2 heads x 16
+        monkeypatch.setattr(paged_module, "CHUNK_BYTES", chunk_slots * 3 * 2 * 16 * 4)
     layers, page_size, kv_heads, heads, dim = 2, 4, 2, 4, 16
     blocks = torch.full((12, 2, layers, page_size, kv_heads, dim), float("nan"))
     table = np.array([[3, 7, 1, 0], [5, 0, 0, 0], [2, 9, 4, 11]], dtype=np.int32)
