@@ -114,32 +114,44 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return out[0].transpose(0, 1)
 
 
-def causal_mask(span: SeqSpan) -> np.ndarray:
-    """Query i (absolute position cache_len + i) sees keys 0..cache_len + i."""
-    q_pos = np.arange(span.q_len)[:, None] + span.cache_len
-    return np.arange(span.ctx_len)[None, :] <= q_pos
-
-
 @dataclass(frozen=True)
 class Gathered:
     """A span whose keys and values are gathered from the pages for SDPA."""
 
     span: SeqSpan
     rows: torch.Tensor  # layer-0 key rows of its whole context
-    mask: torch.Tensor | None  # causal mask when it has several queries
 
 
 def gather(span: SeqSpan, rows: CacheRows, table: np.ndarray, staging: Staging) -> Gathered:
-    base = staging.tensor(rows.base_rows(table[span.index], 0, span.ctx_len))
-    return Gathered(span, base, staging.tensor(causal_mask(span)) if span.q_len > 1 else None)
+    return Gathered(span, staging.tensor(rows.base_rows(table[span.index], 0, span.ctx_len)))
+
+
+# Float32 bytes of one span's attention scores at a time: a longer prompt chunk
+# attends in slices of its queries (2048 queries over a 32k context would
+# otherwise take 8 GiB for 32 heads).
+SCORE_BYTES = 256 << 20
 
 
 def gathered_attention(q: torch.Tensor, rows: CacheRows, layer: int, item: Gathered,
                        scale: float) -> torch.Tensor:
-    """SDPA of one span's queries over its keys and values read from the pages."""
+    """SDPA of one span's queries over its keys and values read from the pages.
+    Several queries are causal: query i (at position cache_len + i) sees keys
+    0..cache_len + i, a mask made on the device (a host-built one would be
+    q_len x ctx_len bytes to copy every step)."""
+    span = item.span
     keys = rows.flat.index_select(0, rows.key_rows(item.rows, layer))
     values = rows.flat.index_select(0, rows.value_rows(item.rows, layer))
-    return sdpa(q[item.span.q_start:item.span.q_end], keys, values, item.mask, False, scale)
+    queries = q[span.q_start:span.q_end]
+    if span.q_len == 1:
+        return sdpa(queries, keys, values, None, False, scale)
+    per_slice = max(1, SCORE_BYTES // (q.shape[1] * span.ctx_len * 4))
+    key_pos = torch.arange(span.ctx_len, device=q.device)
+    out = []
+    for start in range(0, span.q_len, per_slice):
+        end = min(start + per_slice, span.q_len)
+        query_pos = torch.arange(span.cache_len + start, span.cache_len + end, device=q.device)
+        out.append(sdpa(queries[start:end], keys, values, key_pos[None, :] <= query_pos[:, None], False, scale))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 M = TypeVar("M")
