@@ -15,7 +15,8 @@ Randomness is per request, not per batch: a row's draw is one uniform number
 hashed from (request seed, token position) on the host when the step's inputs
 are built, so a seeded request draws the same tokens whatever else shares its
 batch, and after a preemption. On the device a draw is then one batched
-softmax, cumulative sum and search: no random generator per row per step.
+softmax, cumulative sum and search (and a check that the token found is one
+the row allows): no random generator per row per step.
 """
 
 from __future__ import annotations
