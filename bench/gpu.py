@@ -388,7 +388,8 @@ def run_stencild(key: str, model_dir: Path, args: argparse.Namespace, bound: flo
                                overlap, mode, args, bound, report, info) or []
     if not args.default_mode_only:
         # The default mode with the model's pointwise steps as plain torch ops:
-        # what the fused Triton kernels (engine/kernels/triton_ops.py) are worth.
+        # what the fused Triton kernels (engine/kernels/triton_ops.py) are worth,
+        # with the batch-1 GEMV (engine/kernels/triton_gemv.py), which comes with them.
         figures += guarded(report, f"[{key}] stencild {UNFUSED_MODE}", _stencild_config, key, model_dir, "auto",
                            True, UNFUSED_MODE, args, bound, report, info, False) or []
     return figures
@@ -442,7 +443,11 @@ def _stencild_config(key: str, model_dir: Path, graphs: str, overlap: bool, mode
         for batch, constraint, label, run_params in runs:
             # The schema's comparison at the biggest batch also gets its steps' phases.
             phases = default and batch == max_batch and run_params is params
-            fig = _stencild_batch(llm, key, label, batch, run_params, constraint, args, bound, phases)
+            # One run's failure is recorded; the configuration's other figures still count.
+            fig = guarded(report, f"[{key}] stencild {label}, batch {batch}", _stencild_batch, llm, key, label,
+                          batch, run_params, constraint, args, bound, phases)
+            if fig is None:
+                continue
             figures.append(fig)
             report(f"  [{key}] stencild {label}, batch {batch}: {fmt_rate(fig.tok_s)} tok/s "
                    f"({fmt_share(fig.share)} of the {fmt_rate(fig.bound_tok_s)} tok/s bound)"
@@ -652,7 +657,8 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
     server = ServerProcess(serve_args)
     address = f"127.0.0.1:{server.port}"
     try:
-        server.wait_serving(address, timeout=900.0)
+        left = report.seconds_left()
+        server.wait_serving(address, timeout=900.0 if left is None else max(60.0, min(900.0, left)))
         report(f"  [{tag}] stencild serve up in {time.perf_counter() - start:.1f} s ({' '.join(serve_args[2:])})")
         asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 30_000)], 8))
         asyncio.run(run_grpc_level(address, [make_prompts(conc, args.prompt_len, 30_001)], args.new_tokens))
@@ -670,7 +676,7 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
         # Slower steps, or more of them (requests admitted over several)? The offline run's are in its figure.
         report(f"  [{tag}] gRPC best run: {best_steps.describe()} (the server's metrics)")
         if args.profile_server and not engine_process:
-            profile_grpc(key, server, address, args, report)
+            guarded(report, f"[{key}] --profile-server", profile_grpc, key, server, address, args, report)
     finally:
         server.stop()
         free_cuda()
@@ -729,19 +735,21 @@ def profile_grpc(key: str, server: Any, address: str, args: argparse.Namespace, 
 # -- tests ------------------------------------------------------------------------------------
 
 
-def run_tests(report: Report) -> dict[str, Any]:
-    """`pytest -q tests/cuda` with CUDA required; its last line and exit status."""
+def run_tests(report: Report, cap_s: float | None = None) -> dict[str, Any]:
+    """`pytest -q tests/cuda` with CUDA required, for at most `cap_s` seconds (and
+    not past the --budget-s deadline); its last line and exit status."""
     env = {**os.environ, "STENCILD_TEST_DEVICE": "cuda"}
     start = time.perf_counter()
-    left = report.seconds_left()
+    limits = [x for x in (report.seconds_left(), cap_s) if x is not None]
     try:
         res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cuda"],
                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False,
-                             timeout=None if left is None else max(left, 1.0))
+                             timeout=max(min(limits), 1.0) if limits else None)
     except subprocess.TimeoutExpired as e:
         out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
-        report.raw("---- pytest -q tests/cuda (stopped at the --budget-s deadline) ----\n" + out)
-        summary = f"stopped at the --budget-s deadline after {time.perf_counter() - start:.0f} s"
+        report.raw("---- pytest -q tests/cuda (stopped at its time limit) ----\n" + out)
+        summary = (f"stopped after {time.perf_counter() - start:.0f} s "
+                   "(the --budget-s deadline or --tests-budget-s)")
         report(f"tests/cuda: {summary}")
         return {"summary": summary, "returncode": None}
     output = res.stdout + res.stderr
@@ -859,7 +867,8 @@ def figure_notes(f: Figure, figures: list[Figure]) -> str:
         return f"{f.tok_s / greedy.tok_s:.2f}x greedy's tok/s" if greedy else ""
     if f.system == "stencild" and f.mode == UNFUSED_MODE:
         fused = _pick(figures, "stencild", f.model, f.batch, DEFAULT_MODE)
-        return f"the fused kernels (default mode) run {fused.tok_s / f.tok_s:.2f}x this" if fused else ""
+        return (f"the fused kernels and the batch-1 GEMV (default mode) run {fused.tok_s / f.tok_s:.2f}x this"
+                if fused else "")
     return ""
 
 
@@ -916,6 +925,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-kernels", action="store_true",
                    help="per model, the kernels of an eager batch-1 decode step by GPU time (bench/gpu_profile.py)")
     p.add_argument("--with-tests", action="store_true", help="run `pytest -q tests/cuda` first and record it")
+    p.add_argument("--tests-budget-s", type=float, default=240.0, metavar="SECONDS",
+                   help="stop `pytest tests/cuda` after SECONDS, so a slow or stuck test leaves the benchmark its time")
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                    help="parts not started within SECONDS of the start are skipped (and pytest stopped there), "
                         "so a run under a time limit still writes its tables and JSON")
@@ -949,6 +960,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/gpu.py: {problem}; this benchmark needs a CUDA GPU.", file=sys.stderr)
         return 1
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The kernel profile (torch.profiler) runs before transformers' CUDA graphs in this
+    # process: CUPTI torn down after a profile can crash a later capture.
+    os.environ.setdefault("TEARDOWN_CUPTI", "0")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     report = Report(args.results_dir / f"gpu-{stamp}.log", args.budget_s)
@@ -962,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"when": stamp, "device": info, "args": {k: str(v) if isinstance(v, Path) else v
                                                                        for k, v in vars(args).items()}}
     if args.with_tests:
-        results["tests"] = run_tests(report)
+        results["tests"] = run_tests(report, args.tests_budget_s)
 
     bandwidth = copy_bandwidth()
     report(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (device-to-device, read + write, median of 10)")
@@ -988,13 +1002,10 @@ def main(argv: list[str] | None = None) -> int:
         models[key] = info_m
         figures += guarded(report, f"[{key}] stencild offline", run_stencild,
                            key, model_dir, args, bound, report, info_m) or []
+        write_json(figures, args, results, models, stamp)  # what is measured so far, should the run be killed
         if args.profile_kernels:
             info_m["kernels_batch1"] = guarded(report, f"[{key}] kernel profile", profile_kernels, key, model_dir,
                                                report)
-        if not args.skip_transformers:
-            hf_batches = [1] if args.quick or key == "8b" else [b for b in (1, 16) if b in args.batches] or [1]
-            figures += guarded(report, f"[{key}] transformers", run_transformers,
-                               key, model_dir, hf_batches, args, bound, report) or []
         for engine_process in (() if args.skip_grpc else (False, True)):
             g = guarded(report, f"[{key}] gRPC", run_grpc, key, model_dir, args, bound, report, engine_process)
             if g is not None:
@@ -1003,18 +1014,35 @@ def main(argv: list[str] | None = None) -> int:
                 share = f"{fmt_share(g.tok_s / off.tok_s)} of offline batch {g.batch}" if off else "no offline figure"
                 report(f"  [{key}] gRPC {g.mode}: {fmt_rate(g.tok_s)} tok/s ({share}; {fmt_share(g.share)} of the "
                        f"bound); TTFT p50 {g.extra['ttft_p50_ms']:.0f} ms, p99 {g.extra['ttft_p99_ms']:.0f} ms")
+            write_json(figures, args, results, models, stamp)
+        # Transformers last: its comparison's target is met; the open ones are measured above.
+        if not args.skip_transformers:
+            hf_batches = [1] if args.quick or key == "8b" else [b for b in (1, 16) if b in args.batches] or [1]
+            figures += guarded(report, f"[{key}] transformers", run_transformers,
+                               key, model_dir, hf_batches, args, bound, report) or []
+        write_json(figures, args, results, models, stamp)
 
     results["models"] = models
     summarize(figures, args, report, results, stamp)
     return 0
 
 
+def write_json(figures: list[Figure], args: argparse.Namespace, results: dict[str, Any], models: dict[str, Any],
+               stamp: str) -> Path:
+    """The run's JSON beside its log: its figures and targets so far."""
+    results["models"] = models
+    results["figures"] = [{**asdict(f), "share_of_bound": f.share} for f in figures]
+    results["targets"] = targets(figures, args)
+    json_path = args.results_dir / f"gpu-{stamp}.json"
+    json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return json_path
+
+
 def summarize(figures: list[Figure], args: argparse.Namespace, report: Report, results: dict[str, Any],
               stamp: str) -> None:
     """The run's table of figures and of targets, and its JSON beside the log."""
-    results["figures"] = [{**asdict(f), "share_of_bound": f.share} for f in figures]
-    goals = targets(figures, args)
-    results["targets"] = goals
+    json_path = write_json(figures, args, results, results.get("models", {}), stamp)
+    goals = results["targets"]
 
     report("\n## Results\n")
     report("| model | system | mode | batch | tok/s | share of bound | notes |")
@@ -1029,8 +1057,6 @@ def summarize(figures: list[Figure], args: argparse.Namespace, report: Report, r
         report(f"| {goal['target']} | {goal['figure']} | {verdict(goal['met'])} |")
     if "tests" in results:
         report(f"\ntests/cuda: {results['tests']['summary']}")
-    json_path = args.results_dir / f"gpu-{stamp}.json"
-    json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     report(f"\nwrote {report.log_path} and {json_path}")
 
 

@@ -13,6 +13,7 @@ onto a lent GPU machine); without it the profile is skipped.
 from __future__ import annotations
 
 import collections
+import os
 import shutil
 import subprocess
 import sys
@@ -21,9 +22,19 @@ from pathlib import Path
 
 
 def available() -> str | None:
-    """The py-spy executable, if installed (beside this Python first)."""
+    """The py-spy executable, if installed: beside this Python, on PATH, or in
+    the `bin` beside a path entry (`pip install --target DIR` puts it in DIR/bin)."""
     beside = Path(sys.executable).with_name("py-spy")
-    return str(beside) if beside.exists() else shutil.which("py-spy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("py-spy")
+    if found is not None:
+        return found
+    for entry in sys.path:
+        candidate = Path(entry or ".") / "bin" / "py-spy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
 
 
 def record(pid: int, seconds: float, out: Path, gil: bool = False, rate: int = 200) -> subprocess.Popen[bytes] | None:

@@ -49,6 +49,19 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     assert [(f.mode, f.batch) for f in figures] == [
         (gpu.DEFAULT_MODE, 1), (gpu.DEFAULT_MODE, 4), (gpu.DEFAULT_MODE + ", JSON schema", 4),
         (gpu.DEFAULT_MODE + gpu.SAMPLED_MODE, 4)]
+    # One run that fails costs its own figure only, not its configuration's others.
+    real_batch = gpu._stencild_batch
+
+    def failing_batch(llm, key, mode, batch, *rest):  # noqa: ANN001
+        if mode.endswith(gpu.SAMPLED_MODE):
+            raise RuntimeError("injected")
+        return real_batch(llm, key, mode, batch, *rest)
+
+    with monkeypatch.context() as m:
+        m.setattr(gpu, "_stencild_batch", failing_batch)
+        kept = gpu.run_stencild("1.1b", model_dir, args, bound, report, {})
+    assert [f.mode for f in kept] == [f.mode for f in figures[:3]]
+    assert "failed: RuntimeError: injected" in report.log_path.read_text()
     assert all(f.tok_s > 0 and f.extra["tokens"] == f.batch * args.new_tokens for f in figures)
     schema = figures[2]
     assert "x greedy's tok/s" in gpu.figure_notes(figures[3], figures)
@@ -61,6 +74,12 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     hf = gpu.run_transformers("1.1b", model_dir, [1], args, bound, report)
     assert [f.mode for f in hf] == ["eager (dynamic cache)", "static cache"]
     figures += hf
+    # A server profile that fails leaves the gRPC figure standing.
+    def failing_profile(*_a, **_k):  # noqa: ANN002, ANN003
+        raise RuntimeError("py-spy broke")
+
+    monkeypatch.setattr(gpu, "profile_grpc", failing_profile)
+    args.profile_server = True
     for engine_process in (False, True):
         served = gpu.run_grpc("1.1b", model_dir, args, bound, report, engine_process)
         assert served is not None and served.extra["tokens"] == 4 * args.new_tokens
@@ -78,6 +97,7 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     assert goals["JSON schema at batch 4 no slower per request than no schema (1.1b)"]["met"] is not None
     assert goals["8B batch 1 >= 70 % of the bandwidth bound"]["met"] is None  # not run here
     assert len(saved["figures"]) == len(figures)
+    assert "--profile-server failed: RuntimeError: py-spy broke" in log
 
 
 def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
@@ -94,4 +114,21 @@ def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
     # pytest tests/cuda is stopped at the deadline, not waited for.
     report.deadline = time.monotonic()
     tests = gpu.run_tests(report)
-    assert tests["returncode"] is None and tests["summary"].startswith("stopped at the --budget-s deadline")
+    assert tests["returncode"] is None and tests["summary"].startswith("stopped after")
+    assert gpu.parse_args([]).tests_budget_s == 240
+
+
+def test_py_spy_is_found_where_pip_install_target_puts_it(tmp_path, monkeypatch):
+    # On the lent GPU machine the wheels go in with `pip install --target DIR`
+    # and DIR is on PYTHONPATH: py-spy is then DIR/bin/py-spy, beside no
+    # Python and on no PATH.
+    from bench import pyspy
+
+    exe = tmp_path / "site" / "bin" / "py-spy"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr(pyspy.sys, "executable", str(tmp_path / "python3"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(pyspy.sys, "path", [str(tmp_path / "elsewhere"), str(tmp_path / "site")])
+    assert pyspy.available() == str(exe)
