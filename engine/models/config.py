@@ -52,9 +52,11 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # on the q, k and v projections
     qk_norm: bool
     eos_token_ids: tuple[int, ...] = ()
+    output_bias: bool = False  # on the attention's output projection
+    mlp_bias: bool = False  # on the gate, up and down projections
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -152,5 +154,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=family == "qwen3",
         eos_token_ids=tuple(eos),
+        # As transformers builds them: Llama's and Qwen3's attention_bias is on
+        # the output projection too (never Qwen2's or Mistral's), and Llama's
+        # mlp_bias on all three MLP projections.
+        output_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+        mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
         extra={"hidden_act": cfg.get("hidden_act", "silu")},
     )

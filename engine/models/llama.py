@@ -81,14 +81,18 @@ class LlamaFamilyModel:
                     permute_heads(load(p + "self_attn.k_proj.bias"), config.num_kv_heads),
                     load(p + "self_attn.v_proj.bias"),
                 ]).to(device)
+            mlp = p + "mlp."
             layer = DecoderLayer(
                 input_norm=load(p + "input_layernorm.weight").to(device),
                 qkv=linear(torch.cat([q, k, v]).to(device), bias),
-                o_proj=linear(load(p + "self_attn.o_proj.weight").to(device)),
+                o_proj=linear(load(p + "self_attn.o_proj.weight").to(device),
+                              load(p + "self_attn.o_proj.bias").to(device) if config.output_bias else None),
                 post_norm=load(p + "post_attention_layernorm.weight").to(device),
-                gate_up=linear(torch.cat([load(p + "mlp.gate_proj.weight"),
-                                          load(p + "mlp.up_proj.weight")]).to(device)),
-                down=linear(load(p + "mlp.down_proj.weight").to(device)),
+                gate_up=linear(torch.cat([load(mlp + "gate_proj.weight"), load(mlp + "up_proj.weight")]).to(device),
+                               torch.cat([load(mlp + "gate_proj.bias"), load(mlp + "up_proj.bias")]).to(device)
+                               if config.mlp_bias else None),
+                down=linear(load(mlp + "down_proj.weight").to(device),
+                            load(mlp + "down_proj.bias").to(device) if config.mlp_bias else None),
             )
             if config.qk_norm:
                 layer.q_norm = load(p + "self_attn.q_norm.weight")[perm].contiguous().to(device)
