@@ -40,6 +40,16 @@ def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 # Device memory kept free beside the KV cache for what the sizes below miss:
 # the CUDA context's growth, the allocator's slack, CUDA graphs.
 _FIXED_HEADROOM = 768 << 20
+# Prompt rows whose log-probabilities a step computes at once (step_run.py): a
+# whole prompt chunk's logits over a 150k vocabulary would be gigabytes (the
+# 16-bit logits, float32, the log-softmax); a slice's are in the estimate below.
+PROMPT_LOGPROB_ROWS = 256
+# Bytes per [batch, vocabulary] element of a sampling step at its fullest
+# (logits, raw log-probabilities, penalty counts and seen tokens, scaled
+# logits, the sort's values and int64 order, softmax, cumulative sum, a
+# decode graph's static logits): measured on CPU at 64 x 152k, 371 MB above
+# the logits, about 40 a element; CUDA's sort takes scratch on top.
+_SAMPLING_BYTES = 48
 
 
 def kv_budget_gib(device: torch.device, utilization: float, max_tokens: int, max_seqs: int, hidden: int,
@@ -47,11 +57,16 @@ def kv_budget_gib(device: torch.device, utilization: float, max_tokens: int, max
     """The KV cache's share of a CUDA device, in GiB, once the model is loaded:
     `utilization` of its memory, less what is in use now (the weights, other
     processes) and an estimate of a step's peak activations (the largest
-    prompt chunk through one layer, float32 logits and sampling over the
-    largest batch). vLLM measures the peak with a dummy forward pass; the
-    estimate errs large, and `kv_cache_gib` sizes the cache exactly instead."""
+    prompt chunk through one layer, sampling over the largest batch, a slice
+    of prompt log-probabilities). vLLM measures the peak with a dummy forward
+    pass; the estimate errs large, and `kv_cache_gib` sizes the cache exactly
+    instead."""
+    # What the allocator caches but no tensor holds (the GEMV timing's weight
+    # copies, graph pools of start-up probes) is free for the KV cache.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    activations = max_tokens * (6 * hidden + 3 * intermediate) * 4 + max_seqs * vocab * 4 * 4
+    activations = max_tokens * (6 * hidden + 3 * intermediate) * 4 + max_seqs * vocab * _SAMPLING_BYTES \
+        + PROMPT_LOGPROB_ROWS * vocab * 10
     budget = utilization * total - (total - free) - activations - _FIXED_HEADROOM
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization={utilization:g} leaves no memory for the KV cache "

@@ -19,6 +19,7 @@ import torch
 from .attention import AttentionBackend, PagedMetadata, SeqSpan
 from .context import TextContext
 from .graphs import DecodeGraphs
+from .memory import PROMPT_LOGPROB_ROWS
 from .sampler import SamplerOutput, SamplingBatch, count_tokens, sample
 from .staging import HostCopy, upload
 from .step_inputs import PromptLogprobTarget, SampleInputs, StepInputs
@@ -141,8 +142,14 @@ def _sample(model: StepModel, hidden: torch.Tensor, batch: SamplingBatch, gramma
 
 
 def _prompt_logprobs(model: StepModel, hidden: torch.Tensor, target: PromptLogprobTarget) -> PromptLogprobs:
-    logits = model.logits(hidden[target.q_start:target.q_start + len(target.tokens)])
-    logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, target.tokens[:, None])[:, 0]
-    top = logprobs.topk(target.top_n, dim=-1) if target.top_n > 0 else None
-    return chosen, top.indices if top else None, top.values if top else None
+    chosen, ids, values = [], [], []
+    for start in range(0, len(target.tokens), PROMPT_LOGPROB_ROWS):
+        tokens = target.tokens[start:start + PROMPT_LOGPROB_ROWS]
+        rows = target.q_start + start
+        logprobs = model.logits(hidden[rows:rows + len(tokens)]).log_softmax(dim=-1)
+        chosen.append(logprobs.gather(1, tokens[:, None])[:, 0])
+        if target.top_n > 0:
+            top = logprobs.topk(target.top_n, dim=-1)
+            ids.append(top.indices)
+            values.append(top.values)
+    return torch.cat(chosen), torch.cat(ids) if ids else None, torch.cat(values) if values else None

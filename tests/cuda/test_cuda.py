@@ -546,3 +546,22 @@ def test_startup_choices_and_pinned_step_inputs(cuda_llm, caplog) -> None:
         for ctx in contexts:
             ctx.drop_futures()
             pipe.release(ctx)
+
+
+def test_gpu_memory_utilization_sizes_the_cache_within_its_share(cuda_llm) -> None:
+    """`gpu_memory_utilization` (vLLM's flag): the KV cache takes what the share
+    leaves once the model is loaded, less the estimate of a step's peak
+    (engine/memory.py); a step at the largest batch with every sampling option
+    and prompt log-probabilities then runs, and the process stays within the share."""
+    total = torch.cuda.mem_get_info()[1]
+    share = 0.5
+    llm = cuda_llm("tiny-llama", gpu_memory_utilization=share, max_num_seqs=16)
+    kv = llm.engine.kv_manager.kv_blocks
+    kv_bytes = kv.numel() * kv.element_size()
+    assert kv_bytes > 0.1 * share * total, "the cache took far less than its share"
+    torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(temperature=0.7, seed=3, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                            logprobs=2, prompt_logprobs=1, max_new_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts(8) * 2, params)
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert torch.cuda.max_memory_reserved() <= share * total, "the engine's tensors outgrew their share"

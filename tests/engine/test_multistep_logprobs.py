@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine import SamplingParams
+from engine import SamplingParams, step_run
 
 from .reference import GREEDY, hf_greedy, hf_logits, prompts
 
@@ -25,7 +26,12 @@ def test_multi_step_decode_matches_single_step(make_llm):
     assert multi.engine.pipeline.forward_passes - before == single.engine.pipeline.forward_passes
 
 
-def test_logprobs_match_transformers(make_llm):
+@pytest.mark.parametrize("slice_rows", [None, 4])
+def test_logprobs_match_transformers(make_llm, monkeypatch, slice_rows):
+    # Prompt log-probabilities come from the logits of a few rows at a time
+    # (step_run.PROMPT_LOGPROB_ROWS): the 17-token prompt whole, and in slices of 4.
+    if slice_rows is not None:
+        monkeypatch.setattr(step_run, "PROMPT_LOGPROB_ROWS", slice_rows)
     llm = make_llm("tiny-mistral")
     prompt = prompts(3)[2]
     params = SamplingParams(temperature=0, max_new_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
