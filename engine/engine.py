@@ -16,7 +16,7 @@ from .context import GenerationStatus, TextContext
 from .cpu_features import mask_threads_for, usable_cores
 from .errors import InvalidRequest
 from .executor import StepExecutor
-from .graphs import DecodeGraphs, graphs_mode
+from .graphs import DecodeGraphs, dense_graph_batch, graphs_mode
 from .kernels import model_ops, triton_gemv, triton_ops
 from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_for_budget
 from .memory import empty_huge, kv_budget_gib
@@ -145,6 +145,14 @@ class EngineCore:
             max_len = num_pages * config.page_size
         self.max_model_len = max_len
         graph_mode = graphs_mode(config.cuda_graphs, device)
+        graph_batch = config.max_num_seqs
+        if graph_mode is not None and not self.attention_choice.graph_capturable:
+            graph_batch = dense_graph_batch(config.max_num_seqs, max_len)
+            if graph_batch < config.max_num_seqs:
+                log.info("decode graphs over dense attention up to batch %d only: it reads the whole %d-token "
+                         "width every step (larger batches decode eagerly)", graph_batch, max_len)
+            if graph_batch < 1:
+                graph_mode = None
         # Decode graphs pad their batches with rows that write to a page no
         # request is ever given: one more page than the allocator hands out.
         shape = page_tensor_shape(num_pages + (graph_mode is not None), mc.num_layers, config.page_size,
@@ -167,7 +175,7 @@ class EngineCore:
             graph_attention = self.attention if self.attention_choice.graph_capturable else \
                 DenseDecodeAttention(mc.num_heads, mc.head_dim, Staging(device))
             self.graphs = DecodeGraphs(self.model, graph_attention, kv_blocks, dummy_page=num_pages,
-                                       max_batch=config.max_num_seqs, max_pages=-(-max_len // config.page_size),
+                                       max_batch=graph_batch, max_pages=-(-max_len // config.page_size),
                                        vocab_size=mc.vocab_size, capture=graph_mode == "capture")
         eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.eos_token_ids = frozenset(eos)

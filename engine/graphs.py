@@ -44,6 +44,19 @@ from .staging import Staging
 log = logging.getLogger(__name__)
 
 
+# Dense decode attention (the graphs' attention where Triton cannot run) reads
+# every slot of the static block table's full width for every row, whatever
+# the sequences' lengths: graphs are captured only for batches whose rows x
+# width stay within this many slots (batch 64 over 4k tokens, batch 2 over
+# 128k); a larger decode batch runs eagerly, reading only its own keys.
+DENSE_GRAPH_SLOTS = 1 << 18
+
+
+def dense_graph_batch(max_batch: int, max_len: int) -> int:
+    """The largest batch decode graphs over dense attention are captured for (0: none)."""
+    return min(max_batch, DENSE_GRAPH_SLOTS // max(max_len, 1))
+
+
 def graph_buckets(max_batch: int) -> list[int]:
     """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 16, and max_batch."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]

@@ -9,12 +9,14 @@ and aborts mid-batch (make_llm checks that no page leaks)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine import graphs as graphs_module
 from engine import pipeline as pipeline_module
 from engine.attention import DenseDecodeAttention, SeqSpan, TorchAttention
 from engine.attention import paged as paged_module
@@ -61,6 +63,29 @@ def test_tokens_equal_the_plain_path_across_buckets(make_llm, overlap: bool) -> 
     used = set(graphs.engine.graphs.replays)
     assert {1, 2, 4, 8, 16, 20} <= used, used
     assert plain.engine.graphs is None
+
+
+def test_dense_attention_graphs_stop_at_the_batch_its_width_allows(make_llm, monkeypatch, caplog) -> None:
+    # Dense decode attention reads the whole static width every step: graphs
+    # only up to DENSE_GRAPH_SLOTS slots a step, larger batches eager (the
+    # same tokens), and none where even one row is wider.
+    caplog.set_level(logging.INFO, logger="engine")
+    probe = make_llm(attention="torch", cuda_graphs="emulate", max_num_seqs=8, kv_cache_gib=0.05)
+    width = probe.engine.max_model_len
+    assert probe.engine.graphs is not None and probe.engine.graphs.buckets == [1, 2, 4, 8]
+    monkeypatch.setattr(graphs_module, "DENSE_GRAPH_SLOTS", 2 * width + 1)
+    graphs = make_llm(attention="torch", cuda_graphs="emulate", max_num_seqs=8, kv_cache_gib=0.05)
+    assert graphs.engine.graphs is not None and graphs.engine.graphs.buckets == [1, 2]
+    assert "decode graphs over dense attention up to batch 2 only" in caplog.text
+    plain = make_llm(attention="torch", cuda_graphs="off", max_num_seqs=8, kv_cache_gib=0.05)
+    batch = _prompts(5)
+    params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    for size in (2, 5):
+        got = graphs.generate(batch[:size], params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain.generate(batch[:size], params)]
+    assert set(graphs.engine.graphs.replays) == {2}
+    monkeypatch.setattr(graphs_module, "DENSE_GRAPH_SLOTS", width - 1)
+    assert make_llm(attention="torch", cuda_graphs="emulate", kv_cache_gib=0.05).engine.graphs is None
 
 
 def _decoding(prompt_len: int, forced: int) -> TextContext:
