@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention import SeqSpan
 from engine.presets import ensure_preset
 from engine.staging import upload
 from engine.step_inputs import build_step_inputs
@@ -94,6 +95,16 @@ def engine_logits(llm: LLM, tokens: list[int], chunks: list[int]) -> torch.Tenso
 
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+
+
+def mixed_step(shapes: list[tuple[int, int]], page_size: int) -> tuple[list[SeqSpan], int, int]:
+    """One step's spans for (cache_len, q_len) pairs, queries laid end to end:
+    the spans, the step's token count and the pages each sequence gets."""
+    spans, start = [], 0
+    for i, (cache_len, q_len) in enumerate(shapes):
+        spans.append(SeqSpan(i, start, start + q_len, cache_len))
+        start += q_len
+    return spans, start, max(c + q for c, q in shapes) // page_size + 1
 
 
 def preset_path(name: str) -> Path:

@@ -14,6 +14,8 @@ import torch
 
 from engine.kernels import cpu_ops
 
+from .reference import mixed_step
+
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable")
 
@@ -99,7 +101,7 @@ def test_paged_attention_bf16_cache():
 def test_kernel_backend_matches_torch_backend_on_a_mixed_step(head_dim):
     """Decode tokens, a fresh prompt, a prompt chunk over cached context and a
     chunk too long for the kernel, in one step, through both CPU backends."""
-    from engine.attention import KernelAttention, SeqSpan, TorchAttention
+    from engine.attention import KernelAttention, TorchAttention
     from engine.kv_cache import KVCacheInputs
 
     g = torch.Generator().manual_seed(head_dim)
@@ -108,11 +110,7 @@ def test_kernel_backend_matches_torch_backend_on_a_mixed_step(head_dim):
     too_long = probe.kernel_max_context + 9 if probe.kernel_max_context else 200
     # (cache_len, q_len): decode, decode, fresh prompt, chunk over cached keys, long chunk.
     shapes = [(40, 1), (7, 1), (0, 37), (20, 30), (too_long - 150, 150)]
-    spans, start = [], 0
-    for i, (cache_len, q_len) in enumerate(shapes):
-        spans.append(SeqSpan(i, start, start + q_len, cache_len))
-        start += q_len
-    pages_per_seq = max(c + q for c, q in shapes) // page_size + 1
+    spans, start, pages_per_seq = mixed_step(shapes, page_size)
     num_pages = len(shapes) * pages_per_seq
     shape = (num_pages, 2, layers, page_size, kv_heads, head_dim)
     caches = [torch.randn(shape, generator=g) for _ in range(2)]

@@ -14,6 +14,8 @@ from engine.attention import SeqSpan, TorchAttention
 from engine.attention import base as attention_base
 from engine.kv_cache import KVCacheInputs
 
+from .reference import mixed_step
+
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, LAYERS = 6, 2, 16, 4, 2
 # (cache_len, q_len): two decode tokens, a fresh prompt, two chunks over cached keys.
 SHAPES = [(9, 1), (0, 1), (0, 13), (6, 10), (17, 5)]
@@ -40,11 +42,7 @@ def test_torch_attention_matches_the_reference(monkeypatch, slice_queries: int |
     if slice_queries is not None:  # float32 scores of one query over the longest context: HEADS x 22
         monkeypatch.setattr(attention_base, "SCORE_BYTES", slice_queries * HEADS * 22 * 4)
     g = torch.Generator().manual_seed(0)
-    spans, start = [], 0
-    for i, (cache_len, q_len) in enumerate(SHAPES):
-        spans.append(SeqSpan(i, start, start + q_len, cache_len))
-        start += q_len
-    per_seq = max(c + n for c, n in SHAPES) // PAGE_SIZE + 1
+    spans, start, per_seq = mixed_step(SHAPES, PAGE_SIZE)
     num_pages = len(SHAPES) * per_seq
     cache = torch.randn((num_pages, 2, LAYERS, PAGE_SIZE, KV_HEADS, HEAD_DIM), generator=g)
     table = torch.randperm(num_pages, generator=g).view(len(SHAPES), -1).int().numpy()
