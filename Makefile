@@ -51,7 +51,7 @@ bench-serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check engine grammar service tests bench
-	$(VENV)/bin/mypy engine grammar service bench
+	$(VENV)/bin/mypy engine grammar service bench tests
 
 clean:
 	rm -rf $(VENV) .tools build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -56,7 +56,7 @@ class Job:
     seq: int
     waiters: dict[str, int] = field(default_factory=dict)  # tenant -> callers waiting
     state: str = "queued"  # queued, running, done (or dropped)
-    holds: list[Callable[[float], None]] = field(default_factory=list)
+    holds: list[Callable[[float], object]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -132,7 +132,7 @@ class FairQueue:
             job.state = "done"
             return True
 
-    def hold(self, wait: Callable[[float], None]) -> None:
+    def hold(self, wait: Callable[[float], object]) -> None:
         """Called from a running job: keep its tenant's place after it ends until
         `wait(timeout)` returns (the thread runs it once the job's result is out)."""
         job = getattr(self._local, "job", None)

@@ -138,6 +138,13 @@ class ServerHandle:
         return self.runner.run(loop.call(fn))
 
     @property
+    def engine(self) -> EngineCore:
+        """The generation engine (the server must serve generation)."""
+        loop = self.server.engine_loop
+        assert loop is not None, "this server serves no generation"
+        return loop.engine
+
+    @property
     def speech_engine(self) -> EngineCore:
         """The engine that serves speech (the generation engine when shared)."""
         loop = self.server.speech.loop
@@ -182,7 +189,9 @@ class ServerHandle:
 
     @property
     def finished(self) -> dict[str, int]:
-        return dict(self.server.engine_loop.stats.finished)  # type: ignore[union-attr]
+        loop = self.server.engine_loop
+        assert loop is not None
+        return dict(loop.stats.finished)
 
     def drain(self, grace_s: float | None = None) -> Any:
         """Start a drain; returns a concurrent future that completes when stopped."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -27,9 +28,10 @@ def bearer(secret: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {secret}"),)
 
 
-def code_and_reason(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str | None, str]:
+def code_and_reason(fn: Callable[..., object], *args: Any) -> tuple[grpc.StatusCode, str | None, str]:
+    """The status code, reason and details of the gRPC error `fn(*args)` raises."""
     with pytest.raises(grpc.RpcError) as info:
-        fn()
+        fn(*args)
     err = info.value
     return err.code(), error_reason(err.trailing_metadata()), err.details()  # type: ignore[attr-defined]
 
@@ -46,7 +48,7 @@ def tokenize(handle: ServerHandle, metadata: tuple[tuple[str, str], ...] = ()) -
 def test_every_rpc_but_health_needs_a_key(keyed: ServerHandle, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     assert tokenize(keyed, bearer(ALICE))
-    answers = {code_and_reason(lambda m=m: tokenize(keyed, m)) for m in
+    answers = {code_and_reason(tokenize, keyed, m) for m in
                [(), bearer("sk-wrong"), bearer(ALICE + "x"), (("authorization", ALICE),), bearer("")]}
     assert answers == {(grpc.StatusCode.UNAUTHENTICATED, Reason.UNAUTHENTICATED, "missing or invalid API key")}
     health = health_pb2_grpc.HealthStub(keyed.channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)

@@ -80,7 +80,8 @@ def test_a_constrained_vllm_generate_names_its_constraint(server: ServerHandle, 
                                                           kind: str, value: str) -> None:
     caplog.set_level(logging.INFO, logger="stencild.requests")
     rid = f"constrained-{kind}"
-    list(_stub(server).Generate(_vreq(rid, PROMPT, max_tokens=12, **{kind: value}), timeout=TIMEOUT))
+    constraint: dict[str, Any] = {kind: value}
+    list(_stub(server).Generate(_vreq(rid, PROMPT, max_tokens=12, **constraint), timeout=TIMEOUT))
     line = _line(caplog, request_id=rid)
     assert line["status"] == "OK" and line["constraint"] == kind
     assert line["backend"] in BACKENDS

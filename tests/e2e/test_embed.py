@@ -162,12 +162,18 @@ def test_concurrent_calls_share_forward_passes(embed_server: ServerHandle, estub
 def test_model_runs_on_the_engine_device_thread(embed_server: ServerHandle,
                                                 estub: pb_grpc.EmbeddingsStub) -> None:
     runtime = embed_server.server.embedding.runtime
-    engine = embed_server.server.engine_loop.engine
-    device = engine.executor.call(threading.current_thread)
+    loop = embed_server.server.engine_loop
+    assert runtime is not None and loop is not None
+    device = loop.engine.executor.call(threading.current_thread)
     seen: list[threading.Thread] = []
     encoder = runtime.pipeline.encoder
     real = encoder.forward
-    encoder.forward = lambda *a, **k: (seen.append(threading.current_thread()), real(*a, **k))[1]
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    encoder.forward = spy  # type: ignore[method-assign]
     try:
         embed(estub, ["which thread?"])
     finally:
@@ -200,6 +206,7 @@ def test_embedding_only_server(make_server: Callable[..., ServerHandle], st_mode
     assert health.Check(health_pb2.HealthCheckRequest(service=GENERATION)).status == NOT_SERVING
     # Its model runs on a device thread of its own, which stops with the server.
     runtime = handle.server.embedding.runtime
+    assert runtime is not None
     device = runtime.executor.call(threading.current_thread)
     assert device.name == "stencild-device"
     handle.stop()

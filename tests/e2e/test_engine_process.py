@@ -57,7 +57,7 @@ def test_an_engine_process_answers_as_the_in_process_engine(server: ServerHandle
                                                              process_server: ServerHandle) -> None:
     for req in _requests():
         assert _answer(process_server, req) == _answer(server, req), req
-    engine = process_server.server.engine_loop.engine  # type: ignore[union-attr]
+    engine = process_server.engine
     assert isinstance(engine, RemoteEngine)
     # The process reports each step's stats and load for the metrics.
     assert engine.last_step.seconds > 0 and engine.load().prefix_cache_queries > 0
@@ -137,7 +137,7 @@ def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(
 def test_a_killed_engine_process_fails_its_calls_and_stops_the_server(
         make_server: Callable[..., ServerHandle]) -> None:
     handle = make_server(process_factory(setup=("tests.e2e.helpers:slow_forward",)))
-    engine = handle.server.engine_loop.engine  # type: ignore[union-attr]
+    engine = handle.engine
     assert isinstance(engine, RemoteEngine)
     errors: list[grpc.StatusCode] = []
     started = threading.Event()

@@ -104,7 +104,7 @@ def test_invalid_argument_names_the_field(stub, case: str) -> None:
 
 def test_prompt_longer_than_context(stub, server: ServerHandle) -> None:
     req = greedy(max_new_tokens=1)
-    req.token_ids.ids.extend([7] * server.server.engine_loop.engine.max_model_len)
+    req.token_ids.ids.extend([7] * server.engine.max_model_len)
     err = _generate_error(stub, req)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [f for f, _ in bad_request_violations(err.trailing_metadata())] == ["token_ids.ids"]

@@ -81,7 +81,7 @@ def test_tokenize_detokenize_round_trip(stub) -> None:
 
 def test_model_info(server: ServerHandle) -> None:
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
-    engine = server.server.engine_loop.engine
+    engine = server.engine
     assert info.model == "tiny-llama"
     assert info.architecture == "LlamaForCausalLM"
     assert info.vocab_size == engine.vocab_size == 8192

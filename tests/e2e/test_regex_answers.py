@@ -36,7 +36,7 @@ def demo(make_module_server) -> ServerHandle:  # type: ignore[no-untyped-def]
     return make_module_server(engine_factory("demo"), model_name="demo", warmup_grammar=True)
 
 
-def _request(pattern: str, seed: int, backend: int = C.BACKEND_UNSPECIFIED) -> pb.GenerateRequest:
+def _request(pattern: str, seed: int, backend: pb.Constraint.Backend = C.BACKEND_UNSPECIFIED) -> pb.GenerateRequest:
     req = pb.GenerateRequest(text="Answer:")
     req.sampling.temperature = 1.0
     req.sampling.seed = seed

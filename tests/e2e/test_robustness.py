@@ -50,9 +50,10 @@ def health(handle: ServerHandle, service: str = "", timeout: float = 5.0) -> int
     return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
 
 
-def error_of(fn: Callable[[], Any]) -> grpc.RpcError:
+def error_of(fn: Callable[..., Any], *args: Any) -> grpc.RpcError:
+    """The gRPC error `fn(*args)` raises (the test fails if it raises none)."""
     with pytest.raises(grpc.RpcError) as info:
-        fn()
+        fn(*args)
     return info.value  # type: ignore[return-value]
 
 
@@ -77,7 +78,7 @@ def test_health_answers_while_failing_constraints_hammer_the_compiler(grammar_se
     def bad_constraints(worker: int) -> None:
         for i in range(25):
             req = constrained(regex=f"(unbalanced-{worker}-{i}")
-            codes.append(error_of(lambda r=req: generate(handle.stub, r)).code())
+            codes.append(error_of(generate, handle.stub, req).code())
 
     def big_tokenize() -> None:
         text = "lorem ipsum dolor sit amet " * 100_000  # 2.7 MB
@@ -114,7 +115,7 @@ def test_non_finite_sampling_values_are_refused(grammar_server: ServerHandle, fi
     for req in (greedy("Hi"), constrained(regex="[a-z]+"), constrained(choice=["yes", "no"]),
                 constrained(json_object=True)):
         setattr(req.sampling, field, value)
-        err = error_of(lambda r=req: generate(grammar_server.stub, r))
+        err = error_of(generate, grammar_server.stub, req)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert bad_request_violations(err.trailing_metadata())[0][0] == f"sampling.{field}"
 
@@ -149,9 +150,9 @@ def test_large_valid_constraints_run_to_eos(grammar_server: ServerHandle, backen
 ])
 def test_grammars_that_accept_nothing_are_invalid_arguments(grammar_server: ServerHandle, kind: str,
                                                              source: str) -> None:
+    constraint: dict[str, Any] = {kind: source}
     for backend in (C.BACKEND_AUTO, C.BACKEND_XGRAMMAR, C.BACKEND_LLGUIDANCE):
-        err = error_of(lambda b=backend: generate(grammar_server.stub,
-                                                  constrained(backend=b, **{kind: source})))
+        err = error_of(generate, grammar_server.stub, constrained(backend=backend, **constraint))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
         assert bad_request_violations(err.trailing_metadata())[0][0] == f"constraint.{kind}"
         assert "accepts no string" in err.details()
@@ -169,7 +170,7 @@ def test_a_cached_constraint_ends_as_an_uncached_one(grammar_server: ServerHandl
     # Past the repetition limit (llguidance's lexer gave up on a{1000000} at
     # its first token), and ambiguous stacked repetitions: refused, every time.
     for regex in ("a{1000000}", "a{1000000}", "a**", "a{2}{3}"):
-        err = error_of(lambda r=regex: generate(grammar_server.stub, constrained(regex=r)))
+        err = error_of(generate, grammar_server.stub, constrained(regex=regex))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert bad_request_violations(err.trailing_metadata())[0][0] == "constraint.regex"
 

@@ -30,6 +30,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -296,7 +297,7 @@ def test_a_reasoning_model_thinks_then_answers_through_the_router(reasoning_flee
     from openai import OpenAI
 
     workers, base = reasoning_fleet
-    client = OpenAI(base_url=base, api_key="unused", timeout=60, max_retries=0)
+    client: Any = OpenAI(base_url=base, api_key="unused", timeout=60, max_retries=0)  # its replies carry extra fields
     since = [len(w.log) for w in workers]
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
     out = client.chat.completions.create(model="tiny-reasoning", messages=_chat("Yes or no?"), max_tokens=60,

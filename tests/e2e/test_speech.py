@@ -27,7 +27,7 @@ from service.gen.stencil.v1 import generate_pb2
 from service.gen.stencil.v1 import speech_pb2 as pb
 from service.gen.stencil.v1 import speech_pb2_grpc as pb_grpc
 
-from .helpers import TIMEOUT, ServerHandle, generate, greedy, synthesize
+from .helpers import TIMEOUT, ServerHandle, SlowModel, generate, greedy, synthesize
 
 SPEECH = "stencil.v1.Speech"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -106,7 +106,9 @@ def test_first_chunk_arrives_while_the_model_still_runs(speech_server: ServerHan
     assert loop is not None
     pending_at_first: list[int] = []
     # Slowed down a little so the comparison holds on a loaded machine too.
-    engine.model.delay_s = 0.004
+    model = engine.model
+    assert isinstance(model, SlowModel)
+    model.delay_s = 0.004
     try:
         chunks: list[pb.AudioChunk] = []
         times: list[float] = []
@@ -118,7 +120,7 @@ def test_first_chunk_arrives_while_the_model_still_runs(speech_server: ServerHan
             chunks.append(chunk)
             times.append(time.perf_counter() - start)
     finally:
-        engine.model.delay_s = 0.0
+        model.delay_s = 0.0
     assert pending_at_first == [1], "the first chunk came before the request finished in the engine"
     assert chunks[-1].final and len(chunks) >= 8
     # Every chunk is sent as soon as it is decoded: the first well before the

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -65,16 +66,20 @@ def test_a_request_is_a_span_with_its_stages(traced: ServerHandle, exporter: InM
     assert root.parent is not None and f"{root.parent.span_id:016x}" == PARENT_ID
     assert root.context.trace_state.get("vendor") == "abc"
     assert root.status.status_code is StatusCode.OK
-    assert root.attributes["gen_ai.usage.output_tokens"] == complete.usage.completion_tokens
-    assert root.attributes["stencil.constraint.kind"] == "regex"
+    attributes = root.attributes
+    assert attributes is not None
+    assert attributes["gen_ai.usage.output_tokens"] == complete.usage.completion_tokens
+    assert attributes["stencil.constraint.kind"] == "regex"
     stages = [spans[name] for name in ("grammar_compile", "queue", "prefill", "decode")]
+    root_start, root_end = _interval(root)
     for stage in stages:
         assert stage.parent is not None and stage.parent.span_id == root.context.span_id
         assert stage.context.trace_id == root.context.trace_id
-        assert root.start_time <= stage.start_time <= stage.end_time <= root.end_time
-    compile_, queue, prefill, decode = stages
-    assert compile_.end_time <= queue.start_time + 1_000_000  # clocks agree within a millisecond
-    assert queue.end_time <= prefill.start_time + 1_000_000 and prefill.end_time <= decode.start_time + 1_000_000
+        start, end = _interval(stage)
+        assert root_start <= start <= end <= root_end
+    compile_, queue, prefill, decode = (_interval(s) for s in stages)
+    assert compile_[1] <= queue[0] + 1_000_000  # clocks agree within a millisecond
+    assert queue[1] <= prefill[0] + 1_000_000 and prefill[1] <= decode[0] + 1_000_000
     # The log line names the same trace and request.
     [line] = wait_lines(caplog, method="Generate")
     assert line["trace_id"] == TRACE_ID and line["status"] == "OK"
@@ -144,3 +149,9 @@ def generate_with(handle: ServerHandle, req: Any, metadata: Any) -> tuple[str, A
         last = msg
     assert last is not None and last.HasField("complete")
     return last.request_id, last.complete
+
+
+def _interval(span: ReadableSpan) -> tuple[int, int]:
+    """A finished span's start and end, in nanoseconds."""
+    assert span.start_time is not None and span.end_time is not None
+    return span.start_time, span.end_time

@@ -9,6 +9,7 @@ import io
 import json
 import threading
 import zipfile
+from typing import Any
 
 import grpc
 import jsonschema
@@ -117,7 +118,7 @@ def test_constraints_go_through_the_grammar_path(vllm) -> None:  # type: ignore[
               "additionalProperties": False}
     handle, _ = vllm
     tok = handle.server.state.engine_loop.engine.tokenizer
-    cases = [("json_schema", json.dumps(schema)), ("regex", "[a-c]{3}"), ("choice", ["yes", "no"]),
+    cases: list[tuple[str, Any]] = [("json_schema", json.dumps(schema)), ("regex", "[a-c]{3}"), ("choice", ["yes", "no"]),
              ("grammar", 'root ::= "x" | "y"'), ("json_object", True)]
     for kind, value in cases:
         req = _req(f"c-{kind}", [5, 6, 7], max_tokens=40, **{kind: value})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -144,7 +145,7 @@ def test_streamed_text_is_what_the_response_adds(name: str) -> None:
 def _run_stream(tok: _Backend, prompt: list[int], generated: list[int], params: SamplingParams,
                 eos: int | None = None) -> tuple[str, TextContext]:
     """Feed `generated` to an OutputStream a token per step, as the postprocess does."""
-    ctx = TextContext(tokens=prompt, max_length=len(prompt) + len(generated) + 1, sampling_params=params)
+    ctx = TextContext(tokens=np.asarray(prompt), max_length=len(prompt) + len(generated) + 1, sampling_params=params)
     stream = OutputStream(ctx, tok)  # type: ignore[arg-type]
     text = ""
     for i, t in enumerate(generated):
@@ -239,7 +240,7 @@ def test_reasoning_and_answer_join_to_the_response_text(parser: str) -> None:
             generated = generated[:m] + [END_THINK_ID] + generated[m:]
         if writes_start:
             generated = [THINK_ID] + generated
-        ctx = TextContext(tokens=prompt, max_length=len(prompt) + len(generated) + 1,
+        ctx = TextContext(tokens=np.asarray(prompt), max_length=len(prompt) + len(generated) + 1,
                           sampling_params=SamplingParams(skip_special_tokens=skip))
         ctx.gate = reasoning.gate(prompt)
         stream = OutputStream(ctx, tok)

@@ -299,8 +299,9 @@ def test_sixteen_asyncio_tasks_with_mixed_options(pipeline: EmbeddingPipeline) -
     batcher = EmbeddingBatcher(gated)  # type: ignore[arg-type]
 
     async def main() -> list[Any]:
-        options = [dict(normalize=i % 2 == 0, dimensions=None if i % 3 else 32) for i in range(16)]
-        tasks = [asyncio.ensure_future(batcher.embed([t], **o)) for t, o in zip(texts, options, strict=True)]
+        options = [(i % 2 == 0, None if i % 3 else 32) for i in range(16)]  # (normalize, dimensions)
+        tasks = [asyncio.ensure_future(batcher.embed([t], normalize=n, dimensions=d))
+                 for t, (n, d) in zip(texts, options, strict=True)]
         await asyncio.sleep(0)  # every task has submitted
         gated.gate.set()
         return list(zip(options, await asyncio.gather(*tasks), strict=True))
@@ -312,10 +313,10 @@ def test_sixteen_asyncio_tasks_with_mixed_options(pipeline: EmbeddingPipeline) -
     # The worker took the first request before the others were queued, at most.
     assert batcher.forward_passes <= 2
     assert sum(gated.batch_sizes) == 16
-    for i, (opts, (vecs, _)) in enumerate(results):
-        vec = raw[i] if not opts["normalize"] else full[i]
-        if opts["dimensions"]:
-            vec = vec[:32] / (np.linalg.norm(vec[:32]) if opts["normalize"] else 1.0)
+    for i, ((normalize, dimensions), (vecs, _)) in enumerate(results):
+        vec = raw[i] if not normalize else full[i]
+        if dimensions:
+            vec = vec[:32] / (np.linalg.norm(vec[:32]) if normalize else 1.0)
         np.testing.assert_allclose(vecs[0], vec, atol=1e-5)
 
 

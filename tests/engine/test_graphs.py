@@ -60,6 +60,7 @@ def test_tokens_equal_the_plain_path_across_buckets(make_llm, overlap: bool) -> 
         got = graphs.generate(batch[:size], params[:size])
         want = plain.generate(batch[:size], params[:size])
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert graphs.engine.graphs is not None
     used = set(graphs.engine.graphs.replays)
     assert {1, 2, 4, 8, 16, 20} <= used, used
     assert plain.engine.graphs is None

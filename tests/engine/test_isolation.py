@@ -20,7 +20,8 @@ from grammar import GrammarSpec
 
 from .reference import hf_greedy, prompts
 
-GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 class PoisonedModel:
@@ -42,7 +43,7 @@ class PoisonedModel:
 
 def _poison_token(batch: list[list[int]]) -> int:
     """A token id in none of the prompts nor their greedy continuations."""
-    used = {t for p in batch for t in p + hf_greedy("tiny-llama", p, GREEDY.max_new_tokens)}
+    used = {t for p in batch for t in p + hf_greedy("tiny-llama", p, NEW_TOKENS)}
     return next(t for t in range(8191, 0, -1) if t not in used)
 
 
@@ -75,7 +76,7 @@ def test_a_request_that_breaks_the_forward_pass_fails_alone(make_llm, overlap):
     assert results[1].finish_reason == "error" and "internal error" in (results[1].error or "")
     for prompt, res in zip(batch, results[:1] + results[2:], strict=True):
         assert res.finish_reason == "length"
-        assert res.token_ids == hf_greedy("tiny-llama", prompt, GREEDY.max_new_tokens)
+        assert res.token_ids == hf_greedy("tiny-llama", prompt, NEW_TOKENS)
     # The engine goes on as before.
     after = llm.generate(batch[:2], GREEDY)
     assert [r.token_ids for r in after] == [hf_greedy("tiny-llama", p, 12) for p in batch[:2]]
@@ -99,7 +100,7 @@ def test_a_request_that_breaks_the_step_set_up_fails_alone(make_llm, monkeypatch
     results = failed.value.outputs
     assert [r.finish_reason for r in results] == ["length", "error", "length", "length"]
     for i in (0, 2, 3):
-        assert results[i].token_ids == hf_greedy("tiny-llama", batch[i], GREEDY.max_new_tokens)
+        assert results[i].token_ids == hf_greedy("tiny-llama", batch[i], NEW_TOKENS)
 
 
 class BrokenMatcher:
@@ -183,7 +184,7 @@ def test_a_failing_detokenizer_fails_only_its_request(make_llm):
     assert final["d1"].status.name == "ERROR" and "decoding the output" in final["d1"].error
     for i in (0, 2):
         assert final[f"d{i}"].finish_reason == "length"
-        assert final[f"d{i}"].token_ids == hf_greedy("tiny-llama", batch[i], GREEDY.max_new_tokens)
+        assert final[f"d{i}"].token_ids == hf_greedy("tiny-llama", batch[i], NEW_TOKENS)
 
 
 def test_a_failing_audio_decode_fails_only_its_request(make_llm):

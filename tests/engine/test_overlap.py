@@ -22,9 +22,10 @@ SCHEMA = GrammarSpec.json_schema(json.dumps({
 REGEX = GrammarSpec.regex(r"[a-f]{3,8}(-[0-9]{2}){1,3}")
 
 
-def mixed_workload(stop: str | None = None):
+def mixed_workload(stop: str | None = None) -> tuple[list[list[int]], list[SamplingParams], list[GrammarSpec | None]]:
     batch = prompts(8)
-    params, specs = [], []
+    params: list[SamplingParams] = []
+    specs: list[GrammarSpec | None] = []
     for i in range(len(batch)):
         if i in (1, 5):
             params.append(SamplingParams(temperature=0, max_new_tokens=48))

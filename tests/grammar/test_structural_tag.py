@@ -4,6 +4,7 @@ forced tokens inside tags, and the verdict on a finished output."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
 LEGACY = {"type": "structural_tag", "structures": [{"begin": "<fn=add>", "schema": ADD, "end": "</fn>"}],
           "triggers": ["<fn="]}
 # The same in xgrammar's spelling.
-TRIGGERED = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<fn="], "tags": [
+TRIGGERED: dict[str, Any] = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<fn="], "tags": [
     {"type": "tag", "begin": "<fn=add>", "content": {"type": "json_schema", "json_schema": ADD}, "end": "</fn>"}]}}
 # Calls only, at least one, separated by newlines: llguidance has no such tag.
 CALLS_ONLY = {"type": "structural_tag", "format": {"type": "tags_with_separator", "separator": "\n",

@@ -59,7 +59,12 @@ def test_without_subscribers_batches_are_numbered_on_the_engine_thread_only(pres
     async def body(loop: EngineLoop, hub: KvEventHub) -> None:
         published: list[int] = []
         publish = hub._publish
-        hub._publish = lambda number, events: (published.append(number), publish(number, events))  # type: ignore[method-assign]
+
+        def spy(number: int, events: Any) -> None:
+            published.append(number)
+            publish(number, events)
+
+        hub._publish = spy  # type: ignore[method-assign]
         await _finish(_submit(loop, 0))
         assert hub.sequence > 0 and published == []
         # With a subscriber they cross, numbered on from there.

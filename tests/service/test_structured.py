@@ -59,7 +59,8 @@ def test_backend_and_whitespace_options() -> None:
                                backend=C.BACKEND_AUTO))
     assert got is not None and got.backend == "auto"
     assert got.spec.options == GrammarOptions(whitespace="pretty", indent=4)
-    assert constraint_spec(_req(regex="a", backend=C.BACKEND_XGRAMMAR)).backend == "xgrammar"
+    got = constraint_spec(_req(regex="a", backend=C.BACKEND_XGRAMMAR))
+    assert got is not None and got.backend == "xgrammar"
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -119,10 +120,15 @@ class FakeStructured:
 SPEC = ConstraintSpec(GrammarSpec.regex("a+"), None, "constraint.regex")
 
 
+def _compiler(fake: FakeStructured, **options: Any) -> ConstraintCompiler:
+    """A compiler over the fake, which is a StructuredOutput by duck typing only."""
+    return ConstraintCompiler(fake, **options)  # type: ignore[arg-type]
+
+
 def test_compile_result_and_errors() -> None:
     async def go() -> None:
         fake = FakeStructured()
-        compiler = ConstraintCompiler(fake, warm=True)
+        compiler = _compiler(fake, warm=True)
         task = asyncio.ensure_future(compiler.compile(SPEC))
         await asyncio.sleep(0)
         assert compiler.in_flight == 1
@@ -157,7 +163,7 @@ def test_compile_result_and_errors() -> None:
 def test_a_cancelled_wait_cancels_the_compile_and_frees_its_place(caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
         fake = FakeStructured()
-        compiler = ConstraintCompiler(fake, max_in_flight=1, warm=True)
+        compiler = _compiler(fake, max_in_flight=1, warm=True)
         task = asyncio.ensure_future(compiler.compile(SPEC))
         await asyncio.sleep(0)
         with pytest.raises(ServiceError) as info:  # the one place is taken
@@ -182,7 +188,7 @@ def test_a_cancelled_wait_cancels_the_compile_and_frees_its_place(caplog: pytest
 def test_first_compile_builds_the_compiler_off_the_loop() -> None:
     async def go() -> None:
         fake = FakeStructured()
-        compiler = ConstraintCompiler(fake)  # not warmed up: the first call may build it
+        compiler = _compiler(fake)  # not warmed up: the first call may build it
         task = asyncio.ensure_future(compiler.compile(SPEC))
         while not fake.futures:
             await asyncio.sleep(0.001)
@@ -214,7 +220,7 @@ def test_callers_are_told_apart_by_api_key_else_by_connection() -> None:
 def test_one_caller_holds_at_most_half_the_compile_places() -> None:
     async def go() -> None:
         fake = FakeStructured()
-        compiler = ConstraintCompiler(fake, max_in_flight=4, warm=True)
+        compiler = _compiler(fake, max_in_flight=4, warm=True)
 
         async def as_key(name: str) -> Any:
             current_key.set(name)  # this task's context only

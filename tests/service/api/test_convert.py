@@ -111,12 +111,13 @@ def test_chunks_merge_steps_and_honour_options() -> None:
                           prompt_logprobs=[None, TokenLogprobs(9, -1.5, [])]),
             RequestOutput("r", token_ids=[6], text="b", logprobs=[TokenLogprobs(6, -0.2, [])])]
     msg = convert.chunk_response("r", outs, convert.OutputOptions(logprobs=True, prompt_logprobs=True))
-    assert msg.request_id == "r"
+    assert msg is not None and msg.request_id == "r"
     assert msg.chunk.text == "ab" and list(msg.chunk.token_ids) == [5, 6]
     assert [lp.token_id for lp in msg.chunk.logprobs] == [5, 6]
     assert [t.token_id for t in msg.chunk.logprobs[0].top] == [5, 6]
     assert [lp.token_id for lp in msg.chunk.prompt_logprobs] == [9]
     bare = convert.chunk_response("r", outs, convert.OutputOptions(return_token_ids=False))
+    assert bare is not None
     assert list(bare.chunk.token_ids) == [] and len(bare.chunk.logprobs) == 0
     assert convert.chunk_response("r", [RequestOutput("r")], convert.OutputOptions()) is None
 
@@ -129,7 +130,7 @@ def test_chunks_merge_steps_and_honour_options() -> None:
     (GenerationStatus.CONTEXT_LENGTH, Finish.CONTEXT_LENGTH, None),
     (GenerationStatus.CANCELLED, Finish.CANCELLED, None),
 ])
-def test_complete_message(status: GenerationStatus, reason: int, stop: object) -> None:
+def test_complete_message(status: GenerationStatus, reason: int, stop: str | int | None) -> None:
     final = RequestOutput("r", finished=True, status=status, stop_reason=stop, prompt_tokens=7,
                           completion_tokens=3, cached_prompt_tokens=4, forced_tokens=2)
     done = convert.complete_response("r", final).complete

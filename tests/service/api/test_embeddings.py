@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,9 +26,9 @@ class FakePipeline:
         self.threads["forward"] = threading.current_thread()
         return torch.ones(len(sequences), 4)
 
-    def finish(self, pooled: torch.Tensor, request: Any) -> Any:
+    def finish(self, pooled: Sequence[torch.Tensor], request: Any) -> Any:
         self.threads["finish"] = threading.current_thread()
-        return pooled.numpy()
+        return torch.cat(list(pooled)).numpy()
 
 
 def test_tensor_work_runs_on_the_device_thread_tokenizing_does_not() -> None:
@@ -36,9 +37,10 @@ def test_tensor_work_runs_on_the_device_thread_tokenizing_does_not() -> None:
         fake = FakePipeline()
         wrapped = DevicePipeline(fake, executor)  # type: ignore[arg-type]
         device = executor.call(threading.current_thread)
-        assert wrapped.prepare(["a"]) == "request"
+        request = wrapped.prepare(["a"])
+        assert request == "request"
         pooled = wrapped.forward([[1, 2], [3]])
-        assert wrapped.finish(pooled, "request").shape == (2, 4)
+        assert wrapped.finish([pooled], request).shape == (2, 4)
         assert wrapped.max_length == 8  # everything else is the pipeline's
         assert fake.threads == {"prepare": threading.current_thread(), "forward": device,
                                 "finish": device}
