@@ -17,7 +17,7 @@
   rebuild), and the same in-process (`isolation="thread"`), whose difference is
   the cost of isolation.
 - `--steps`: per-step grammar work for a batch of constrained rows (64 by
-  default) against the device job of the same steps, overlap on: how much of
+  default) against the device jobs of the same steps, overlap on: how much of
   it the forward pass does not hide (see `step_costs`).
 
 Tokenizers: the committed 8k demo tokenizer, and a 32k byte-level BPE trained
@@ -44,6 +44,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.step_phases import MaskGaps  # noqa: E402 - after the path
 
 DEMO_TOKENIZER = ROOT / "engine/presets/tokenizer"
 CACHE = Path.home() / ".cache/stencild/tokenizers"
@@ -396,20 +398,21 @@ def end_to_end(args: argparse.Namespace) -> str:
 class _StepClock:
     """Per-step timers hooked around the engine's step phases (this process only).
 
-    `run`: the device thread's whole job per step (forward pass, mask wait,
-    sampling); `wait`: the part of it spent blocked on the grammar mask, i.e.
-    grammar work the forward pass did not hide; `fill` and `advance`: grammar
-    work on the engine thread (mask fill; feeding tokens to matchers and
-    appending forced ones).
+    `run`: the device thread's jobs per step (forward pass and sampling, two
+    jobs for a constrained step); `wait`: the device thread's wait between a
+    constrained step's two jobs for its grammar mask, i.e. grammar work the
+    forward pass did not hide (step_phases.MaskGaps); `fill` and `advance`:
+    grammar work on the engine thread (mask fill; feeding tokens to matchers
+    and appending forced ones). `calls["run"]` counts the steps.
     """
 
     def __init__(self) -> None:
         self.totals = {"run": 0.0, "wait": 0.0, "fill": 0.0, "advance": 0.0}
         self.calls = dict.fromkeys(self.totals, 0)
         self._undo: list[tuple[Any, str, Any]] = []
+        self._gaps = MaskGaps()
 
-    def _wrap(self, owner: Any, name: str, key: str, *, static: bool = False,
-              waits: bool = False) -> None:
+    def _wrap(self, owner: Any, name: str, key: str, *, static: bool = False, counts: bool = True) -> None:
         original = owner.__dict__[name]
         func = original.__func__ if static else original
         totals, calls = self.totals, self.calls
@@ -420,28 +423,25 @@ class _StepClock:
                 return func(*args, **kwargs)
             finally:
                 totals[key] += time.perf_counter() - t0
-                calls[key] += 1
+                calls[key] += counts
 
-        def counted_wait(*args: Any, **kwargs: Any) -> Any:
-            waited = func(*args, **kwargs)
-            totals[key] += waited
-            return waited
-
-        wrapper = counted_wait if waits else timed
-        setattr(owner, name, staticmethod(wrapper) if static else wrapper)
+        setattr(owner, name, staticmethod(timed) if static else timed)
         self._undo.append((owner, name, original))
 
     def __enter__(self) -> _StepClock:
         import engine.pipeline as pipeline
-        from engine.step_masks import PendingMask, StepMasks
+        from engine.step_masks import StepMasks
 
         self._wrap(pipeline, "run_step", "run")  # a module: same __dict__ / setattr
-        self._wrap(PendingMask, "wait", "wait", waits=True)
+        self._wrap(pipeline, "sample_step", "run", counts=False)  # a constrained step's second job
         self._wrap(StepMasks, "fill", "fill")
         self._wrap(StepMasks, "advance", "advance", static=True)
+        self._gaps.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._gaps.__exit__()
+        self.totals["wait"] = self._gaps.seconds
         for owner, name, original in reversed(self._undo):
             setattr(owner, name, original)
 
@@ -452,10 +452,11 @@ def step_costs(args: argparse.Namespace) -> str:
     The offline engine on the `--e2e-preset` model runs a batch of requests
     constrained by an array of `E2E_SCHEMA` records (long enough that every
     request runs to `--e2e-tokens`), once to warm up and then measured, and
-    the same batch unconstrained. Per step (= per device job): the device
-    job's time, how long it sat blocked on the grammar mask (exposed grammar
-    work), and the engine thread's grammar work (mask fill, advance), which
-    overlap scheduling runs while the device computes.
+    the same batch unconstrained. Per step: the device jobs' time, how long
+    the device thread waited for the grammar mask between a step's forward
+    pass and its sampling (exposed grammar work), and the engine thread's
+    grammar work (mask fill, advance), which overlap scheduling runs while
+    the device computes.
     """
     import os
 
@@ -486,7 +487,7 @@ def step_costs(args: argparse.Namespace) -> str:
             tokens = sum(len(o.token_ids) for o in outs)
             rows.append(
                 f"| {label} | {batch} | {tokens} | {tokens / wall:.0f} | {1e3 * wall / n:.2f} "
-                f"| {1e3 * (t['run'] - t['wait']) / n:.2f} | {1e3 * t['fill'] / n:.3f} "
+                f"| {1e3 * t['run'] / n:.2f} | {1e3 * t['fill'] / n:.3f} "
                 f"| {1e3 * t['advance'] / n:.3f} | {1e3 * t['wait'] / n:.3f} |"
             )
     finally:
@@ -494,7 +495,7 @@ def step_costs(args: argparse.Namespace) -> str:
     head = (f"{args.e2e_preset} preset, batch {batch}, temperature 0.8 (seeded), "
             f"{args.e2e_tokens} new tokens per request, overlap on, grammar backend "
             f"{args.e2e_backend}, {os.cpu_count()} CPU threads; per step, ms\n\n")
-    table = ("| case | batch | output tokens | tok/s | wall per step | device job (excl. mask wait) "
+    table = ("| case | batch | output tokens | tok/s | wall per step | device jobs "
              "| mask fill (engine thread) | advance (engine thread) | device blocked on mask |\n"
              "|---|---|---|---|---|---|---|---|---|\n")
     return head + table + "\n".join(rows)

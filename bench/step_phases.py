@@ -4,14 +4,16 @@
 engine thread does each step (schedule; launch: build the inputs and submit
 the device job; advance: wait for the previous step's tokens, then move its
 requests on; fill: the grammar mask; report: detokenize and build outputs)
-and how long the device thread waits for each grammar mask before sampling.
-With overlap on, a constrained step's sampling waits for its mask, which the
-engine thread fills after the previous step's tokens are known, so
+and how long the device thread waits for each grammar mask before sampling
+(from the end of a constrained step's forward job to the start of its
+sampling job, which the engine thread submits once the mask is filled).
+With overlap on, that fill follows the previous step's tokens, so
 "advance (work)" + "fill" is on the device's path; the engine thread's total
 (every phase but the waits) must stay under the device's step time.
 
-It wraps the pipeline's phase methods on the instance and, while open, two
-class methods (`PendingMask.apply`, `SamplerOutput.host`): benchmarks only.
+It wraps the pipeline's phase methods on the instance and, while open, a
+class method (`SamplerOutput.host`) and the pipeline module's two device
+jobs (`run_step`, `sample_step`, see `MaskGaps`): benchmarks only.
 
     with StepPhases(llm) as phases:
         llm.generate(...)
@@ -26,6 +28,49 @@ import time
 from typing import Any
 
 
+class MaskGaps:
+    """While open, the seconds (`seconds`) the device thread spends between a
+    constrained step's forward job and its sampling job, which the engine
+    thread submits once it has filled the step's grammar mask: grammar work
+    the forward pass did not hide. Wraps the pipeline module's two device jobs."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._undo: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> MaskGaps:
+        import engine.pipeline as module
+
+        run_step, sample_step = module.run_step, module.sample_step
+        forwarded: dict[int, float] = {}  # id of the step's PendingMask -> end of its forward job
+
+        @functools.wraps(run_step)
+        def timed_run(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return run_step(inputs, *args, **kwargs)
+            finally:
+                if inputs.grammar is not None:
+                    forwarded[id(inputs.grammar)] = time.perf_counter()
+
+        @functools.wraps(sample_step)
+        def timed_sample(forward: Any, grammar: Any, *args: Any, **kwargs: Any) -> Any:
+            done = forwarded.pop(id(grammar), None)
+            if done is not None:
+                self.seconds += time.perf_counter() - done
+            return sample_step(forward, grammar, *args, **kwargs)
+
+        self._undo = (run_step, sample_step)
+        module.run_step, module.sample_step = timed_run, timed_sample
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import engine.pipeline as module
+
+        if self._undo is not None:
+            module.run_step, module.sample_step = self._undo
+            self._undo = None
+
+
 class StepPhases:
     """Per-step means (milliseconds) of the engine's phases while open."""
 
@@ -35,6 +80,7 @@ class StepPhases:
         self._steps0 = 0
         self.steps = 0
         self._undo: list[tuple[Any, str, Any, bool]] = []
+        self._gaps = MaskGaps()
 
     # -- installing ----------------------------------------------------------
     def _wrap(self, owner: Any, name: str, key: str, on_class: bool = False) -> None:
@@ -54,7 +100,6 @@ class StepPhases:
 
     def __enter__(self) -> StepPhases:
         from engine.sampler import SamplerOutput
-        from engine.step_masks import PendingMask
 
         eng = self._llm.engine
         pipe = eng.pipeline
@@ -65,12 +110,14 @@ class StepPhases:
         self._wrap(pipe, "fill_grammar", "fill")
         self._wrap(pipe, "report", "report")
         self._wrap(SamplerOutput, "host", "tokens_wait", on_class=True)
-        self._wrap(PendingMask, "wait", "mask_wait", on_class=True)
+        self._gaps = MaskGaps().__enter__()
         self._steps0 = pipe.forward_passes
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.steps = self._llm.engine.pipeline.forward_passes - self._steps0
+        self._gaps.__exit__()
+        self._seconds["mask_wait"] = self._gaps.seconds
         for owner, name, real, on_class in reversed(self._undo):
             if on_class:
                 setattr(owner, name, real)

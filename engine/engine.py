@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -107,8 +108,8 @@ class EngineCore:
             if self._owns_executor:
                 self.executor.close()
             raise
-        # The step launched last (overlap): postprocessed by the next step().
-        self._launched: LaunchedStep | None = None
+        # Steps launched and not yet finished, oldest first (overlap; at most two between calls).
+        self._in_flight: deque[LaunchedStep] = deque()
         self.last_step = StepStats()
 
     def _build(self, wrap_model: Callable[[Any], Any] | None) -> None:
@@ -287,7 +288,7 @@ class EngineCore:
         self.structured.close()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.dropped) or self._launched is not None
+        return self.scheduler.has_work() or bool(self.scheduler.dropped) or bool(self._in_flight)
 
     def load(self) -> EngineLoad:
         """Running and waiting requests and KV pages in use, without taking the
@@ -301,36 +302,68 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return what each request produced.
 
-        With overlap on, this launches step N+1 and then finishes step N while
-        N+1 computes (so outputs trail the launches by one step); the launched
-        step is kept until the next call finishes it.
+        With overlap on, outputs trail the launches: see `_overlap_step`.
         """
         start = time.perf_counter()
         self.masks.last_mask_seconds = None
-        sched = self.scheduler.schedule()
-        contexts = sched.contexts if sched is not None else []
-        num_tokens = sum(c.active_length for c in contexts)  # before the launch moves the indices
-        pipeline = self.pipeline
-        if not pipeline.overlap:
-            outputs = list(pipeline.next_token(sched.contexts, sched.num_steps).values()) if sched else []
+        if self.pipeline.overlap:
+            outputs, num_contexts, num_tokens = self._overlap_step()
         else:
-            launched = pipeline.launch(sched.contexts, sched.num_steps) if sched is not None else None
-            previous, self._launched = self._launched, launched
-            try:
-                touched = pipeline.advance(previous) if previous is not None else []
-            finally:
-                if launched is not None:
-                    # Matchers have now seen step N's tokens: release N+1's sampling,
-                    # which waits for this, before N's outputs are detokenized.
-                    pipeline.fill_grammar(launched)
-            outputs = pipeline.report(touched)
+            sched = self.scheduler.schedule()
+            contexts = sched.contexts if sched is not None else []
+            num_contexts, num_tokens = len(contexts), sum(c.active_length for c in contexts)
+            outputs = list(self.pipeline.next_token(contexts, sched.num_steps).values()) if sched else []
         # Requests that ended outside a step (aborted, failed alone, or could never fit).
         outputs += self.postprocessor.outputs(self.scheduler.take_dropped())
-        self.last_step = StepStats(time.perf_counter() - start, len(contexts), num_tokens,
+        self.last_step = StepStats(time.perf_counter() - start, num_contexts, num_tokens,
                                    self.masks.last_mask_seconds)
         # What the step did to the prefix cache, to its listeners (a router's index).
         self.allocator.flush_events()
         return outputs
+
+    def _overlap_step(self) -> tuple[list[RequestOutput], int, int]:
+        """One call of the overlap loop: finish step N, launch step N+2, report N.
+
+        Between calls steps N and N+1 are in flight, N+1's mask filled once N
+        was finished (its sampling queued behind its forward pass). A call:
+
+        1. waits for N and moves its requests on (tokens, stop rules, grammar,
+           forced tokens), then fills N+1's grammar mask: N+1's sampling was
+           waiting for it; finished requests give back their pages;
+        2. schedules and launches N+2, whose forward pass queues behind N+1's
+           sampling (its placeholders are N+1's tokens, read on the device);
+        3. detokenizes N's tokens and builds its outputs, while N+1 and N+2 run.
+
+        Reporting last keeps detokenizing off the path from N's tokens to
+        N+2's launch. The scheduler sees N's stop rules but not its stop
+        strings: a request a stop string ends may take one more step (and
+        its pages), whose work is thrown away. `last_step`'s mask time is
+        N+1's fill, its batch N+2's. Returns (outputs, contexts launched,
+        their tokens).
+        """
+        pipeline, in_flight = self.pipeline, self._in_flight
+        touched: list[TextContext] = []
+        finished = False
+        if len(in_flight) == 2:
+            try:
+                touched = pipeline.advance(in_flight.popleft())
+            finally:
+                pipeline.fill_grammar(in_flight[0])  # matchers have now seen N's tokens
+            finished = True
+            self.postprocessor.release_finished(touched)
+        sched = self.scheduler.schedule()
+        contexts = sched.contexts if sched is not None else []
+        num_tokens = sum(c.active_length for c in contexts)  # before the launch moves the indices
+        if sched is not None:
+            # Kept before its mask is filled: a failed fill must not lose a step
+            # whose placeholders its requests already hold.
+            in_flight.append(pipeline.launch(sched.contexts, sched.num_steps))
+            if len(in_flight) == 1:  # nothing before it in flight: the matchers are up to date
+                pipeline.fill_grammar(in_flight[0])
+        elif in_flight and not finished:  # nothing new to run: drain
+            pipeline.fill_grammar(in_flight[0])  # filled already, unless a fill failed
+            touched = pipeline.advance(in_flight.popleft())
+        return pipeline.report(touched), len(contexts), num_tokens
 
     def flush_prefix_cache(self) -> int:
         """Drop the prefix cache's unreferenced pages (those running requests hold

@@ -4,13 +4,13 @@
 engine thread), run (step_run.py, device thread), postprocess (postprocess.py,
 engine thread). `release(context)` frees what the pipeline holds for a
 request. An overlap scheduler uses the phases separately: `launch` builds the
-inputs and submits the device job, `fill_grammar` completes the step's grammar
-mask once the matchers are up to date, and `finish` waits for the job and
-postprocesses; the engine launches step N+1 before it finishes step N, so host
-work of N hides behind the forward pass of N+1. `finish` is `advance` (wait,
-then move each request on by its tokens: stop rules, grammar) and `report`
-(detokenize, build outputs): between the two the engine fills N+1's grammar
-mask, since N+1's sampling waits for it and the outputs need not come first.
+inputs and submits the device job (the forward pass, and the sampling unless
+a grammar mask must come first), `fill_grammar` fills the step's grammar mask
+once the matchers are up to date and submits its sampling job, and `finish`
+waits for the step and postprocesses. `finish` is `advance` (wait, then move
+each request on by its tokens: stop rules, grammar) and `report` (detokenize,
+build outputs); the engine (engine.py) orders the phases of consecutive steps
+so that the host work of one step hides behind the forward pass of the next.
 With overlap off the same code runs in order, so outputs are identical either way.
 """
 
@@ -30,7 +30,7 @@ from .postprocess import Postprocessor
 from .staging import Staging
 from .step_inputs import advance_with_placeholders, build_step_inputs
 from .step_masks import StepMasks
-from .step_run import LaunchedStep, StepModel, StepResult, run_step
+from .step_run import Forwarded, LaunchedStep, StepModel, StepResult, run_step, sample_step
 from .token_buffer import TokenBuffer
 
 Batch = Mapping[str, TextContext] | Sequence[TextContext]
@@ -81,25 +81,30 @@ class TextGenerationPipeline:
                                        self.staging, self.graphs)
             advance_with_placeholders(contexts, inputs)
         except Exception as exc:  # noqa: BLE001 - see Postprocessor.step_failed
-            failed: Future[StepResult] = Future()
+            failed: Future[StepResult | Forwarded] = Future()
             failed.set_exception(exc)
             return LaunchedStep(contexts, epochs, None, failed)
         job = self.executor.submit(partial(run_step, inputs, self.model, self.attention, self.buffer.tokens,
-                                           self.masks.apply, self.graphs))
+                                           self.graphs))
         return LaunchedStep(contexts, epochs, inputs, job)
 
     def fill_grammar(self, step: LaunchedStep) -> None:
-        """Fill the step's grammar mask and release its sampling.
+        """Fill the step's grammar mask and submit its sampling (a no-op for a
+        step without one, or filled already).
 
         Call when every matcher has consumed the tokens before its sample
-        position: right after `launch` with overlap off, after finishing the
-        previous step with overlap on.
+        position: right after `launch` when no step is in flight before it,
+        after finishing the previous step otherwise.
         """
         inputs = step.inputs
-        if inputs is None or inputs.grammar is None:
+        if not step.awaits_mask:
             return
+        assert inputs is not None and inputs.grammar is not None
         live = [step.contexts[row] if step.live(row) else None for row in inputs.sampled]
-        self.masks.fill(inputs.grammar, live)
+        try:
+            self.masks.fill(inputs.grammar, live)
+        finally:  # the mask is set even if the fill failed (StepMasks.fill): never leave the step hanging
+            step.sampling = self.executor.submit(partial(sample_step, step.job, inputs.grammar, self.masks.apply))
 
     def finish(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's run and postprocess it."""
@@ -109,7 +114,7 @@ class TextGenerationPipeline:
         """Wait for the step's run and move its requests on by what it sampled;
         the requests to `report` on."""
         try:
-            result = step.job.result()
+            result = step.result()
         except Exception as exc:  # noqa: BLE001 - the step failed as a whole
             self.postprocessor.step_failed(step, exc)
             return []

@@ -219,6 +219,15 @@ class Postprocessor:
             top = list(zip(ids_h[j], lp_h[j], strict=True)) if ids_h is not None and lp_h is not None else []
             ctx.output.prompt_logprobs.append(TokenLogprobs(int(ctx.tokens[first + j]), value, top))
 
+    def release_finished(self, touched: Sequence[TextContext]) -> None:
+        """Give back the pages and token-buffer rows of the requests in `touched`
+        that have finished, before their outputs are built (`outputs`): so that
+        a step scheduled in between can use them."""
+        for ctx in touched:
+            if ctx.is_done:
+                ctx.drop_futures()
+                self.scheduler.remove(ctx)
+
     # -- outputs ------------------------------------------------------------------
     def outputs(self, touched: Sequence[TextContext]) -> list[RequestOutput]:
         """Detokenize (ending requests on a stop string), decode audio, build each
@@ -257,10 +266,7 @@ class Postprocessor:
             if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs \
                     or delta.audio is not None:
                 outputs.append(delta)
-        for ctx in touched:
-            if ctx.is_done:
-                ctx.drop_futures()
-                self.scheduler.remove(ctx)  # its pages and token-buffer row go back
+        self.release_finished(touched)  # those a stop string ended too
         return outputs
 
     def _decode_audio(self, touched: Sequence[TextContext]) -> dict[str, np.ndarray]:

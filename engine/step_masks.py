@@ -4,7 +4,8 @@ Before sampling, the rows of constrained requests get their grammar's token
 bitmask applied to the logits (on the device; other rows are untouched). The
 bitmask of a step is a `PendingMask`: filled on the engine thread once every
 matcher has seen the tokens before its sample position (`StepMasks.fill`),
-awaited on the device thread just before sampling (`StepMasks.apply`). After a
+then applied on the device thread by the step's sampling job, which is
+submitted only once it is filled (`StepMasks.apply`, step_run.sample_step). After a
 token is known, the request's matcher advances (`advance`), and tokens the
 grammar forces are appended at once with `TextContext.jump_ahead`: they are
 output without a sample. Without decode graphs the next step feeds a forced
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -57,43 +57,30 @@ class PendingMask:
     to the device is an asynchronous copy like the bitmask's (a list would be a
     synchronous one: the device thread would wait for the forward pass).
 
-    The hand-over is a lock held from construction until `set`: releasing a
-    plain `threading.Lock` is one C call, where `threading.Event.set` takes a
-    Python-level condition variable (several microseconds per step, on the
-    engine thread). A Lock may be released by a thread that did not acquire it.
+    No lock: the device job that applies it (step_run.sample_step) is submitted
+    only after `set`, and the executor's queue orders the two.
     """
 
-    __slots__ = ("_latch", "is_set", "_bitmask", "_rows", "failed")
+    __slots__ = ("is_set", "_bitmask", "_rows", "failed")
 
     def __init__(self) -> None:
-        self._latch = threading.Lock()
-        self._latch.acquire()
-        self.is_set = False  # read on every step: an attribute, not a property
+        self.is_set = False
         self._bitmask: torch.Tensor | None = None
         self._rows: list[int] | torch.Tensor = []
         self.failed: dict[int, Failure] = {}
 
     def set(self, bitmask: torch.Tensor | None, rows: list[int] | torch.Tensor) -> None:
-        """Publish the mask (once; a second call is ignored) and wake the device thread."""
+        """Publish the mask (once; a second call is ignored)."""
         if self.is_set:
             return
         self._bitmask, self._rows = bitmask, rows
         self.is_set = True
-        self._latch.release()
-
-    def wait(self) -> float:
-        """Block until the mask is set; returns the seconds spent blocked (0.0 if it was)."""
-        if self.is_set:
-            return 0.0
-        start = time.perf_counter()
-        with self._latch:  # acquired only once `set` released it
-            pass
-        return time.perf_counter() - start
 
     def apply(self, logits: torch.Tensor,
               apply_mask: Callable[[torch.Tensor, torch.Tensor, list[int] | torch.Tensor], None]) -> None:
-        """Wait until the mask is filled, then mask `logits` with it."""
-        self.wait()
+        """Mask `logits` with the filled mask."""
+        if not self.is_set:
+            raise RuntimeError("a grammar mask was applied before it was filled")
         if self._bitmask is not None and len(self._rows):
             apply_mask(logits, self._bitmask, self._rows)
 
@@ -228,7 +215,7 @@ class StepMasks:
             mask.set(bitmask, self._rows(rows))
             self.last_mask_seconds = time.perf_counter() - start
         finally:
-            if not mask.is_set:  # the device thread must never wait for ever
+            if not mask.is_set:  # its sampling job is submitted next: never unset
                 mask.set(None, [])
 
     def _one_row_failed(self, one: _OneRow, mask: PendingMask) -> None:

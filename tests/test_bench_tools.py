@@ -10,6 +10,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+import engine.pipeline as pipeline_module
 from bench import pyspy
 from bench._server import EngineSteps, engine_steps, free_port
 from bench.device_emulation import MODELS, install
@@ -17,7 +18,6 @@ from bench.step_phases import StepPhases
 from engine import SamplingParams
 from engine.models.llama import LlamaFamilyModel
 from engine.sampler import SamplerOutput
-from engine.step_masks import PendingMask
 from grammar import GrammarSpec
 
 RAW = """\
@@ -80,7 +80,7 @@ def test_engine_steps_sums_the_step_histograms_of_every_engine():
 
 def test_step_phases_time_each_phase_and_put_every_method_back(make_llm):
     llm = make_llm("tiny-llama", kv_cache_gib=0.05)
-    pipe, host, wait = llm.engine.pipeline, SamplerOutput.host, PendingMask.wait
+    pipe, host, jobs = llm.engine.pipeline, SamplerOutput.host, (pipeline_module.run_step, pipeline_module.sample_step)
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     regex = GrammarSpec.regex("[a-z]{20,40}")
     with StepPhases(llm) as free:
@@ -96,10 +96,13 @@ def test_step_phases_time_each_phase_and_put_every_method_back(make_llm):
         assert abs(ms["engine thread busy"] - busy) < 1e-9
         assert timer.summary().endswith(f"(ms a step, {timer.steps} steps)")
     assert free.per_step_ms()["fill"] < constrained.per_step_ms()["fill"]
+    # Only a constrained step's sampling waits for a mask, as a job of its own.
+    assert free.per_step_ms()["device waits for the mask"] == 0
+    assert constrained.per_step_ms()["device waits for the mask"] > 0
     assert constrained.per_step_ms()["fill"] > 0
     # Nothing stays wrapped: the instance's methods are the class's again.
     assert "launch" not in vars(pipe) and "schedule" not in vars(llm.engine.scheduler)
-    assert SamplerOutput.host is host and PendingMask.wait is wait
+    assert SamplerOutput.host is host and (pipeline_module.run_step, pipeline_module.sample_step) == jobs
 
 
 def test_the_emulated_device_costs_each_forward_pass_its_time_and_is_put_back(make_llm):

@@ -179,15 +179,16 @@ def test_xgrammar_forced_text_with_overlap(make_llm, whitespace):
     off.close()
 
 
-def test_next_mask_is_filled_before_outputs_are_built(make_llm):
+def test_next_mask_and_next_launch_come_before_outputs_are_built(make_llm):
     """With overlap, step N+1's sampling waits for its grammar mask, and that mask
     only needs the matchers moved on by step N's tokens: it is filled before step
-    N's outputs are detokenized and built, which is off the device's path.
+    N's outputs are detokenized and built, which is off the device's path; so
+    is the launch of step N+2, which comes between the two.
     (Constrained requests scheduled ahead of their last token, as with graphs.)"""
     llm = make_llm("tiny-llama", overlap=True, speculative_constrained=True, grammar_backend="xgrammar")
     eng = llm.engine
     calls: list[str] = []
-    fill, report, step = eng.masks.fill, eng.postprocessor.outputs, eng.step
+    fill, report, step, launch = eng.masks.fill, eng.postprocessor.outputs, eng.step, eng.pipeline.launch
 
     def recording(name, fn):
         def wrapped(*args, **kwargs):
@@ -199,6 +200,7 @@ def test_next_mask_is_filled_before_outputs_are_built(make_llm):
     eng.masks.fill = recording("f", fill)
     eng.postprocessor.outputs = recording("r", report)
     eng.step = recording("s", step)
+    eng.pipeline.launch = recording("l", launch)
     params = SamplingParams(temperature=0, max_new_tokens=48)
     outs = llm.generate(prompts(3), params, constraint=SCHEMA)
     assert all(o.token_ids for o in outs)
@@ -206,3 +208,30 @@ def test_next_mask_is_filled_before_outputs_are_built(make_llm):
     both = [s for s in steps if "f" in s and "r" in s]
     assert len(both) >= 10, steps
     assert all(s.index("f") < s.index("r") for s in both), steps
+    steady = [s for s in both if "l" in s]
+    assert len(steady) >= 10, steps
+    assert all(s.index("f") < s.index("l") < s.index("r") for s in steady), steps
+
+
+def test_the_device_thread_never_waits_for_the_engine_thread(make_llm):
+    """A constrained step's sampling is a device job of its own, submitted once
+    its mask is filled, so work sent to the device thread while such a step is
+    in flight, mask unfilled, still runs (a speech chunk's decode is sent so):
+    the device thread never blocks on the engine thread."""
+    llm = make_llm("tiny-llama", overlap=True, speculative_constrained=True, grammar_backend="xgrammar")
+    eng = llm.engine
+    launch = eng.pipeline.launch
+    waits: list[bool] = []  # per launch behind a step in flight: whether its mask was unfilled
+
+    def launch_then_call_the_device(*args, **kwargs):
+        step = launch(*args, **kwargs)
+        grammar = step.inputs.grammar if step.inputs is not None else None
+        if grammar is not None and not grammar.is_set:  # its mask is not filled yet
+            waits.append(True)
+            assert eng.executor.submit(lambda: "ran").result(timeout=10) == "ran"
+        return step
+
+    eng.pipeline.launch = launch_then_call_the_device
+    outs = llm.generate(prompts(3), SamplingParams(temperature=0, max_new_tokens=32), constraint=SCHEMA)
+    assert all(o.token_ids for o in outs)
+    assert len(waits) >= 10

@@ -242,7 +242,7 @@ def test_device_thread_reads_no_tensor_value_during_a_step(make_llm, monkeypatch
     CUDA's own sync detection)."""
     guarded = threading.local()
     refused = _refuse_host_reads_while(monkeypatch, guarded)
-    real_run_step = pipeline_module.run_step
+    real_run_step, real_sample_step = pipeline_module.run_step, pipeline_module.sample_step
     steps: list[str] = []
 
     def guarded_run_step(inputs, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -253,18 +253,27 @@ def test_device_thread_reads_no_tensor_value_during_a_step(make_llm, monkeypatch
         finally:
             guarded.on = False
 
+    def guarded_sample_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a constrained step's second job
+        steps.append("sampling")
+        guarded.on = True
+        try:
+            return real_sample_step(*args, **kwargs)
+        finally:
+            guarded.on = False
+
     monkeypatch.setattr(pipeline_module, "run_step", guarded_run_step)
+    monkeypatch.setattr(pipeline_module, "sample_step", guarded_sample_step)
     llm = make_llm("tiny-llama", kv_cache_gib=0.05, max_num_seqs=8, **config)
     sampled, greedy = EVERY_OPTION, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     outs = llm.generate(prompts(4), [sampled, greedy, sampled, greedy])
     outs += llm.generate(prompts(3), [greedy, sampled, greedy], constraint=SCHEMA)
     assert not refused, refused
     assert all(o.token_ids for o in outs)
-    assert "eager x1" in steps
+    assert "eager x1" in steps and "sampling" in steps
     if config.get("cuda_graphs") == "emulate":
         assert "graph" in steps, "no step replayed the decode graph path"
     if config.get("num_steps", 1) > 1:
-        assert any(s not in ("graph", "eager x1") for s in steps), "no schedule took several steps"
+        assert any(s.startswith("eager x") and s != "eager x1" for s in steps), "no schedule took several steps"
 
 
 def test_engine_thread_reads_step_results_only_through_their_host_copy(make_llm, monkeypatch) -> None:
