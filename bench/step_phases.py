@@ -41,6 +41,8 @@ class MaskGaps:
     def __enter__(self) -> MaskGaps:
         import engine.pipeline as module
 
+        self.seconds = 0.0
+
         run_step, sample_step = module.run_step, module.sample_step
         forwarded: dict[int, float] = {}  # id of the step's PendingMask -> end of its forward job
 
@@ -110,7 +112,7 @@ class StepPhases:
         self._wrap(pipe, "fill_grammar", "fill")
         self._wrap(pipe, "report", "report")
         self._wrap(SamplerOutput, "host", "tokens_wait", on_class=True)
-        self._gaps = MaskGaps().__enter__()
+        self._gaps.__enter__()
         self._steps0 = pipe.forward_passes
         return self
 
