@@ -22,6 +22,7 @@ from service.errors import (
 )
 from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc
 from service.gen.stencil.v1 import generate_pb2 as pb
+from service.server import KeepalivePolicy
 
 from .helpers import TIMEOUT, ServerHandle, engine_factory, generate, greedy
 
@@ -92,21 +93,40 @@ def test_errors_say_why_in_a_stable_reason(make_server: Callable[..., ServerHand
     busy.cancel()
 
 
-@pytest.mark.slow
-def test_a_client_pinging_every_10s_on_an_idle_stream_stays_connected(server: ServerHandle) -> None:
-    # A common mesh setting. grpc's default server policy answered it with a
-    # too-many-pings GOAWAY after about 40 s.
-    options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+def _idle_stream_lasts(address: str, ping_every_s: float, watch_s: float) -> str | None:
+    """Watch health on an idle stream from a client that pings every
+    `ping_every_s` (as a mesh sidecar does); None if the stream is still open
+    after `watch_s`, else how it was cut."""
+    options = [("grpc.keepalive_time_ms", int(ping_every_s * 1000)), ("grpc.keepalive_timeout_ms", 5_000),
                ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
-    with grpc.insecure_channel(server.address, options=options) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+    with grpc.insecure_channel(address, options=options) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-        deadline = time.monotonic() + 65
+        deadline = time.monotonic() + watch_s
         while time.monotonic() < deadline:
-            assert not watch.done(), f"the idle stream was cut: {watch.code()} {watch.details()}"
-            time.sleep(1.0)
+            if watch.done():
+                return f"{watch.code()} {watch.details()}"
+            time.sleep(0.1)
         watch.cancel()
+        return None
+
+
+def test_a_client_pinging_as_often_as_the_policy_allows_stays_connected(
+        make_server: Callable[..., ServerHandle]) -> None:
+    # grpc's default server policy (one ping per 5 minutes without data) answered
+    # a client pinging every 10 s, a common mesh setting, with a too-many-pings
+    # GOAWAY after about 40 s (two strikes). Ours accepts pings down to
+    # min_ping_interval_s (5 s by default, under the mesh's 10). Checked at a tenth
+    # of the scale: pinging every second for 8 s is eight pings against a policy of
+    # one a second, four times what grpc's strikes allow.
+    assert KeepalivePolicy().min_ping_interval_s <= 10
+    allowed = make_server(keepalive=KeepalivePolicy(min_ping_interval_s=1.0))
+    assert _idle_stream_lasts(allowed.address, ping_every_s=1.0, watch_s=8.0) is None
+    # The same client against a policy five times stricter is cut within seconds:
+    # what the test above would see if the server's options did not reach grpc.
+    strict = make_server(keepalive=KeepalivePolicy(min_ping_interval_s=5.0))
+    cut = _idle_stream_lasts(strict.address, ping_every_s=1.0, watch_s=8.0)
+    assert cut is not None and "ping" in cut.lower(), cut
 
 
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
