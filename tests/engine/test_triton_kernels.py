@@ -453,7 +453,8 @@ print("compiled", len(compiled))
 def test_kernels_compile_for_gpus(tmp_path):
     """The interpreter checks neither tl.dot's minimum shapes nor types the way the GPU
     compiler does: compile every kernel for sm_80 and sm_90 (Triton's bundled ptxas, no
-    GPU needed), in a process without TRITON_INTERPRET."""
+    GPU needed), in processes without TRITON_INTERPRET, one per architecture, side by
+    side (compiling is all CPU, and the two share nothing but the sources)."""
     import subprocess
     import sys
 
@@ -462,16 +463,27 @@ def test_kernels_compile_for_gpus(tmp_path):
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, "80", "90"], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    # 4 configurations x (decode, decode + merge, prefill) x 2 architectures, then
-    # 3 dtypes x 5 pointwise kernels (both KV writes among them) x 2 architectures, then 2 dtypes x 9 GEMV
+    compilers = []
+    for arch in ("80", "90"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = str(tmp_path / arch)  # also where its spill check writes PTX
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+        compilers.append(subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, arch], cwd=root, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    counts = []
+    try:
+        for compiler in compilers:
+            out, err = compiler.communicate(timeout=300)
+            assert compiler.returncode == 0, err[-3000:]
+            counts.append(int(out.split()[-1]))
+    finally:
+        for compiler in compilers:
+            compiler.kill()
+            compiler.wait()
+    # Per architecture: 4 configurations x (decode, decode + merge, prefill), then
+    # 3 dtypes x 5 pointwise kernels (both KV writes among them), then 2 dtypes x 9 GEMV
     # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
-    # the 9 gated ones in bfloat16, x 2 architectures.
-    assert result.stdout.split()[-1] == str(4 * 4 * 2 + 3 * 5 * 2 + 3 * 9 * 2)
+    # the 9 gated ones in bfloat16.
+    assert counts == [4 * 4 + 3 * 5 + 3 * 9] * 2
