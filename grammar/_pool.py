@@ -5,18 +5,21 @@ xgrammar expands nested `anyOf`/`oneOf` super-exponentially (measured here: a
 77 KB schema with six levels of nested anyOf took 7.4 s, ten levels did not
 finish in a minute) and holds a core the whole time. A thread that gives up
 waiting leaves that core burning; a process can simply be killed. Each worker
-is a plain `python -c` child (not `multiprocessing`, which would re-import the
-server's `__main__`), talking over two inherited pipes.
+is forked from the process's compile zygote (`_zygote`), which has imported
+the grammar libraries once; where there is none, it is a plain `python -c`
+child (not `multiprocessing`, which would re-import the server's `__main__`).
+Either way it talks over two pipes it inherits.
 
-Costs. A worker imports xgrammar (and with it torch) once at start-up, about
-1-3 s and a few hundred MB of memory, so workers are started ahead of need
-and a replacement is spawned as soon as one is killed. Per compile, the
+Costs. A fresh interpreter imports xgrammar (and with it torch) at start-up,
+about 1-3 s and a few hundred MB of memory; a worker forked from the zygote
+only builds its tokenizer objects. Workers are started ahead of need and a
+replacement is spawned as soon as one is killed. Per compile, the
 result crosses the pipe: xgrammar's CompiledGrammar as JSON (~0.3 MB and ~5 ms
 to rebuild for a small schema on an 8k vocabulary), llguidance's grammar text
 (the parent then rebuilds the matcher template, ~0.5 ms).
 
-Workers are spawned from one long-lived thread, because PR_SET_PDEATHSIG ties
-a child's life to the thread that forked it.
+Workers started as interpreters are spawned from one long-lived thread,
+because PR_SET_PDEATHSIG ties a child's life to the thread that forked it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ._worker import COMPILE_NICENESS
+from ._zygote import ForkedProcess, fork_worker
 from .errors import GrammarError
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
@@ -59,26 +63,15 @@ class _Crashed(Exception):
 class WorkerProcess:
     """One compile worker: a child process and the two pipe ends that reach it."""
 
-    def __init__(self, init_blob: bytes, first: bool = False) -> None:
+    def __init__(self, init_blob: bytes, first: bool = False, startup_timeout_s: float = 60.0) -> None:
         self.started = time.monotonic()
         self.first = first  # started with the pool, not to replace a killed one
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        env = dict(os.environ)
-        # One compile uses one core; keep torch/tokenizers in the child from
-        # starting thread pools it never uses.
-        env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, _PACKAGE_PARENT]
-                + [str(to_child_r), str(from_child_w), str(os.getpid()), str(COMPILE_NICENESS)],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                # Native libraries log warnings to stderr; they are not ours to show.
-                stderr=subprocess.DEVNULL,
-                env=env,
-            )
+            self.proc: subprocess.Popen[bytes] | ForkedProcess = (
+                fork_worker(to_child_r, from_child_w, startup_timeout_s)
+                or _start_interpreter(to_child_r, from_child_w))
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
@@ -155,6 +148,24 @@ class WorkerProcess:
                 conn.close()
 
 
+def _start_interpreter(to_child_r: int, from_child_w: int) -> subprocess.Popen[bytes]:
+    """A worker as a fresh interpreter, where no zygote forks one (`_zygote`)."""
+    env = dict(os.environ)
+    # One compile uses one core; keep torch/tokenizers in the child from
+    # starting thread pools it never uses.
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return subprocess.Popen(
+        [sys.executable, "-c", _BOOT, _PACKAGE_PARENT]
+        + [str(to_child_r), str(from_child_w), str(os.getpid()), str(COMPILE_NICENESS)],
+        pass_fds=(to_child_r, from_child_w),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        # Native libraries log warnings to stderr; they are not ours to show.
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+
+
 class WorkerPool:
     """A fixed number of compile workers; a killed one is replaced at once.
 
@@ -169,6 +180,9 @@ class WorkerPool:
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-spawn")
         self._cond = threading.Condition()
         self._idle: list[Future[WorkerProcess]] = []  # guarded by _cond, oldest first
+        # The pool's first spawns: while one is being forked (its zygote may
+        # still be importing), a compile takes it as it would the started worker.
+        self._first_spawns: set[Future[WorkerProcess]] = set()
         self._all: set[WorkerProcess] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -180,6 +194,8 @@ class WorkerPool:
             if self._closed:
                 return None
             fut = self._spawner.submit(self._start, first)
+            if first:
+                self._first_spawns.add(fut)
         self._give_back(fut)
         return fut
 
@@ -189,7 +205,7 @@ class WorkerPool:
             self._cond.notify()
 
     def _start(self, first: bool) -> WorkerProcess:
-        worker = WorkerProcess(self._blob, first)
+        worker = WorkerProcess(self._blob, first, self._startup_timeout)
         with self._lock:
             if self._closed:
                 worker.kill()
@@ -328,6 +344,8 @@ class WorkerPool:
         now = time.monotonic()
         for fut in list(self._idle):
             if not fut.done():
+                if fut in self._first_spawns:
+                    first = first or fut
                 continue  # being spawned
             if fut.exception() is not None:
                 return fut  # _acquire spawns another

@@ -1,0 +1,120 @@
+"""Compile workers forked from the zygote: who their parent is, what happens
+when the zygote or the server dies, and the fall-back to fresh interpreters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from grammar import GrammarCompiler, GrammarSpec, _zygote
+
+from .conftest import MODEL_VOCAB, REPO, STOP_IDS, TOKENIZER_DIR
+
+pytestmark = pytest.mark.skipif(not _zygote.supported(), reason="no fork + pidfd on this platform")
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except FileNotFoundError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if _alive(p)]}"
+        time.sleep(0.05)
+
+
+def _compiler(tokenizer) -> GrammarCompiler:  # type: ignore[no-untyped-def]
+    return GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_workers=1)
+
+
+def test_every_compiler_forks_its_workers_from_one_zygote(tokenizer):
+    with _compiler(tokenizer) as a, _compiler(tokenizer) as b:
+        assert a.compile(GrammarSpec.regex("a+"), backend="xgrammar").accept_tokens(a.tokenizer_data.encode("aa"))
+        assert b.compile(GrammarSpec.regex("b+"), backend="llguidance").accept_tokens(b.tokenizer_data.encode("bb"))
+        zygote = _zygote.zygote_pid()
+        assert zygote is not None and _parent(zygote) == os.getpid()
+        workers = a.worker_pids() + b.worker_pids()
+        assert len(set(workers)) == 2 and all(_parent(w) == zygote for w in workers)
+    # Closing the compilers kills their workers and leaves the zygote for the next.
+    _wait_gone(workers)
+    assert _zygote.zygote_pid() == zygote and _alive(zygote)
+
+
+def test_a_killed_zygote_takes_its_workers_and_a_new_one_replaces_it(tokenizer):
+    with _compiler(tokenizer) as c:
+        c.compile(GrammarSpec.regex("x+"), backend="xgrammar")
+        (worker,) = c.worker_pids()
+        zygote = _zygote.zygote_pid()
+        assert zygote is not None
+        os.kill(zygote, signal.SIGKILL)
+        _wait_gone([zygote, worker])  # the worker dies with its zygote (PR_SET_PDEATHSIG)
+        m = c.compile(GrammarSpec.regex("y+"), backend="xgrammar")
+        assert m.accept_tokens(c.tokenizer_data.encode("yy")) >= 1
+        fresh = _zygote.zygote_pid()
+        assert fresh not in (None, zygote)
+        (replacement,) = c.worker_pids()
+        assert _parent(replacement) == fresh
+
+
+_SERVER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from transformers import AutoTokenizer
+from grammar import GrammarCompiler, GrammarSpec, _zygote
+c = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[2]), compile_workers=2)
+c.compile(GrammarSpec.regex("a+"), backend="xgrammar")
+print(_zygote.zygote_pid(), *c.worker_pids(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_zygote_and_its_workers_end_with_the_server():
+    # However the server ends (here SIGKILL: no cleanup runs), nothing it
+    # started for compiles stays behind.
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(REPO), str(TOKENIZER_DIR)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        pids = [int(p) for p in server.stdout.readline().split()]
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+    finally:
+        server.kill()
+        server.wait()
+    _wait_gone(pids)
+
+
+def test_without_a_zygote_workers_start_as_fresh_interpreters(tokenizer, monkeypatch):
+    # A zygote that cannot start is tried _MAX_FAILURES times, then no more;
+    # compiles go on either way, in workers that are the server's own children.
+    def cannot_start() -> None:
+        raise OSError("no zygote today")
+
+    monkeypatch.setattr(_zygote, "_Zygote", cannot_start)
+    monkeypatch.setattr(_zygote, "_zygote", None)
+    monkeypatch.setattr(_zygote, "_failures", 0)
+    with _compiler(tokenizer) as c:
+        for i in range(2):
+            c.compile(GrammarSpec.regex(f"z{i}+"), backend="xgrammar")
+            (worker,) = c.worker_pids()
+            assert _parent(worker) == os.getpid()
+            assert _zygote._failures == _zygote._MAX_FAILURES and _zygote.zygote_pid() is None
+            os.kill(worker, signal.SIGKILL)  # the next compile needs a new worker
+            _wait_gone([worker])
