@@ -31,6 +31,7 @@ the worker as a fresh interpreter.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -165,10 +166,18 @@ _owner_pid = 0  # the process `_zygote` belongs to (a forked child must not use 
 _failures = 0  # guarded by _lock
 
 
+@functools.cache
 def supported() -> bool:
-    """Whether this platform can fork workers from a zygote and watch them by pidfd."""
-    return hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal") \
-        and hasattr(socket, "send_fds")
+    """Whether this platform can fork workers from a zygote and watch them by
+    pidfd (probed once: a container's seccomp profile may refuse pidfd_open)."""
+    if not (hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
+            and hasattr(socket, "send_fds")):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
 
 
 def fork_worker(read_fd: int, write_fd: int, timeout: float) -> ForkedProcess | None:

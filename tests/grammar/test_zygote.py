@@ -118,3 +118,20 @@ def test_without_a_zygote_workers_start_as_fresh_interpreters(tokenizer, monkeyp
             assert _zygote._failures == _zygote._MAX_FAILURES and _zygote.zygote_pid() is None
             os.kill(worker, signal.SIGKILL)  # the next compile needs a new worker
             _wait_gone([worker])
+
+
+def test_a_platform_that_refuses_pidfds_gets_no_zygote(monkeypatch):
+    # A container's seccomp profile may refuse pidfd_open: found at the probe,
+    # not by three zygotes started for nothing.
+    def refused(pid: int) -> int:
+        raise PermissionError("pidfd_open")
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    _zygote.supported.cache_clear()
+    try:
+        assert not _zygote.supported()
+        assert _zygote.fork_worker(0, 0, 1.0) is None
+    finally:
+        monkeypatch.undo()
+        _zygote.supported.cache_clear()
+    assert _zygote.supported()
