@@ -12,8 +12,8 @@ dies first, the pipe's end tells the reader, which stops the engine (and the
 process, should a step never end).
 
 Started by `client.EngineProcess` as a plain `python -c` child with two
-inherited pipes, as grammar compile workers are (not `multiprocessing`, which
-would re-import the server's `__main__`).
+inherited pipes (not `multiprocessing`, which would re-import the server's
+`__main__`).
 """
 
 from __future__ import annotations
