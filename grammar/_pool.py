@@ -64,17 +64,21 @@ class WorkerProcess:
     """One compile worker: a child process and the two pipe ends that reach it."""
 
     def __init__(self, init_blob: bytes, first: bool = False, startup_timeout_s: float = 60.0) -> None:
-        self.started = time.monotonic()
         self.first = first  # started with the pool, not to replace a killed one
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         try:
+            # Forking waits for the zygote (its imports, the first time), up to
+            # `startup_timeout_s`; a fresh interpreter is started at once.
             self.proc: subprocess.Popen[bytes] | ForkedProcess = (
                 fork_worker(to_child_r, from_child_w, startup_timeout_s)
                 or _start_interpreter(to_child_r, from_child_w))
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
+        # Its start-up time counts from here: a worker that falls back to an
+        # interpreter after a zygote gave up is not born too old.
+        self.started = time.monotonic()
         self._send = Connection(to_child_w, readable=False)
         self._recv = Connection(from_child_r, writable=False)
         self._ready = False

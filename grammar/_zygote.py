@@ -13,9 +13,9 @@ How. The zygote is a `python -c` child, one per parent process, started when
 the parent first needs a worker and shared by all of its compilers. It reads
 fork requests from a Unix socket, each carrying the two pipe ends of a new
 worker (SCM_RIGHTS); it forks, the child runs `_worker.main` on those pipes,
-and the zygote answers with the child's pid. The parent opens a pidfd on that
-pid (`ForkedProcess`), through which it sees the worker end and kills it, as
-it would a child of its own.
+and the zygote answers with the child's pid and a pidfd on it
+(`ForkedProcess`), through which the parent sees the worker end and kills it,
+as it would a child of its own.
 
 Lifetimes. The zygote exits when its socket reports end of file, which the
 kernel ensures when the parent process ends, however it ends. Each worker is
@@ -41,6 +41,8 @@ import struct
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -57,26 +59,30 @@ _MAX_FAILURES = 3
 
 
 class ForkedProcess:
-    """A worker forked by the zygote, seen through a pidfd: the parts of
+    """A worker forked by the zygote, seen through its pidfd: the parts of
     `subprocess.Popen` the pool uses (`pid`, `poll`, `kill`, `wait`), safe to
     call from any thread. Its exit status belongs to the zygote; `returncode`
     is -1 once it has ended."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, pidfd: int) -> None:
         self.pid = pid
-        # Opened while the worker waits for its init message, before it can
-        # end, so the pid cannot have been reused by another process.
-        self._pidfd: int | None = os.pidfd_open(pid)
+        self._pidfd: int | None = pidfd
         self.returncode: int | None = None
         # Guards the pidfd: `wait` closes it, which another thread's `poll`
         # must not see half done (a closed descriptor's number is reused).
         self._lock = threading.Lock()
 
     def poll(self) -> int | None:
-        with self._lock:
+        # Never blocks (the pool polls under its own lock): while another
+        # thread waits for the worker to end, it is taken as running.
+        if not self._lock.acquire(blocking=False):
+            return self.returncode
+        try:
             if self.returncode is None and self._ended(0.0):
                 self.returncode = -1
             return self.returncode
+        finally:
+            self._lock.release()
 
     def kill(self) -> None:
         with self._lock:
@@ -108,6 +114,10 @@ class ForkedProcess:
                 os.close(fd)
 
 
+class ForkRefused(Exception):
+    """The zygote could not fork this worker (a process limit, say); it serves on."""
+
+
 class _Zygote:
     """The parent's end of one zygote process."""
 
@@ -134,47 +144,69 @@ class _Zygote:
         self._sock = ours
         self._lock = threading.Lock()  # one request and its answer at a time
 
-    def fork(self, read_fd: int, write_fd: int, timeout: float) -> int:
-        """The pid of a worker forked on these pipe ends (which the caller still
-        closes); OSError if the zygote does not answer within `timeout` (its
-        first answer waits for its imports)."""
+    def fork(self, read_fd: int, write_fd: int, timeout: float) -> ForkedProcess:
+        """A worker forked on these pipe ends (which the caller still closes).
+        ForkRefused if the zygote could not fork; OSError if it is gone or did
+        not answer within `timeout` (its first answer waits for its imports),
+        after which it must not be asked again (a late answer would be read
+        as the next request's)."""
         with self._lock:
             self._sock.settimeout(timeout)
             socket.send_fds(self._sock, [b"f"], [read_fd, write_fd])
-            answer = b""
-            while len(answer) < _PID.size:
-                chunk = self._sock.recv(_PID.size - len(answer))
-                if not chunk:
-                    raise ConnectionError("the compile zygote exited")
-                answer += chunk
+            answer, fds, _, _ = socket.recv_fds(self._sock, _PID.size, 1, socket.MSG_WAITALL)
+        if len(answer) < _PID.size:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the compile zygote exited")
         (pid,) = _PID.unpack(answer)
-        if pid <= 0:
-            raise ConnectionError("the compile zygote could not fork")
-        return pid
+        if pid <= 0 or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ForkRefused
+        return ForkedProcess(pid, fds[0])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.close()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait(timeout=5)
 
 
 _lock = threading.Lock()
 _zygote: _Zygote | None = None
-_owner_pid = 0  # the process `_zygote` belongs to (a forked child must not use its parent's)
-_failures = 0  # guarded by _lock
+_failures = 0  # zygotes that failed in this process; guarded by _lock
+
+
+def _after_fork_in_child() -> None:
+    # A child forked from a process with a zygote (a worker forked by the
+    # zygote is one) must neither use nor keep alive its parent's: it starts
+    # its own if it ever needs one.
+    global _lock, _zygote, _failures
+    _lock = threading.Lock()
+    if _zygote is not None:
+        with contextlib.suppress(OSError):
+            _zygote._sock.close()
+    _zygote, _failures = None, 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @functools.cache
 def supported() -> bool:
-    """Whether this platform can fork workers from a zygote and watch them by
-    pidfd (probed once: a container's seccomp profile may refuse pidfd_open)."""
+    """Whether this platform can fork workers from a zygote and watch and kill
+    them by pidfd (probed once: a container's seccomp profile may refuse
+    pidfd_open or pidfd_send_signal)."""
     if not (hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
             and hasattr(socket, "send_fds")):
         return False
     try:
-        os.close(os.pidfd_open(os.getpid()))
+        fd = os.pidfd_open(os.getpid())
+        try:
+            signal.pidfd_send_signal(fd, 0)  # signal 0: checks the right to signal, sends nothing
+        finally:
+            os.close(fd)
     except OSError:
         return False
     return True
@@ -182,17 +214,16 @@ def supported() -> bool:
 
 def fork_worker(read_fd: int, write_fd: int, timeout: float) -> ForkedProcess | None:
     """A compile worker forked from this process's zygote on the given pipe
-    ends, or None where there is no zygote to fork it (the caller then starts
-    one itself). The zygote is started on first use; one that fails (it died,
+    ends, or None where the zygote cannot fork it (the caller then starts one
+    itself). The zygote is started on first use; one that fails (it died,
     say) is closed and another started in its place, up to `_MAX_FAILURES`
-    in the life of this process."""
-    global _zygote, _owner_pid, _failures
+    in the life of this process, all within `timeout` seconds."""
+    global _zygote
     if not supported():
         return None
+    deadline = time.monotonic() + timeout
     while True:
         with _lock:
-            if _owner_pid != os.getpid():
-                _zygote, _owner_pid, _failures = None, os.getpid(), 0
             if _failures >= _MAX_FAILURES:
                 return None
             if _zygote is None:
@@ -202,8 +233,13 @@ def fork_worker(read_fd: int, write_fd: int, timeout: float) -> ForkedProcess | 
                     _failed(f"could not start: {e}")
                     continue
             zygote = _zygote
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
         try:
-            return ForkedProcess(zygote.fork(read_fd, write_fd, timeout))
+            return zygote.fork(read_fd, write_fd, remaining)
+        except ForkRefused:
+            return None  # this worker only: the zygote serves the next
         except OSError as e:
             with _lock:
                 if _zygote is zygote:
@@ -222,9 +258,7 @@ def _failed(why: str) -> None:
 def zygote_pid() -> int | None:
     """The pid of this process's zygote, if one runs (for tests and diagnostics)."""
     with _lock:
-        if _zygote is None or _owner_pid != os.getpid():
-            return None
-        return _zygote.proc.pid
+        return None if _zygote is None else _zygote.proc.pid
 
 
 # ---- the zygote process ------------------------------------------------------
@@ -233,7 +267,7 @@ def zygote_pid() -> int | None:
 def serve(sock_fd: int) -> None:
     """Entry point of the zygote: import what workers need, then fork one per
     request until the parent's end of the socket closes."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    signal.signal(signal.SIGCHLD, _reap)
     sock = socket.socket(fileno=sock_fd)
     # What a worker imports before it can compile, done once here for all of them.
     import llguidance  # noqa: F401
@@ -248,21 +282,54 @@ def serve(sock_fd: int) -> None:
             return
         if not message:
             return  # the parent is gone
-        if len(fds) != 2:
+        def worker(inbox: int = fds[0], outbox: int = fds[-1]) -> None:
+            sock.close()  # the zygote's, not the worker's
+            _worker.main(inbox, outbox, me)
+
+        try:
+            pid, pidfd = _fork(worker) if len(fds) == 2 else (0, None)
+        finally:
             for fd in fds:
                 os.close(fd)
-            sock.sendall(_PID.pack(0))
-            continue
-        pid = os.fork()
+        try:
+            socket.send_fds(sock, [_PID.pack(pid)], [] if pidfd is None else [pidfd])
+        except OSError:
+            return
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+
+def _fork(run: Callable[[], None]) -> tuple[int, int | None]:
+    """Fork a child that runs `run`; its pid and a pidfd on it, or (0, None)
+    if it could not be forked or watched."""
+    # Held back until the pidfd is open: the SIGCHLD handler must not reap a
+    # child that ends at once before then (its pid could be reused).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        try:
+            pid = os.fork()
+        except OSError:
+            return 0, None
         if pid == 0:
             code = 1
             try:
-                sock.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                _worker.main(fds[0], fds[1], me)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+                run()
                 code = 0
             finally:
                 os._exit(code)
-        for fd in fds:
-            os.close(fd)
-        sock.sendall(_PID.pack(pid))
+        try:
+            return pid, os.pidfd_open(pid)
+        except OSError:
+            os.kill(pid, signal.SIGKILL)  # not yet reaped: the pid is still this child's
+            return 0, None
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+
+
+def _reap(signum: int, frame: object) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass

@@ -18,26 +18,30 @@ from .conftest import MODEL_VOCAB, REPO, STOP_IDS, TOKENIZER_DIR
 pytestmark = pytest.mark.skipif(not _zygote.supported(), reason="no fork + pidfd on this platform")
 
 
-def _parent(pid: int) -> int | None:
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the name (state, ppid, ...); None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except FileNotFoundError:
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):  # gone before or while read
         return None
 
 
+def _parent(pid: int) -> int | None:
+    stat = _stat(pid)
+    return None if stat is None else int(stat[1])
+
+
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
-def _wait_gone(pids: list[int], limit: float = 10.0) -> None:
+def _wait_gone(pids: list[int], reaped: bool = False, limit: float = 10.0) -> None:
+    """Until none of `pids` runs; with `reaped`, until none is left even as a zombie."""
     deadline = time.monotonic() + limit
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"still running: {[p for p in pids if _alive(p)]}"
+    while any(_stat(p) is not None if reaped else _alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still there: {[(p, _stat(p)) for p in pids]}"
         time.sleep(0.05)
 
 
@@ -53,12 +57,14 @@ def test_every_compiler_forks_its_workers_from_one_zygote(tokenizer):
         assert zygote is not None and _parent(zygote) == os.getpid()
         workers = a.worker_pids() + b.worker_pids()
         assert len(set(workers)) == 2 and all(_parent(w) == zygote for w in workers)
-    # Closing the compilers kills their workers and leaves the zygote for the next.
-    _wait_gone(workers)
+    # Closing the compilers kills their workers (which the zygote reaps) and
+    # leaves the zygote for the next.
+    _wait_gone(workers, reaped=True)
     assert _zygote.zygote_pid() == zygote and _alive(zygote)
 
 
-def test_a_killed_zygote_takes_its_workers_and_a_new_one_replaces_it(tokenizer):
+def test_a_killed_zygote_takes_its_workers_and_a_new_one_replaces_it(tokenizer, monkeypatch):
+    monkeypatch.setattr(_zygote, "_failures", 0)
     with _compiler(tokenizer) as c:
         c.compile(GrammarSpec.regex("x+"), backend="xgrammar")
         (worker,) = c.worker_pids()
@@ -135,3 +141,46 @@ def test_a_platform_that_refuses_pidfds_gets_no_zygote(monkeypatch):
         monkeypatch.undo()
         _zygote.supported.cache_clear()
     assert _zygote.supported()
+
+
+def test_a_compile_waits_for_its_compilers_first_worker_while_the_zygote_starts(tokenizer, monkeypatch):
+    # A fresh process's zygote takes seconds to import the libraries before it
+    # forks the first worker; a compile that comes at once waits for that, as it
+    # waits for its compiler's construction, rather than time out as busy.
+    monkeypatch.setattr(_zygote, "_zygote", None)  # the next worker needs a new zygote
+    monkeypatch.setattr(_zygote, "_failures", 0)
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_workers=1,
+                         compile_timeout_s=0.3) as c:
+        assert c.compile(GrammarSpec.regex("a+"), backend="xgrammar").accept_tokens(c.tokenizer_data.encode("a"))
+        assert _parent(c.worker_pids()[0]) == _zygote.zygote_pid()
+
+
+class _Refusing:
+    """A zygote that cannot fork (as under a process limit)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def fork(self, read_fd: int, write_fd: int, timeout: float) -> _zygote.ForkedProcess:
+        self.asked += 1
+        raise _zygote.ForkRefused
+
+
+def test_a_refused_fork_costs_one_worker_its_zygote_and_not_the_zygote(tokenizer, monkeypatch):
+    refusing = _Refusing()
+    monkeypatch.setattr(_zygote, "_zygote", refusing)
+    monkeypatch.setattr(_zygote, "_failures", 0)
+    with _compiler(tokenizer) as c:
+        c.compile(GrammarSpec.regex("r+"), backend="xgrammar")
+        assert _parent(c.worker_pids()[0]) == os.getpid()  # a fresh interpreter instead
+    assert refusing.asked == 1 and _zygote._zygote is refusing and _zygote._failures == 0
+
+
+def test_the_zygote_answers_a_fork_it_cannot_make_with_none(monkeypatch):
+    # The zygote's side of a refused fork: no child, no exception (which would
+    # end the zygote and every worker with it).
+    def no_fork() -> int:
+        raise BlockingIOError("fork: resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    assert _zygote._fork(lambda: None) == (0, None)
