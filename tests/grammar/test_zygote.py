@@ -95,15 +95,14 @@ time.sleep(600)
 def test_the_zygote_and_its_workers_end_with_the_server():
     # However the server ends (here SIGKILL: no cleanup runs), nothing it
     # started for compiles stays behind.
-    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(REPO), str(TOKENIZER_DIR)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout is not None
-        pids = [int(p) for p in server.stdout.readline().split()]
-        assert len(pids) == 3 and all(_alive(p) for p in pids)
-    finally:
-        server.kill()
-        server.wait()
+    with subprocess.Popen([sys.executable, "-c", _SERVER, str(REPO), str(TOKENIZER_DIR)],
+                          stdout=subprocess.PIPE, text=True) as server:
+        try:
+            assert server.stdout is not None
+            pids = [int(p) for p in server.stdout.readline().split()]
+            assert len(pids) == 3 and all(_alive(p) for p in pids)
+        finally:
+            server.kill()
     _wait_gone(pids)
 
 
@@ -149,10 +148,15 @@ def test_a_compile_waits_for_its_compilers_first_worker_while_the_zygote_starts(
     # waits for its compiler's construction, rather than time out as busy.
     monkeypatch.setattr(_zygote, "_zygote", None)  # the next worker needs a new zygote
     monkeypatch.setattr(_zygote, "_failures", 0)
-    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_workers=1,
-                         compile_timeout_s=0.3) as c:
-        assert c.compile(GrammarSpec.regex("a+"), backend="xgrammar").accept_tokens(c.tokenizer_data.encode("a"))
-        assert _parent(c.worker_pids()[0]) == _zygote.zygote_pid()
+    try:
+        with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_workers=1,
+                             compile_timeout_s=0.3) as c:
+            assert c.compile(GrammarSpec.regex("a+"), backend="xgrammar").accept_tokens(
+                c.tokenizer_data.encode("a"))
+            assert _parent(c.worker_pids()[0]) == _zygote.zygote_pid()
+    finally:
+        if _zygote._zygote is not None:  # this test's; the session's comes back after it
+            _zygote._zygote.close()
 
 
 class _Refusing:
