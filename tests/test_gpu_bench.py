@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -104,10 +105,17 @@ def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
     # A GPU session's commands run under a time limit: past --budget-s a part is
     # not started, so the run still reaches its tables and JSON.
     ran: list[str] = []
+
+    def part(name: str, result: int) -> Callable[[], int]:
+        def run() -> int:
+            ran.append(name)
+            return result
+        return run
+
     report = gpu.Report(tmp_path / "gpu-budget.log", budget_s=60)
-    assert gpu.guarded(report, "[1.1b] first part", lambda: ran.append("first") or 1) == 1
+    assert gpu.guarded(report, "[1.1b] first part", part("first", 1)) == 1
     report.deadline = 0.0  # the budget is spent
-    assert gpu.guarded(report, "[1.1b] second part", lambda: ran.append("second") or 2) is None
+    assert gpu.guarded(report, "[1.1b] second part", part("second", 2)) is None
     assert ran == ["first"]
     assert "[1.1b] second part skipped: past the --budget-s deadline" in report.log_path.read_text()
     assert gpu.parse_args(["--budget-s", "540"]).budget_s == 540

@@ -9,6 +9,9 @@ mid-block.
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any, cast
+
 import pytest
 import torch
 
@@ -16,8 +19,9 @@ from engine.kernels import cpu_ops
 
 from .reference import mixed_step
 
-ops = cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable")
+_loaded = cpu_ops()
+pytestmark = pytest.mark.skipif(_loaded is None, reason="CPU kernels unavailable")
+ops = cast(ModuleType, _loaded)  # None only where pytestmark skips every test
 
 
 def reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale):
@@ -121,7 +125,9 @@ def test_kernel_backend_matches_torch_backend_on_a_mixed_step(head_dim):
     outs = []
     cache_lengths = torch.tensor([c for c, _ in shapes], dtype=torch.int32)
     max_lengths = torch.tensor([[max(q for _, q in shapes), max(c + q for c, q in shapes)]], dtype=torch.int32)
-    for backend, cache in ((kernel, caches[0]), (torch_backend, caches[1])):
+    # Each backend plans its own metadata type and takes it back.
+    backends: list[tuple[Any, torch.Tensor]] = [(kernel, caches[0]), (torch_backend, caches[1])]
+    for backend, cache in backends:
         kv = KVCacheInputs(cache, cache_lengths, torch.from_numpy(table), max_lengths)
         meta = backend.plan(spans, table, kv)
         g2 = torch.Generator().manual_seed(1)

@@ -9,6 +9,7 @@ single tokens."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -235,8 +236,9 @@ def test_overlap_and_graphs_change_no_token(make_llm, tok):
         (closing, None, None),  # no grammar, no budget: multi-step decode runs it; the split holds
     ]
     results = []
-    for config in [*CONFIGS, {"overlap": False, "cuda_graphs": "emulate"},
-                   {"overlap": True, "cuda_graphs": "emulate"}, {"overlap": False, "num_steps": 4}]:
+    configs: list[dict[str, Any]] = [*CONFIGS, {"overlap": False, "cuda_graphs": "emulate"},
+                                     {"overlap": True, "cuda_graphs": "emulate"}, {"overlap": False, "num_steps": 4}]
+    for config in configs:
         row: dict[int, tuple] = {}
         for table_i in {id(t): t for t, _, _ in requests}.values():  # one engine per script
             llm = engine(table_i, "qwen3", **config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -71,7 +73,11 @@ def test_the_device_thread_decodes_audio_only_when_a_chunk_is_ready(speech_llm, 
     eng = llm.engine
     drains = []
     drain = eng.audio.drain
-    monkeypatch.setattr(eng.audio, "drain", lambda contexts: drains.append(drain(contexts)) or drains[-1])
+    def counted(contexts):  # type: ignore[no-untyped-def]
+        drains.append(drain(contexts))
+        return drains[-1]
+
+    monkeypatch.setattr(eng.audio, "drain", counted)
     chunks, steps, last_step, _ = stream(llm, "Only ready chunks cost a trip.", chunk_frames=2,
                                          max_audio_seconds=1.0)
     assert len(chunks) >= 3 and last_step > 3 * len(chunks)
@@ -147,7 +153,7 @@ def test_voice_prompt_and_bad_requests(speech_llm, make_llm):
     ctx = eng.make_speech_context("clone this voice", audio_prompt_codes=codes,
                                   audio_prompt_transcription="reference words")
     assert eng.speech_layout.codes_to_tokens(np.array(codes)).tolist()[0] in ctx.prompt_tokens.tolist()
-    cases = {"input": dict(text=""), "audio_prompt_tokens": dict(text="x", audio_prompt_codes=[1, 2, 3]),
+    cases: dict[str, dict[str, Any]] = {"input": dict(text=""), "audio_prompt_tokens": dict(text="x", audio_prompt_codes=[1, 2, 3]),
              "chunk_frames": dict(text="x", chunk_frames=0)}
     for field, kwargs in cases.items():
         with pytest.raises(InvalidRequest) as err:

@@ -65,7 +65,7 @@ def _llm(make_llm, script, prompt, **config):
                     **parser, **config)
 
 
-def _generate(llm, prompt, spec: GrammarSpec, resample: bool = True, max_new_tokens: int = 80):
+def _generate(llm, prompt, spec: GrammarSpec | None, resample: bool = True, max_new_tokens: int = 80):
     params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
     return llm.generate([prompt], params, constraint=spec, resample=resample)[0]
 

@@ -264,7 +264,7 @@ def test_config_validation(tokenizer):
     with pytest.raises(ValueError):
         GrammarCompiler(tokenizer, vocab_size=100)
     with pytest.raises(TypeError):
-        GrammarCompiler(tokenizer, isolation="thread").compile(json.dumps({"type": "object"}))
+        GrammarCompiler(tokenizer, isolation="thread").compile(json.dumps({"type": "object"}))  # type: ignore[arg-type]
 
 
 def test_references_are_resolved_or_refused_or_reported(compiler):
@@ -374,9 +374,10 @@ def test_a_second_tenants_simple_specs_compile_while_the_firsts_slow_ones_queue(
             assert matcher.accept_tokens(tokens) == len(tokens)
         errors = [f.exception(timeout=30) for f in bombs]
         assert time.monotonic() - start < timeout + 1.5  # every bomb answered at about its deadline
-        assert all(isinstance(e, GrammarError) and e.reason == "timeout" for e in errors), errors
+        timeouts = [e for e in errors if isinstance(e, GrammarError) and e.reason == "timeout"]
+        assert len(timeouts) == len(errors), errors
         # One ran out of time compiling; the others never had a's place before their deadline.
-        assert sorted(e.backend is None for e in errors) == [False, True, True, True]
+        assert sorted(e.backend is None for e in timeouts) == [False, True, True, True]
         # a's killed worker is being replaced on a's account: b still has a worker.
         asked = time.monotonic()
         assert c.compile(GrammarSpec.choice(["yes", "no"]), tenant="b").backend == "llguidance"

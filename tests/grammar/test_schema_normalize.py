@@ -159,6 +159,7 @@ def test_auto_prefers_the_backend_that_enforces_more(compiler):
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"maxLength": 2}},
                                     "required": ["a"]}, options=None)
     from grammar import GrammarOptions
+    assert isinstance(spec.source, str)
     pretty = GrammarSpec.json_schema(spec.source, GrammarOptions("pretty"))
     assert compiler.backends_for(pretty)[0] == "xgrammar"
     matcher = compiler.compile(pretty)
@@ -258,7 +259,8 @@ def test_ref_to_a_recursive_target_beside_siblings():
               "$ref": "#/$defs/node", "required": ["next"]}
     out = normalize_schema(schema)
     raw, norm = jsonschema_rs.validator_for(schema), jsonschema_rs.validator_for(out)
-    for value in ({}, {"next": {}}, {"next": {"next": 1}}, {"next": {"next": {}}}):
+    values: tuple[object, ...] = ({}, {"next": {}}, {"next": {"next": 1}}, {"next": {"next": {}}})
+    for value in values:
         assert norm.is_valid(value) == raw.is_valid(value), value
 
 
