@@ -28,26 +28,17 @@ import contextlib
 import os
 import pickle
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
-from ._worker import COMPILE_NICENESS
+from ._worker import start_compile_process
 from ._zygote import ForkedProcess, fork_worker
 from .errors import GrammarError
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
-# The niceness is applied first: importing torch and the grammar libraries is
-# a second or more of CPU, background work like the compiles themselves.
-_BOOT = (
-    "import os, sys; os.nice(int(sys.argv[5])); sys.path.insert(0, sys.argv[1]); "
-    "from grammar._worker import main; main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))"
-)
 # How often a compile waiting for a starting worker looks whether it is ready.
 _READY_POLL_S = 0.05
 
@@ -89,7 +80,10 @@ class WorkerProcess:
         threading.Thread(target=self._send_init, args=(init_blob,), daemon=True).start()
 
     def _send_init(self, blob: bytes) -> None:
-        with contextlib.suppress(OSError, ValueError):  # a dead child shows in wait_ready
+        # A dead child shows in wait_ready. A worker killed meanwhile has its
+        # connection closed under this thread: OSError, ValueError, or TypeError
+        # once the handle is None.
+        with contextlib.suppress(OSError, ValueError, TypeError):
             self._send.send_bytes(blob)
 
     @property
@@ -154,20 +148,8 @@ class WorkerProcess:
 
 def _start_interpreter(to_child_r: int, from_child_w: int) -> subprocess.Popen[bytes]:
     """A worker as a fresh interpreter, where no zygote forks one (`_zygote`)."""
-    env = dict(os.environ)
-    # One compile uses one core; keep torch/tokenizers in the child from
-    # starting thread pools it never uses.
-    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    return subprocess.Popen(
-        [sys.executable, "-c", _BOOT, _PACKAGE_PARENT]
-        + [str(to_child_r), str(from_child_w), str(os.getpid()), str(COMPILE_NICENESS)],
-        pass_fds=(to_child_r, from_child_w),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        # Native libraries log warnings to stderr; they are not ours to show.
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
+    return start_compile_process("grammar._worker:main", (to_child_r, from_child_w, os.getpid()),
+                                 (to_child_r, from_child_w))
 
 
 class WorkerPool:

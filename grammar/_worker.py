@@ -1,7 +1,8 @@
 """The compile worker: a child process that turns specs into picklable payloads.
 
-Started by `_pool.WorkerProcess` as `python -c ...` with two inherited pipe
-file descriptors. Protocol (pickled messages over
+Forked by the zygote (`_zygote`) for `_pool.WorkerProcess`, or started as
+`python -c ...` where there is none (`start_compile_process`, which starts the
+zygote too), with two inherited pipe file descriptors. Protocol (pickled messages over
 `multiprocessing.connection.Connection`):
 
     parent -> child   init dict (tokenizer JSON, xgrammar TokenizerInfo JSON, ...)
@@ -20,7 +21,11 @@ the pieces each owner provides: `TokenizerData` its library-neutral facts,
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import GrammarError
@@ -37,6 +42,36 @@ if TYPE_CHECKING:
 COMPILE_NICENESS = 10
 # The job that plans a JSON spec (schema_plan.prepare_views) instead of compiling it.
 PLAN_JOB = "plan"
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+# The niceness is applied first: importing torch and the grammar libraries is
+# a second or more of CPU, background work like the compiles themselves.
+_BOOT = (
+    "import importlib, os, sys; os.nice(int(sys.argv[1])); sys.path.insert(0, sys.argv[2]); "
+    "module, entry = sys.argv[3].split(':'); "
+    "getattr(importlib.import_module(module), entry)(*map(int, sys.argv[4:]))"
+)
+
+
+def start_compile_process(entry: str, args: Sequence[int], pass_fds: Sequence[int]) -> subprocess.Popen[bytes]:
+    """A `python -c` child that runs `entry` ("grammar.module:function") on the
+    int `args`, at COMPILE_NICENESS, inheriting `pass_fds`: a compile worker
+    where no zygote forks one, or the zygote itself (not `multiprocessing`,
+    which would re-import the server's `__main__`)."""
+    env = dict(os.environ)
+    # One compile uses one core; keep torch/tokenizers in the child from
+    # starting thread pools it never uses (and the zygote from forking with
+    # threads running).
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return subprocess.Popen(
+        [sys.executable, "-c", _BOOT, str(COMPILE_NICENESS), _PACKAGE_PARENT, entry, *map(str, args)],
+        pass_fds=tuple(pass_fds),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        # Native libraries log warnings to stderr; they are not ours to show.
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 def process_init(data: TokenizerData, memory_limit_bytes: int | None,

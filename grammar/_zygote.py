@@ -39,19 +39,12 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
-_BOOT = (
-    "import os, sys; os.nice(int(sys.argv[3])); sys.path.insert(0, sys.argv[1]); "
-    "from grammar._zygote import serve; serve(int(sys.argv[2]))"
-)
 _PID = struct.Struct("!q")
 # Zygotes that failed (could not start, died, answered nonsense) before this
 # process stops trying: each costs a fresh interpreter's start-up at most.
@@ -122,20 +115,11 @@ class _Zygote:
     """The parent's end of one zygote process."""
 
     def __init__(self) -> None:
-        from ._worker import COMPILE_NICENESS
+        from ._worker import start_compile_process
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        # One compile uses one core; keep torch/tokenizers in the workers from
-        # starting thread pools they never use (and the zygote from forking
-        # with threads running).
-        env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, _PACKAGE_PARENT, str(theirs.fileno()), str(COMPILE_NICENESS)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                # Native libraries log warnings to stderr; they are not ours to show.
-                stderr=subprocess.DEVNULL, env=env)
+            self.proc = start_compile_process("grammar._zygote:serve", (theirs.fileno(),), (theirs.fileno(),))
         except BaseException:
             ours.close()
             raise
