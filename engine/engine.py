@@ -363,6 +363,7 @@ class EngineCore:
         elif in_flight and not finished:  # nothing new to run: drain
             pipeline.fill_grammar(in_flight[0])  # filled already, unless a fill failed
             touched = pipeline.advance(in_flight.popleft())
+            self.postprocessor.release_finished(touched)
         return pipeline.report(touched), len(contexts), num_tokens
 
     def flush_prefix_cache(self) -> int:

@@ -108,7 +108,9 @@ class TextGenerationPipeline:
 
     def finish(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's run and postprocess it."""
-        return self.report(self.advance(step))
+        touched = self.advance(step)
+        self.postprocessor.release_finished(touched)
+        return self.report(touched)
 
     def advance(self, step: LaunchedStep) -> list[TextContext]:
         """Wait for the step's run and move its requests on by what it sampled;
@@ -122,5 +124,6 @@ class TextGenerationPipeline:
         return self.postprocessor.step_done(step, result)
 
     def report(self, touched: Sequence[TextContext]) -> list[RequestOutput]:
-        """The outputs of requests a step moved on (detokenized; stop strings end them here)."""
+        """The outputs of requests a step moved on (detokenized; stop strings end
+        them here). Call `Postprocessor.release_finished` on them first."""
         return self.postprocessor.outputs(touched)

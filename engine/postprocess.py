@@ -222,7 +222,8 @@ class Postprocessor:
     def release_finished(self, touched: Sequence[TextContext]) -> None:
         """Give back the pages and token-buffer rows of the requests in `touched`
         that have finished, before their outputs are built (`outputs`): so that
-        a step scheduled in between can use them."""
+        a step scheduled in between can use them. Every path from `step_done`
+        to `outputs` calls it once; `outputs` releases only what it ends itself."""
         for ctx in touched:
             if ctx.is_done:
                 ctx.drop_futures()
@@ -231,7 +232,11 @@ class Postprocessor:
     # -- outputs ------------------------------------------------------------------
     def outputs(self, touched: Sequence[TextContext]) -> list[RequestOutput]:
         """Detokenize (ending requests on a stop string), decode audio, build each
-        request's output; then free what finished requests hold."""
+        request's output; then free what the requests it ended hold (those that
+        had ended before were released by `release_finished`)."""
+        # Scanning the scheduler's queues again for every finished request
+        # would cost O(waiting) each under a deep queue.
+        running = [ctx for ctx in touched if not ctx.is_done]
         for ctx in touched:
             stream = self._streams.get(ctx.request_id)
             if stream is None or ctx.status is GenerationStatus.CANCELLED:
@@ -266,7 +271,7 @@ class Postprocessor:
             if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs \
                     or delta.audio is not None:
                 outputs.append(delta)
-        self.release_finished(touched)  # those a stop string ended too
+        self.release_finished(running)  # those a stop string (or a failed decode) ended
         return outputs
 
     def _decode_audio(self, touched: Sequence[TextContext]) -> dict[str, np.ndarray]:

@@ -69,6 +69,28 @@ def test_mixed_batch_identical_with_and_without_overlap(make_llm, speculative):
     off.close()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_finished_request_is_released_once(make_llm, overlap):
+    """Release walks the scheduler's queues: a finished request goes through it
+    once, whether a stop rule, a stop string or its length ended it."""
+    llm = make_llm("tiny-llama", overlap=overlap)
+    batch, params, specs = mixed_workload()
+    stop = outputs(llm, batch, params, specs)[2][1][6:9]
+    batch, params, specs = mixed_workload(stop=stop)
+    removed: list[str] = []
+    scheduler = llm.engine.scheduler
+    remove = scheduler.remove
+
+    def counting(ctx):
+        removed.append(ctx.request_id)
+        remove(ctx)
+
+    scheduler.remove = counting
+    result = outputs(llm, batch, params, specs)
+    assert result[2][2] == "stop_string"
+    assert len(removed) == len(set(removed)) == len(batch)
+
+
 def test_preemption_with_overlap(make_llm):
     per_page = 2 * 2 * 16 * 2 * 16 * 4
     kwargs = dict(kv_cache_gib=12 * per_page / 2**30, max_model_len=192)
