@@ -49,6 +49,11 @@ _PID = struct.Struct("!q")
 # Zygotes that failed (could not start, died, answered nonsense) before this
 # process stops trying: each costs a fresh interpreter's start-up at most.
 _MAX_FAILURES = 3
+# How long a zygote that has answered before may take to answer a fork (a
+# fork takes milliseconds): one that is stuck is replaced after this, rather
+# than after the worker's whole start-up budget (its first answer waits for
+# its imports, and gets that budget).
+_READY_ANSWER_S = 10.0
 
 
 class ForkedProcess:
@@ -127,17 +132,19 @@ class _Zygote:
             theirs.close()
         self._sock = ours
         self._lock = threading.Lock()  # one request and its answer at a time
+        self._answered = False  # its imports are done: later answers come fast
 
     def fork(self, read_fd: int, write_fd: int, timeout: float) -> ForkedProcess:
         """A worker forked on these pipe ends (which the caller still closes).
         ForkRefused if the zygote could not fork; OSError if it is gone or did
-        not answer within `timeout` (its first answer waits for its imports),
-        after which it must not be asked again (a late answer would be read
-        as the next request's)."""
+        not answer within `timeout` (its first answer waits for its imports;
+        later ones within `_READY_ANSWER_S` at most), after which it must not be
+        asked again (a late answer would be read as the next request's)."""
         with self._lock:
-            self._sock.settimeout(timeout)
+            self._sock.settimeout(min(timeout, _READY_ANSWER_S) if self._answered else timeout)
             socket.send_fds(self._sock, [b"f"], [read_fd, write_fd])
             answer, fds, _, _ = socket.recv_fds(self._sock, _PID.size, 1, socket.MSG_WAITALL)
+            self._answered = True
         if len(answer) < _PID.size:
             for fd in fds:
                 os.close(fd)

@@ -3,6 +3,7 @@ when the zygote or the server dies, and the fall-back to fresh interpreters."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -78,6 +79,33 @@ def test_a_killed_zygote_takes_its_workers_and_a_new_one_replaces_it(tokenizer, 
         assert fresh not in (None, zygote)
         (replacement,) = c.worker_pids()
         assert _parent(replacement) == fresh
+
+
+def test_a_stuck_zygote_is_replaced_without_waiting_out_the_start_up_budget(tokenizer, monkeypatch):
+    # A zygote that answered before and now does not (stopped here; hung in
+    # practice) is given seconds, not the worker's start-up budget.
+    monkeypatch.setattr(_zygote, "_failures", 0)
+    monkeypatch.setattr(_zygote, "_READY_ANSWER_S", 0.5)
+    with _compiler(tokenizer) as c:
+        c.compile(GrammarSpec.regex("s+"), backend="xgrammar")  # the zygote has answered once
+        stuck = _zygote.zygote_pid()
+        assert stuck is not None
+        os.kill(stuck, signal.SIGSTOP)
+        try:
+            with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_workers=1,
+                                 worker_startup_timeout_s=60.0) as fresh:
+                start = time.monotonic()
+                m = fresh.compile(GrammarSpec.regex("t+"), backend="xgrammar")
+                assert m.accept_tokens(fresh.tokenizer_data.encode("tt")) >= 1
+                assert time.monotonic() - start < 30.0
+                replacement = _zygote.zygote_pid()
+                assert replacement not in (None, stuck)
+                assert _parent(fresh.worker_pids()[0]) == replacement
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGCONT)
+    _wait_gone([stuck], reaped=True)  # the stuck one was killed and reaped
+    assert _zygote._failures == 1
 
 
 _SERVER = """
