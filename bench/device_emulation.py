@@ -16,8 +16,10 @@ forward pass with this emulation, one of two models of the device:
   launches do on a GPU, instead of adding to it.
 
 `forward`: "zeros" returns zeros without computing (host work alone, as with a
-GPU fast enough that the host sets the pace) or "real" keeps the model's
-compute before the emulated device time.
+GPU fast enough that the host sets the pace), the logits too (the LM head of
+zero hidden states is zeros: the same tokens, without a [batch, hidden] x
+[hidden, vocab] product on the CPU that a GPU would run inside its step), or
+"real" keeps the model's compute before the emulated device time.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def install(device_ms: float, model: str = "sleep", forward: str = "zeros") -> C
     from engine.sampler import SamplerOutput
 
     delay = device_ms / 1000
-    real_forward = LlamaFamilyModel.forward
+    real_forward, real_logits = LlamaFamilyModel.forward, LlamaFamilyModel.logits
     to_host_async, host = SamplerOutput.to_host_async, SamplerOutput.host
     device_free = 0.0  # deadline: when the emulated device has done all it was given
     ready: dict[int, float] = {}  # deadline: when each queued copy of tokens lands
@@ -57,6 +59,9 @@ def install(device_ms: float, model: str = "sleep", forward: str = "zeros") -> C
             time.sleep(delay)  # the device's share of the step: no CPU, no GIL
         return out
 
+    def zero_logits(self, hidden):  # type: ignore[no-untyped-def]
+        return torch.zeros(hidden.shape[0], self.lm_head.out_features, dtype=torch.float32, device=hidden.device)
+
     def queued(self):  # type: ignore[no-untyped-def]
         to_host_async(self)
         ready[id(self)] = max(device_free, time.perf_counter())
@@ -68,12 +73,14 @@ def install(device_ms: float, model: str = "sleep", forward: str = "zeros") -> C
         return host(self)
 
     LlamaFamilyModel.forward = emulated  # type: ignore[method-assign]
+    if forward == "zeros":
+        LlamaFamilyModel.logits = zero_logits  # type: ignore[method-assign]
     if model == "deadline":
         SamplerOutput.to_host_async = queued  # type: ignore[method-assign]
         SamplerOutput.host = read  # type: ignore[method-assign]
 
     def uninstall() -> None:
-        LlamaFamilyModel.forward = real_forward  # type: ignore[method-assign]
+        LlamaFamilyModel.forward, LlamaFamilyModel.logits = real_forward, real_logits  # type: ignore[method-assign]
         SamplerOutput.to_host_async, SamplerOutput.host = to_host_async, host  # type: ignore[method-assign]
 
     return uninstall

@@ -30,7 +30,7 @@ from .memory import PROMPT_LOGPROB_ROWS
 from .sampler import SamplerOutput, count_tokens, sample
 from .staging import HostCopy, upload
 from .step_inputs import PromptLogprobTarget, SampleInputs, StepInputs
-from .step_masks import PendingMask
+from .step_masks import ApplyMask, PendingMask
 
 
 class StepModel(Protocol):
@@ -42,9 +42,6 @@ class StepModel(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-# Masks the disallowed tokens of some rows of the logits in place: (logits, bitmask, rows as
-# a list, or a host tensor on CUDA; see step_masks.PendingMask).
-ApplyMask = Callable[[torch.Tensor, torch.Tensor, list[int] | torch.Tensor], None]
 # A step's mask bound to its bitmask: masks the logits [S, V] in place.
 MaskLogits = Callable[[torch.Tensor], None]
 # (chosen token's log-probability [N], top ids [N, n] | None, top log-probabilities | None)

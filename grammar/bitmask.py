@@ -66,7 +66,9 @@ def apply_token_bitmask_inplace(
             logits[:, covered:] = float("-inf")
         else:
             logits[index, covered:] = float("-inf")
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+    # xgrammar's CPU kernel writes past a row of fewer than 32 logits (seen at one).
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1 \
+            and covered >= 32:
         _apply_cpu(logits, bitmask, covered, rows)
     else:
         _apply_torch(logits, bitmask, covered, index)

@@ -2,20 +2,23 @@
 thread (what bench/gpu.py --profile-server writes to its log); bench/_server.py
 reads a server's engine steps from its metrics endpoint; bench/step_phases.py
 breaks an engine's steps down phase by phase; bench/device_emulation.py stands
-in for a GPU."""
+in for a GPU; bench/mask_apply.py runs (it checks both kernels agree)."""
 
 from __future__ import annotations
 
+import sys
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 import engine.pipeline as pipeline_module
-from bench import pyspy
+from bench import mask_apply, pyspy
 from bench._server import EngineSteps, engine_steps, free_port
 from bench.device_emulation import MODELS, install
 from bench.step_phases import StepPhases
 from engine import SamplingParams
+from engine.kernels import cpu_ops
 from engine.models.llama import LlamaFamilyModel
 from engine.sampler import SamplerOutput
 from grammar import GrammarSpec
@@ -108,7 +111,8 @@ def test_step_phases_time_each_phase_and_put_every_method_back(make_llm):
 def test_the_emulated_device_costs_each_forward_pass_its_time_and_is_put_back(make_llm):
     llm = make_llm("tiny-llama", kv_cache_gib=0.05)
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-    forward, to_host, host = LlamaFamilyModel.forward, SamplerOutput.to_host_async, SamplerOutput.host
+    forward, logits = LlamaFamilyModel.forward, LlamaFamilyModel.logits
+    to_host, host = SamplerOutput.to_host_async, SamplerOutput.host
     for model in MODELS:
         undo = install(30.0, model)
         try:
@@ -120,4 +124,15 @@ def test_the_emulated_device_costs_each_forward_pass_its_time_and_is_put_back(ma
         # Six forward passes (the prompt, then five decode steps), each one the
         # device's 30 ms whether slept on the device thread or waited for.
         assert len(out.token_ids) == 6 and elapsed >= 6 * 0.030, (model, elapsed)
-    assert (LlamaFamilyModel.forward, SamplerOutput.to_host_async, SamplerOutput.host) == (forward, to_host, host)
+        # Zero hidden states give zero logits: the emulated LM head's, uncomputed.
+        assert out.token_ids == [0] * 6
+    assert (LlamaFamilyModel.forward, LlamaFamilyModel.logits) == (forward, logits)
+    assert (SamplerOutput.to_host_async, SamplerOutput.host) == (to_host, host)
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the CPU extension did not build")
+def test_the_mask_apply_benchmark_runs_and_its_kernels_agree(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["mask_apply.py", "--batch", "3", "--vocab", "40,100",
+                                      "--iters", "1", "--repeat", "1"])
+    assert mask_apply.main() == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.endswith("x")]) == 6

@@ -194,8 +194,8 @@ def test_grammar_mask_is_staged_for_the_device_thread(make_llm, monkeypatch, bat
         assert {bitmask.untyped_storage().data_ptr(), rows.untyped_storage().data_ptr()} == set(pinned)
         logits = torch.randn(len(rows_of), eng.vocab_size)
         listed = logits.clone()
-        on_cuda.apply(logits, StepMasks.apply)
-        on_cpu.apply(listed, StepMasks.apply)
+        on_cuda.apply(logits, staged.apply)  # the grammar package's tensor ops
+        on_cpu.apply(listed, plain.apply)  # the CPU extension's kernel
         assert torch.equal(logits, listed)
 
 

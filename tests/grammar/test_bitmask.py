@@ -66,6 +66,16 @@ def test_apply_rows_as_a_tensor_equals_rows_as_a_list(contiguous):
     assert torch.equal(untouched, base)
 
 
+def test_apply_never_writes_past_a_short_row():
+    # xgrammar's CPU kernel, given a row of one logit, set the next row's first.
+    base = torch.zeros(4, 1)
+    mask = torch.tensor([[1], [0], [5], [-1]], dtype=torch.int32)
+    logits = base.clone()
+    apply_token_bitmask_inplace(logits, mask, rows=[2, 1])
+    assert torch.equal(logits, _reference(base, mask, rows=[2, 1]))
+    assert logits[3, 0] == 0 and logits[1, 0] == float("-inf")
+
+
 def test_apply_masks_ids_past_the_bitmask_and_1d_logits():
     mask = torch.full((1, 2), -1, dtype=torch.int32)  # covers 64 tokens
     logits = torch.zeros(1, 100)

@@ -28,4 +28,7 @@ at::Tensor silu_mul(at::Tensor gate_up);
 // Snake activation for x [B, C, T] (fp32) with per-channel alpha.
 at::Tensor snake(at::Tensor x, at::Tensor alpha);
 
+// The grammar mask: logits[r, t] = -inf where bit t of bitmask[r] is 0, for r in rows.
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
+
 }  // namespace stencild

@@ -3,6 +3,7 @@
 //   attention.cpp  paged attention and KV writes
 //   gemm.cpp       the small-batch linear layer
 //   pointwise.cpp  SiLU-and-multiply, residual add + RMSNorm, rotary embedding, snake
+//   masks.cpp      the grammar's token bitmask applied to logits
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -27,5 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention for short queries", release());
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm, in place", release());
   m.def("rotary_embedding", &rotary_embedding, "rotary position embedding of interleaved pairs, in place",
+        release());
+  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar mask: disallowed logits to -inf, in place",
         release());
 }
