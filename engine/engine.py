@@ -193,7 +193,8 @@ class EngineCore:
         mask_threads = config.grammar_mask_threads or mask_threads_for(cores, device.type)
         self.structured = StructuredOutput.for_engine(config, self.tokenizer.hf, mc.vocab_size,
                                                       self.eos_token_ids, mask_threads)
-        self.masks = StepMasks(self.structured, mc.vocab_size, Staging(device))
+        # Where the pointwise kernels are Triton's, so is the mask's (probed with them).
+        self.masks = StepMasks(self.structured, mc.vocab_size, Staging(device), triton=ops is triton_ops)
         self.speech: SpeechModel | None = None
         if config.speech_codec:
             layout = SpeechLayout.for_model(config.model)

@@ -43,7 +43,7 @@ import torch
 from grammar import BitmaskFiller, Matcher, apply_token_bitmask_inplace
 
 from .context import Failure, GenerationStatus, TextContext, Verdict
-from .kernels import cpu_ops
+from .kernels import cpu_ops, triton_mask
 from .staging import Staging
 from .structured import StructuredOutput
 
@@ -55,12 +55,17 @@ log = logging.getLogger(__name__)
 ApplyMask = Callable[[torch.Tensor, torch.Tensor, list[int] | torch.Tensor], None]
 
 
-def mask_applier(device: torch.device) -> ApplyMask:
-    """How a step's grammar mask is applied to logits on `device`: on the CPU
-    by the CPU extension's kernel (word by word: a JSON schema's mask is mostly
-    whole words allowed or not; ~40x xgrammar's CPU kernel, which is ~1 ms a
-    step at batch 64 over an 8k vocabulary and ~20 ms over 128k), where it
-    built; elsewhere by the grammar package's (tensor ops on CUDA)."""
+def mask_applier(device: torch.device, triton: bool = False) -> ApplyMask:
+    """How a step's grammar mask is applied to logits on `device`, chosen once:
+    with `triton` (the model's pointwise kernels are Triton's: it was probed on
+    this device) by one Triton kernel (kernels/triton_mask.py, where the
+    grammar package's tensor path is about eight kernels); on the CPU by the
+    CPU extension's kernel (word by word: a JSON schema's mask is mostly whole
+    words allowed or not; 35-76x xgrammar's CPU kernel, which is ~2 ms a step
+    at batch 64 over an 8k vocabulary and ~30 ms over 128k), where it built;
+    else by the grammar package's."""
+    if triton:
+        return _apply_with_triton
     ops = cpu_ops() if device.type == "cpu" else None
     if ops is None:
         return _apply_anywhere
@@ -78,6 +83,17 @@ def mask_applier(device: torch.device) -> ApplyMask:
 
 def _apply_anywhere(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
     apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), rows)
+
+
+def _apply_with_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or bitmask.stride(1) != 1:
+        _apply_anywhere(logits, bitmask, rows)
+        return
+    device = logits.device
+    # On CUDA the rows come as a page-locked tensor (PendingMask): both copies are asynchronous.
+    index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
+    triton_mask.apply_token_bitmask(logits, bitmask.to(device, non_blocking=True),
+                                    index.to(device, non_blocking=True))
 
 
 class PendingMask:
@@ -134,13 +150,14 @@ class StepMasks:
     thread's copies of them are asynchronous and never wait for the forward pass.
     """
 
-    def __init__(self, structured: StructuredOutput, vocab_size: int, staging: Staging):
+    def __init__(self, structured: StructuredOutput, vocab_size: int, staging: Staging,
+                 triton: bool = False):
         self._structured = structured
         self.vocab_size = vocab_size
         self._staging = staging
         # Masks disallowed tokens of some rows of the logits in place, on the
         # device thread (chosen once, for the model's device: `mask_applier`).
-        self.apply = mask_applier(staging.device)
+        self.apply = mask_applier(staging.device, triton)
         self._filler: BitmaskFiller | None = None  # made once a matcher (so a compiler) exists
         self._one_row: _OneRow | None = None  # for the last matcher alone in a step
         self._bitmask: torch.Tensor | None = None

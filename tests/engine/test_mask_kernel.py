@@ -1,5 +1,7 @@
-"""The grammar mask on CPU logits: the CPU extension's kernel against the
-bitmask's definition, over random bitmasks, vocabularies and row sets.
+"""The grammar mask applied to logits: the CPU extension's kernel and the
+Triton kernel (in Triton's interpreter without CUDA) against the bitmask's
+definition, over random bitmasks, vocabularies and row sets; and which one
+an engine takes.
 
 (The reference is written out here, not xgrammar's CPU kernel, which the
 grammar package uses: at a vocabulary of one token that kernel writes past
@@ -13,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import step_masks
-from engine.kernels import cpu_ops
+from engine.kernels import cpu_ops, triton_mask
+from engine.kernels.triton_base import triton_available
 from engine.step_masks import mask_applier
 
 needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="the CPU extension did not build")
@@ -36,17 +39,23 @@ def masked_batches(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, list[in
     return logits, bitmask, rows
 
 
-@needs_kernels
-@settings(max_examples=300, deadline=None)
-@given(masked_batches(), st.booleans())
-def test_the_cpu_kernel_masks_as_the_bitmask_says(case, rows_as_tensor):
-    logits, bitmask, rows = case
+def masked(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """What `rows` of `logits` are with the bitmask applied (ids past it disallowed)."""
     expected = logits.clone()
     words = bitmask.tolist()
     for r in rows:
         for t in range(logits.shape[1]):
             if t >= 32 * len(words[r]) or not (words[r][t // 32] >> (t % 32)) & 1:
                 expected[r, t] = float("-inf")
+    return expected
+
+
+@needs_kernels
+@settings(max_examples=300, deadline=None)
+@given(masked_batches(), st.booleans())
+def test_the_cpu_kernel_masks_as_the_bitmask_says(case, rows_as_tensor):
+    logits, bitmask, rows = case
+    expected = masked(logits, bitmask, rows)
     apply = mask_applier(torch.device("cpu"))
     assert apply is not step_masks._apply_anywhere
     apply(logits, bitmask, torch.tensor(rows, dtype=torch.int64) if rows_as_tensor else rows)
@@ -71,3 +80,42 @@ def test_without_the_cpu_extension_or_off_the_cpu_the_grammar_package_applies(mo
     apply(logits, torch.tensor([[1, 0], [0, -1], [5, 0]], dtype=torch.int32), [0, 2])
     allowed = [(logits[r] == 0).nonzero().flatten().tolist() for r in range(3)]
     assert allowed == [[0], list(range(40)), [0, 2]]
+
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@needs_triton
+@settings(max_examples=25, deadline=None)
+@given(masked_batches())
+def test_the_triton_kernel_masks_as_the_bitmask_says(case):
+    logits, bitmask, rows = case
+    expected = masked(logits, bitmask, rows)
+    on_device = logits.to(DEVICE)
+    apply = mask_applier(DEVICE, triton=True)
+    assert apply is step_masks._apply_with_triton
+    apply(on_device, bitmask, rows)
+    assert torch.equal(on_device.cpu(), expected)
+
+
+@needs_triton
+def test_the_triton_kernel_covers_a_large_vocabulary_in_blocks():
+    # Several programs a row (1024 logits each), the last one partial, rows out of order.
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 2500, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 79), dtype=torch.int32, generator=gen)
+    bitmask[1] = 0
+    expected = masked(logits, bitmask, [3, 1])
+    on_device = logits.to(DEVICE)
+    triton_mask.apply_token_bitmask(on_device, bitmask.to(DEVICE), torch.tensor([3, 1], device=DEVICE))
+    assert torch.equal(on_device.cpu(), expected)
+
+
+@needs_triton
+def test_an_engine_on_triton_kernels_masks_with_triton(make_llm):
+    plain = make_llm("tiny-llama", kv_cache_gib=0.05)
+    assert plain.engine.masks.apply is not step_masks._apply_with_triton
+    on_triton = make_llm("tiny-llama", kv_cache_gib=0.05, attention="triton")
+    assert on_triton.engine.ops_choice.startswith("triton")
+    assert on_triton.engine.masks.apply is step_masks._apply_with_triton

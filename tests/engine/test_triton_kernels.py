@@ -446,6 +446,10 @@ for dtype, bias in ((torch.float16, True), (torch.bfloat16, False)):
                     tg.GemvConfig(n, block_k, warps))
             if dtype == torch.bfloat16:  # the down projection's, with SiLU x up on its input
                 tg.gemv(torch.zeros(1, 8192, dtype=dtype), weight, None, tg.GemvConfig(n, block_k, warps), gated=True)
+from engine.kernels import triton_mask as tm
+
+tm._mask_kernel = Compile(tm._mask_kernel)
+tm.apply_token_bitmask(torch.zeros(4, 1000), torch.zeros(4, 32, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
 print("compiled", len(compiled))
 """
 
@@ -485,5 +489,5 @@ def test_kernels_compile_for_gpus(tmp_path):
     # Per architecture: 4 configurations x (decode, decode + merge, prefill), then
     # 3 dtypes x 5 pointwise kernels (both KV writes among them), then 2 dtypes x 9 GEMV
     # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
-    # the 9 gated ones in bfloat16.
-    assert counts == [4 * 4 + 3 * 5 + 3 * 9] * 2
+    # the 9 gated ones in bfloat16, and the grammar mask's.
+    assert counts == [4 * 4 + 3 * 5 + 3 * 9 + 1] * 2
