@@ -193,7 +193,7 @@ class EngineCore:
         mask_threads = config.grammar_mask_threads or mask_threads_for(cores, device.type)
         self.structured = StructuredOutput.for_engine(config, self.tokenizer.hf, mc.vocab_size,
                                                       self.eos_token_ids, mask_threads)
-        # Where the pointwise kernels are Triton's, so is the mask's (probed with them).
+        # Where the pointwise kernels are Triton's, so is the mask's (after a probe of its own).
         self.masks = StepMasks(self.structured, mc.vocab_size, Staging(device), triton=ops is triton_ops)
         self.speech: SpeechModel | None = None
         if config.speech_codec:
@@ -329,8 +329,8 @@ class EngineCore:
         was finished (its sampling queued behind its forward pass). A call:
 
         1. waits for N and moves its requests on (tokens, stop rules, grammar,
-           forced tokens), then fills N+1's grammar mask: N+1's sampling was
-           waiting for it; finished requests give back their pages;
+           forced tokens; finished requests give back their pages), then fills
+           N+1's grammar mask: N+1's sampling was waiting for it;
         2. schedules and launches N+2, whose forward pass queues behind N+1's
            sampling (its placeholders are N+1's tokens, read on the device);
         3. detokenizes N's tokens and builds its outputs, while N+1 and N+2 run.
@@ -351,7 +351,6 @@ class EngineCore:
             finally:
                 pipeline.fill_grammar(in_flight[0])  # matchers have now seen N's tokens
             finished = True
-            self.postprocessor.release_finished(touched)
         sched = self.scheduler.schedule()
         contexts = sched.contexts if sched is not None else []
         num_tokens = sum(c.active_length for c in contexts)  # before the launch moves the indices
@@ -364,7 +363,6 @@ class EngineCore:
         elif in_flight and not finished:  # nothing new to run: drain
             pipeline.fill_grammar(in_flight[0])  # filled already, unless a fill failed
             touched = pipeline.advance(in_flight.popleft())
-            self.postprocessor.release_finished(touched)
         return pipeline.report(touched), len(contexts), num_tokens
 
     def flush_prefix_cache(self) -> int:

@@ -108,22 +108,23 @@ class TextGenerationPipeline:
 
     def finish(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's run and postprocess it."""
-        touched = self.advance(step)
-        self.postprocessor.release_finished(touched)
-        return self.report(touched)
+        return self.report(self.advance(step))
 
     def advance(self, step: LaunchedStep) -> list[TextContext]:
-        """Wait for the step's run and move its requests on by what it sampled;
-        the requests to `report` on."""
+        """Wait for the step's run and move its requests on by what it sampled,
+        giving back the pages and token-buffer rows of those that finished (so
+        a step scheduled before their outputs are built can use them); the
+        requests to `report` on."""
         try:
             result = step.result()
         except Exception as exc:  # noqa: BLE001 - the step failed as a whole
             self.postprocessor.step_failed(step, exc)
             return []
         self.forward_passes += result.forward_passes
-        return self.postprocessor.step_done(step, result)
+        touched = self.postprocessor.step_done(step, result)
+        self.postprocessor.release_finished(touched)
+        return touched
 
     def report(self, touched: Sequence[TextContext]) -> list[RequestOutput]:
-        """The outputs of requests a step moved on (detokenized; stop strings end
-        them here). Call `Postprocessor.release_finished` on them first."""
+        """The outputs of requests a step moved on (detokenized; stop strings end them here)."""
         return self.postprocessor.outputs(touched)

@@ -222,8 +222,9 @@ class Postprocessor:
     def release_finished(self, touched: Sequence[TextContext]) -> None:
         """Give back the pages and token-buffer rows of the requests in `touched`
         that have finished, before their outputs are built (`outputs`): so that
-        a step scheduled in between can use them. Every path from `step_done`
-        to `outputs` calls it once; `outputs` releases only what it ends itself."""
+        a step scheduled in between can use them. The pipeline's `advance`
+        calls it on what `step_done` moved on; `outputs` releases only what it
+        ends itself."""
         for ctx in touched:
             if ctx.is_done:
                 ctx.drop_futures()
