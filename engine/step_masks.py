@@ -58,14 +58,20 @@ ApplyMask = Callable[[torch.Tensor, torch.Tensor, list[int] | torch.Tensor], Non
 def mask_applier(device: torch.device, triton: bool = False) -> ApplyMask:
     """How a step's grammar mask is applied to logits on `device`, chosen once:
     with `triton` (the model's pointwise kernels are Triton's: it was probed on
-    this device) by one Triton kernel (kernels/triton_mask.py, where the
+    this device, and this kernel passes its own probe) by one Triton kernel
+    (kernels/triton_mask.py, where the
     grammar package's tensor path is about eight kernels); on the CPU by the
     CPU extension's kernel (word by word: a JSON schema's mask is mostly whole
     words allowed or not; 35-76x xgrammar's CPU kernel, which is ~2 ms a step
     at batch 64 over an 8k vocabulary and ~30 ms over 128k), where it built;
-    else by the grammar package's."""
+    else by the grammar package's. The Triton kernel is probed here first
+    (compiled, checked); where it fails, the next choice is taken and logged."""
     if triton:
-        return _apply_with_triton
+        problem = triton_mask.probe(device)
+        if problem is None:
+            return _apply_with_triton
+        log.warning("grammar masks: %s; using %s", problem,
+                    "the CPU extension" if device.type == "cpu" and cpu_ops() is not None else "tensor ops")
     ops = cpu_ops() if device.type == "cpu" else None
     if ops is None:
         return _apply_anywhere

@@ -52,7 +52,9 @@ _MAX_FAILURES = 3
 # How long a zygote that has answered before may take to answer a fork (a
 # fork takes milliseconds): one that is stuck is replaced after this, rather
 # than after the worker's whole start-up budget (its first answer waits for
-# its imports, and gets that budget).
+# its imports, and gets that budget). Replacing it ends its workers (and the
+# compiles they run) and counts towards _MAX_FAILURES: a host frozen for
+# longer than this several times ends up with interpreter-started workers.
 _READY_ANSWER_S = 10.0
 
 

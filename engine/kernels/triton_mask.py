@@ -32,6 +32,22 @@ def _mask_kernel(logits_ptr, mask_ptr, rows_ptr, stride_logits, stride_mask, voc
     tl.store(logits_ptr + row * stride_logits + offs, float("-inf"), mask=(offs < vocab) & ~allowed)
 
 
+def probe(device: torch.device) -> str | None:
+    """Run the kernel once on `device` (compiling it, at start-up rather than in
+    the first constrained step) against the bitmask's definition: None if it
+    agrees, else why not."""
+    try:
+        logits = torch.zeros(3, 40, device=device)
+        bitmask = torch.tensor([[5, 0], [-1, 0], [0, 1]], dtype=torch.int32, device=device)
+        apply_token_bitmask(logits, bitmask, torch.tensor([2, 0], device=device))
+        allowed = [(logits[r] == 0).nonzero().flatten().tolist() for r in range(3)]
+        if allowed != [[0, 2], list(range(40)), [32]]:
+            return "the Triton mask kernel disagrees with its bitmask on this device"
+    except Exception as e:  # noqa: BLE001 - any failure means: another path
+        return f"the Triton mask kernel failed on this device ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """Set `logits[r, t]` (float32 [B, V], rows contiguous) to -inf where bit t
     of `bitmask[r]` (int32 [B, W], on the logits' device) is 0, for each r in

@@ -9,6 +9,8 @@ the row.)"""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -119,3 +121,17 @@ def test_an_engine_on_triton_kernels_masks_with_triton(make_llm):
     on_triton = make_llm("tiny-llama", kv_cache_gib=0.05, attention="triton")
     assert on_triton.engine.ops_choice.startswith("triton")
     assert on_triton.engine.masks.apply is step_masks._apply_with_triton
+
+
+@needs_triton
+@pytest.mark.parametrize("fault", ["raises", "wrong"])
+def test_a_triton_mask_kernel_that_fails_its_probe_is_not_taken(monkeypatch, caplog, fault):
+    def broken(logits, bitmask, rows):
+        if fault == "raises":
+            raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(triton_mask, "apply_token_bitmask", broken)
+    with caplog.at_level(logging.WARNING, logger="engine.step_masks"):
+        apply = mask_applier(DEVICE, triton=True)
+    assert apply is not step_masks._apply_with_triton
+    assert ("failed on this device" if fault == "raises" else "disagrees") in caplog.text
