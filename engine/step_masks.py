@@ -56,16 +56,17 @@ ApplyMask = Callable[[torch.Tensor, torch.Tensor, list[int] | torch.Tensor], Non
 
 
 def mask_applier(device: torch.device, triton: bool = False) -> ApplyMask:
-    """How a step's grammar mask is applied to logits on `device`, chosen once:
-    with `triton` (the model's pointwise kernels are Triton's: it was probed on
-    this device, and this kernel passes its own probe) by one Triton kernel
-    (kernels/triton_mask.py, where the
-    grammar package's tensor path is about eight kernels); on the CPU by the
-    CPU extension's kernel (word by word: a JSON schema's mask is mostly whole
-    words allowed or not; 35-76x xgrammar's CPU kernel, which is ~2 ms a step
-    at batch 64 over an 8k vocabulary and ~30 ms over 128k), where it built;
-    else by the grammar package's. The Triton kernel is probed here first
-    (compiled, checked); where it fails, the next choice is taken and logged."""
+    """How a step's grammar mask is applied to logits on `device`, chosen once.
+
+    - With `triton` (the model's pointwise kernels are Triton's, probed on this
+      device): one Triton kernel (kernels/triton_mask.py; the grammar
+      package's tensor path is about eight kernels), after a probe of its own
+      here (compiled and checked); where that fails, the next choice, logged.
+    - On the CPU: the CPU extension's kernel, where it built (word by word: a
+      JSON schema's mask is mostly whole words allowed or not; 35-76x
+      xgrammar's CPU kernel, ~2 ms a step at batch 64 over an 8k vocabulary
+      and ~30 ms over 128k).
+    - Else the grammar package's."""
     if triton:
         problem = triton_mask.probe(device)
         if problem is None:
