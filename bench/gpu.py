@@ -9,7 +9,9 @@ One command on a CUDA machine:
    prompts are token ids < 8000);
 2. measures the device's copy bandwidth (device-to-device, CUDA events, median)
    and each model's weight bytes read per decode step: the batch-1 bound is
-   bandwidth / bytes (tokens/s), and B x that at batch B;
+   bandwidth / bytes (tokens/s), and B x that at batch B; and times the grammar
+   mask on a batch of 64 rows, the tensor ops against the Triton kernel
+   (bench/mask_apply.py);
 3. runs stencild offline (`engine.LLM`): decode graphs on/off x overlap on/off x
    batch 1/16/64, and at batch 64 a JSON schema against none and sampling with
    top-p and penalties against greedy; 128-token random prompts, 128 new
@@ -691,6 +693,23 @@ def run_grpc(key: str, model_dir: Path, args: argparse.Namespace, bound: float, 
                                  "server_cpu_ms_per_step": best_steps.cpu_ms_per_step()})
 
 
+def grammar_mask(report: Report, vocabs: tuple[int, ...] = (32000, 128256), batch: int = 64) -> list[dict[str, Any]]:
+    """The grammar mask applied to a step's logits (bench/mask_apply.py): the
+    grammar package's tensor ops, which the engine used on CUDA before, against
+    the Triton kernel it takes now, per vocabulary and kind of mask."""
+    import torch
+
+    from bench.mask_apply import compare
+
+    rows = []
+    for vocab in vocabs:
+        for row in compare(torch.device(DEVICE), batch, vocab, kinds=("json", "random"), iters=10, repeat=3):
+            report(f"  grammar mask, batch {batch} over {vocab:,} tokens ({row['mask']} mask): "
+                   f"{1e3 * row['before_ms']:,.1f} us before, {1e3 * row['now_ms']:,.1f} us now")
+            rows.append(row)
+    return rows
+
+
 def profile_kernels(key: str, model_dir: Path, report: Report) -> list[str]:
     """bench/gpu_profile.py's table for batch 1 (eager steps: the kernels a decode graph replays)."""
     from bench.gpu_profile import kernel_table
@@ -981,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     report(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (device-to-device, read + write, median of 10)")
     results["bandwidth_bytes_s"] = bandwidth
+    results["grammar_mask"] = guarded(report, "grammar mask", grammar_mask, report)
     figures: list[Figure] = []
     models: dict[str, Any] = {}
     for key in args.models:

@@ -2,7 +2,8 @@
 and 30 minutes long) does not discover a broken benchmark: a tiny Llama
 checkpoint written as the GPU shapes are, stencild offline in its default mode
 (every batch, the JSON schema, sampling with penalties, the step phases), the batch-1 profile
-(bench/gpu_profile.py, here ops by CPU time), transformers' eager and
+(bench/gpu_profile.py, here ops by CPU time), the grammar mask's two paths
+(bench/mask_apply.py), transformers' eager and
 static-cache modes, `stencild serve` with the engine in a thread and in a
 process of its own, then the tables, the targets and the JSON.
 
@@ -140,3 +141,11 @@ def test_py_spy_is_found_where_pip_install_target_puts_it(tmp_path, monkeypatch)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setattr(pyspy.sys, "path", [str(tmp_path / "elsewhere"), str(tmp_path / "site")])
     assert pyspy.available() == str(exe)
+
+
+def test_the_grammar_mask_part_compares_the_two_paths(on_cpu, tmp_path):
+    report = gpu.Report(tmp_path / "gpu-test.log")
+    rows = gpu.grammar_mask(report, vocabs=(300,), batch=4)
+    assert [r["mask"] for r in rows] == ["json", "random"]
+    assert all(r["before_ms"] > 0 and r["now_ms"] > 0 for r in rows)
+    assert "grammar mask, batch 4 over 300 tokens (json mask)" in (tmp_path / "gpu-test.log").read_text()
