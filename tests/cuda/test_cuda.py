@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, step_masks
 from engine.llm import CompletionOutput
 from engine.presets import ARCHITECTURE_PRESETS, ensure_preset
 from engine.step_inputs import advance_with_placeholders, build_step_inputs
@@ -265,10 +265,13 @@ def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
     valid (jsonschema; the Rust regex crate, anchored), uses forced tokens,
     and every mask was applied to logits on the GPU, graph steps included,
     from a pinned bitmask and a pinned row index (asynchronous copies: the
-    device thread never waits for the forward pass to apply a mask)."""
+    device thread never waits for the forward pass to apply a mask), by the
+    Triton mask kernel where the pointwise kernels are Triton's."""
     llm = cuda_llm("tiny-llama", max_num_seqs=20)
     eng = llm.engine
     assert eng.graphs is not None
+    if eng.ops_choice.startswith("triton"):
+        assert eng.masks.apply is step_masks._apply_with_triton
     devices: list[str] = []
     staged: set[bool] = set()
     real_apply = eng.masks.apply
