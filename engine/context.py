@@ -63,6 +63,9 @@ class GenerationStatus(enum.Enum):
         return "length" if self is GenerationStatus.CONTEXT_LENGTH else self.value
 
 
+_ACTIVE = GenerationStatus.ACTIVE
+
+
 @dataclass(frozen=True)
 class Failure:
     """Why a request failed: the message for the client, and whose fault it was
@@ -258,7 +261,8 @@ class TextContext:
 
     @property
     def is_done(self) -> bool:
-        return self.status.is_done
+        # Read several times per request per step: one comparison, not a second property.
+        return self.status is not _ACTIVE
 
     @property
     def produces_text(self) -> bool:

@@ -87,7 +87,12 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
         long = [s for s in spans if not self._in_kernel(s)]
         short_tokens = None
         if short:
-            idx = np.concatenate([np.arange(s.q_start, s.q_end) for s in short]).astype(np.int32)
+            # The tokens of the short spans, from their starts and lengths
+            # (at batch 64 a decode step has 64 one-token spans).
+            starts = np.fromiter((s.q_start for s in short), np.int32, len(short))
+            lens = np.fromiter((s.q_len for s in short), np.int32, len(short))
+            first = np.cumsum(lens) - lens
+            idx = (np.repeat(starts - first, lens) + np.arange(int(lens.sum()), dtype=np.int32)).astype(np.int32)
             short_tokens = torch.from_numpy(idx)
         fresh_runs, cached = _fresh_runs(long)
         return KernelMetadata(
