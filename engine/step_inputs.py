@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionBackend, SeqSpan
+from .attention.base import concat_ranges
 from .context import FUTURE_TOKEN, TextContext
 from .graphs import DecodeGraphs
 from .kv_cache import KVCacheInputs, KVCacheManager
@@ -100,7 +101,7 @@ def build_step_inputs(contexts: Sequence[TextContext], num_steps: int, kv: KVCac
         positions = starts
     else:
         host_ids = np.concatenate([c.next_tokens for c in contexts])
-        positions = np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), actives.tolist(), strict=True)])
+        positions = concat_ranges(starts, q_lens)
     future_rows = np.flatnonzero(host_ids == FUTURE_TOKEN)
     # Each placeholder is read from its request's token-buffer row.
     owners = np.repeat(np.arange(n), q_lens)[future_rows]

@@ -78,12 +78,10 @@ def mask_applier(device: torch.device, triton: bool = False) -> ApplyMask:
         return _apply_anywhere
 
     def apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
-        if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 \
-                or logits.stride(1) != 1 or bitmask.device.type != "cpu" or bitmask.stride(1) != 1:
+        if not _kernel_layout(logits, bitmask) or logits.device.type != "cpu" or bitmask.device.type != "cpu":
             _apply_anywhere(logits, bitmask, rows)
             return
-        index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
-        ops.apply_token_bitmask(logits, bitmask, index)
+        ops.apply_token_bitmask(logits, bitmask, _row_index(rows))
 
     return apply_on_cpu
 
@@ -93,14 +91,24 @@ def _apply_anywhere(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
 
 
 def _apply_with_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
-    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or bitmask.stride(1) != 1:
+    if not _kernel_layout(logits, bitmask):
         _apply_anywhere(logits, bitmask, rows)
         return
     device = logits.device
     # On CUDA the rows come as a page-locked tensor (PendingMask): both copies are asynchronous.
-    index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
     triton_mask.apply_token_bitmask(logits, bitmask.to(device, non_blocking=True),
-                                    index.to(device, non_blocking=True))
+                                    _row_index(rows).to(device, non_blocking=True))
+
+
+def _kernel_layout(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    """Whether both mask kernels can take these (float32 [B, V] logits and a
+    bitmask, each with contiguous rows); the sampler's logits always are."""
+    return logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1 \
+        and bitmask.dim() == 2 and bitmask.stride(1) == 1
+
+
+def _row_index(rows: list[int] | torch.Tensor) -> torch.Tensor:
+    return rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
 
 
 class PendingMask:

@@ -75,6 +75,15 @@ class CacheRows:
         self.flat.index_copy_(0, self.value_rows(base, layer), v)
 
 
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`arange(starts[i], starts[i] + lengths[i])` for every i, concatenated, in
+    starts' dtype (whole-array numpy, no arange per range: a step has one range
+    per span)."""
+    first = np.cumsum(lengths) - lengths  # where each range begins in the output
+    out = np.repeat(starts - first, lengths) + np.arange(int(lengths.sum()))
+    return out.astype(starts.dtype, copy=False)
+
+
 @dataclass(frozen=True)
 class TokenPlaces:
     """Where each new token of a step lies (host arrays, one entry per token)."""
@@ -89,8 +98,7 @@ class TokenPlaces:
         q_lens = np.array([s.q_len for s in spans], dtype=np.int64)
         starts = np.array([s.cache_len for s in spans], dtype=np.int64)
         seq = np.repeat(np.arange(len(spans)), q_lens)
-        first = np.cumsum(q_lens) - q_lens
-        position = starts[seq] + (np.arange(int(q_lens.sum())) - first[seq])
+        position = concat_ranges(starts, q_lens)
         return cls(seq, position, table[seq, position // page_size], position % page_size)
 
     def write_rows(self, rows: CacheRows, staging: Staging) -> torch.Tensor:

@@ -25,6 +25,7 @@ from .base import (
     Gathered,
     SeqSpan,
     TokenPlaces,
+    concat_ranges,
     gather,
     gathered_attention,
 )
@@ -87,13 +88,9 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
         long = [s for s in spans if not self._in_kernel(s)]
         short_tokens = None
         if short:
-            # The tokens of the short spans, from their starts and lengths
-            # (at batch 64 a decode step has 64 one-token spans).
-            starts = np.fromiter((s.q_start for s in short), np.int32, len(short))
-            lens = np.fromiter((s.q_len for s in short), np.int32, len(short))
-            first = np.cumsum(lens) - lens
-            idx = (np.repeat(starts - first, lens) + np.arange(int(lens.sum()), dtype=np.int32)).astype(np.int32)
-            short_tokens = torch.from_numpy(idx)
+            short_tokens = torch.from_numpy(concat_ranges(
+                np.fromiter((s.q_start for s in short), np.int32, len(short)),
+                np.fromiter((s.q_len for s in short), np.int32, len(short))))
         fresh_runs, cached = _fresh_runs(long)
         return KernelMetadata(
             kv, rows, _int32(places.page), _int32(places.offset), _int32(places.seq),
