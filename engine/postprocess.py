@@ -163,12 +163,13 @@ class Postprocessor:
         """Read ctx's known tokens into its reasoning gate. When the answer
         starts, the matcher's input starts there; a thought whose budget is
         spent, with nothing in flight, gets its end marker appended now (with
-        a step in flight, its mask forces it: step_masks.py)."""
+        a step in flight, or log-probabilities asked for, its mask forces it:
+        step_masks.py)."""
         gate = ctx.grammar.gate
         assert gate is not None
         opened = gate.observe(ctx.tokens, ctx.num_final_tokens)
         if not opened and not ctx.is_done and ctx.pending_futures == 0 and gate.budget_spent(ctx.end_idx) \
-                and ctx.end_idx < min(ctx.max_length, self.max_seq_len):
+                and ctx.sampling_params.logprobs is None and ctx.end_idx < min(ctx.max_length, self.max_seq_len):
             ctx.jump_ahead(gate.parser.end_id)
             opened = gate.observe(ctx.tokens, ctx.end_idx)
             status = token_verdict(ctx, gate.parser.end_id, ctx.end_idx - 1, self.max_seq_len)

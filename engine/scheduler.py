@@ -158,10 +158,13 @@ class Scheduler:
             if ctx.end_idx >= min(ctx.max_length, self.config.max_seq_len):
                 i += 1  # nothing left to compute; waiting for in-flight tokens
                 continue
-            if ctx.constrained and ctx.pending_futures and not self.config.speculative_constrained:
+            if ctx.constrained and ctx.pending_futures and not self.config.speculative_constrained \
+                    and ctx.sampling_params.logprobs is None:
                 # Its forced tokens are known once the in-flight token is. (A
                 # thought is sampled freely: it runs on, its mask decided when
-                # the step's grammar mask is filled.)
+                # the step's grammar mask is filled. A request with
+                # log-probabilities has no forced runs to wait for: each
+                # forced token is sampled, step_masks.StepMasks.advance.)
                 i += 1
                 continue
             n = min(ctx.end_idx - ctx.start_idx, budget)

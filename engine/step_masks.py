@@ -342,7 +342,8 @@ class StepMasks:
         tokens in order, up to the first placeholder. When one placeholder
         remains (the step in flight samples the next position), the grammar's
         first forced token is what that step will sample (its mask allows
-        nothing else), so only the rest are appended behind it.
+        nothing else), so only the rest are appended behind it. A request with
+        log-probabilities has its forced tokens sampled that way, one a step.
         """
         matcher = ctx.matcher
         assert matcher is not None
@@ -365,15 +366,20 @@ class StepMasks:
             return None, False  # tokens behind a placeholder are consumed when it is realized
         room = ctx.max_length - ctx.end_idx
         usable = room + in_flight  # the in-flight position, then the room behind it
-        forced = matcher.forced_tokens(max_tokens=usable) if usable > 0 else []
-        if in_flight == 1 and forced:
-            # The step in flight samples the placeholder's position. Its mask is
-            # narrowed to exactly the first forced token (a grammar may also
-            # allow other tokenizations of the forced text, such as a shorter
-            # prefix), so the tokens appended behind it are what follows.
+        # A request with log-probabilities gets every token from a sample, so
+        # each has the model's log-probability at its position: a forced token
+        # is sampled under a mask allowing only it, one a step, none appended.
+        sampled_only = ctx.sampling_params.logprobs is not None
+        forced = matcher.forced_tokens(max_tokens=1 if sampled_only else usable) if usable > 0 else []
+        if forced and (in_flight == 1 or sampled_only):
+            # The next sample (the step in flight's, at the placeholder's
+            # position, or the next step's) gets a mask of exactly the first
+            # forced token (a grammar may also allow other tokenizations of
+            # the forced text, such as a shorter prefix), so the tokens
+            # appended behind it are what follows.
             ctx.grammar.forced_next = forced[0]
-            ctx.grammar.forced_positions.add(ctx.end_idx - 1)
-            forced = forced[1:]
+            ctx.grammar.forced_positions.add(ctx.end_idx - in_flight)
+            forced = [] if sampled_only else forced[1:]
         for token in forced[:max(room, 0)]:
             ctx.jump_ahead(token)
             if in_flight == 0:

@@ -114,15 +114,18 @@ def test_a_thought_that_never_closes_has_no_answer(make_llm, tok, config):
 
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_a_thinking_budget_forces_the_end_then_the_answer(make_llm, tok, config, backend):
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_thinking_budget_forces_the_end_then_the_answer(make_llm, tok, config, backend, logprobs):
     words = ids(tok, " and so on and so forth")
     table = {len(IN_THOUGHT) + i: [words[i % len(words)]] for i in range(40)}
     out = run(make_llm, "qwen3", table, IN_THOUGHT, YES_NO, {**config, "grammar_backend": backend},
-              ReasoningOptions(max_thinking_tokens=3))
+              ReasoningOptions(max_thinking_tokens=3), logprobs=logprobs)
     assert out.token_ids[:4] == words[:3] + [END_THINK_ID]
     assert out.reasoning == tok.decode(words[:3]) and out.text in ("yes", "no")
     assert out.thought == "forced" and out.reasoning_tokens == 3 and out.finish_reason == "eos"
     assert out.forced_tokens >= 1  # the end marker (and whatever the grammar forced)
+    if logprobs is not None:  # one per token: the forced ones were sampled under a mask of only them
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
 
 
 @pytest.mark.parametrize("config", CONFIGS)

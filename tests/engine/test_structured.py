@@ -13,7 +13,7 @@ from engine.presets import ensure_preset
 from grammar import GrammarError, GrammarSpec
 
 from ..conftest import assert_no_page_leak
-from .reference import hf_greedy, prompts
+from .reference import hf_greedy, hf_logits, prompts
 from .scripted import scripted
 
 PERSON = {
@@ -49,6 +49,27 @@ def test_json_schema_outputs_validate_and_use_forced_tokens(llm):
         assert out.forced_tokens > 0
     # Keys and punctuation are forced: well over one output token per forward pass.
     assert max(len(o.token_ids) for o in outs) / passes > 1.2
+
+
+@pytest.mark.parametrize("config", [{}, {"overlap": False}, {"cuda_graphs": "emulate"}])
+def test_forced_tokens_have_the_models_logprobs(make_llm, config):
+    # Log-probabilities come one per output token, forced ones included: a
+    # request asking for them has each forced token sampled under a mask of
+    # only it, so every figure is the model's own at its position.
+    llm = make_llm("tiny-llama", **config)
+    prompt = prompts(2)[1]
+    spec = GrammarSpec.json_schema(json.dumps(PERSON))
+    with_lp, plain = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_new_tokens=80, logprobs=2),
+                                                     SamplingParams(temperature=0, max_new_tokens=80)],
+                                  constraint=spec)
+    assert with_lp.finish_reason == "eos" and with_lp.text == plain.text
+    assert with_lp.forced_tokens > 0 and plain.forced_tokens > 0
+    assert [lp.token_id for lp in with_lp.logprobs] == with_lp.token_ids
+    ref = hf_logits("tiny-llama", prompt + with_lp.token_ids).log_softmax(-1)
+    for i, lp in enumerate(with_lp.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(lp.logprob - float(row[lp.token_id])) < 1e-4
+        assert [t for t, _ in lp.top] == row.topk(2).indices.tolist()
 
 
 def test_regex_and_choice(llm):
