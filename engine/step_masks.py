@@ -343,7 +343,8 @@ class StepMasks:
         remains (the step in flight samples the next position), the grammar's
         first forced token is what that step will sample (its mask allows
         nothing else), so only the rest are appended behind it. A request with
-        log-probabilities has its forced tokens sampled that way, one a step.
+        log-probabilities has its forced tokens sampled that way, one a step,
+        and every request its forced stop tokens (`stop_token_ids`).
         """
         matcher = ctx.matcher
         assert matcher is not None
@@ -371,7 +372,11 @@ class StepMasks:
         # is sampled under a mask allowing only it, one a step, none appended.
         sampled_only = ctx.sampling_params.logprobs is not None
         forced = matcher.forced_tokens(max_tokens=1 if sampled_only else usable) if usable > 0 else []
-        if forced and (in_flight == 1 or sampled_only):
+        # Nor is a stop token (stop_token_ids) ever appended: the run ends
+        # before it, and it is sampled like the rest, so the stop rules see it.
+        stops = ctx.sampling_params.stop_token_ids
+        cut = next((i for i, token in enumerate(forced) if token in stops), len(forced)) if stops else len(forced)
+        if forced and (in_flight == 1 or sampled_only or cut == 0):
             # The next sample (the step in flight's, at the placeholder's
             # position, or the next step's) gets a mask of exactly the first
             # forced token (a grammar may also allow other tokenizations of
@@ -379,7 +384,9 @@ class StepMasks:
             # appended behind it are what follows.
             ctx.grammar.forced_next = forced[0]
             ctx.grammar.forced_positions.add(ctx.end_idx - in_flight)
-            forced = [] if sampled_only else forced[1:]
+            forced = [] if sampled_only or cut == 0 else forced[1:cut]
+        else:
+            forced = forced[:cut]
         for token in forced[:max(room, 0)]:
             ctx.jump_ahead(token)
             if in_flight == 0:

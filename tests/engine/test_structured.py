@@ -72,6 +72,22 @@ def test_forced_tokens_have_the_models_logprobs(make_llm, config):
         assert [t for t, _ in lp.top] == row.topk(2).indices.tolist()
 
 
+@pytest.mark.parametrize("config", [{}, {"overlap": False}, {"cuda_graphs": "emulate"}])
+def test_a_forced_stop_token_ends_the_output(make_llm, config):
+    # A stop token the grammar forces in the middle of a run ends the output
+    # as a sampled one does: the run is cut before it and it is sampled.
+    llm = make_llm("tiny-llama", **config)
+    comma = llm.tokenizer.encode(",", add_special_tokens=False)[-1]
+    spec = GrammarSpec.regex(r"hello world, this is forced text[0-9]")
+    plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=20), constraint=spec)[0]
+    assert comma in plain.token_ids[1:-1] and plain.forced_tokens > 2
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=(comma,)),
+                       constraint=spec)[0]
+    assert out.finish_reason == "stop_token" and out.stop_reason == comma
+    assert out.token_ids == plain.token_ids[:plain.token_ids.index(comma) + 1]
+    assert out.text == "hello world" and out.forced_tokens > 0
+
+
 def test_regex_and_choice(llm):
     pattern = r"[a-z]{2,6}-[0-9]{3}"
     outs = llm.generate(["p", "q"], SamplingParams(temperature=1.0, seed=3, max_new_tokens=30),
