@@ -238,10 +238,15 @@ class EngineDriver:
                         engine.abort(cmd[1])
                     elif kind == "call":
                         fn, fut = cmd[1], cmd[2]
-                        try:
-                            fut.set_result(fn(engine))
-                        except Exception as exc:
-                            fut.set_exception(exc)
+                        # Its waiter may have gone (a cancelled call cancels
+                        # the future, asyncio.wrap_future): then nothing runs.
+                        if fut.set_running_or_notify_cancel():
+                            try:
+                                result = fn(engine)
+                            except Exception as exc:
+                                fut.set_exception(exc)
+                            else:
+                                fut.set_result(result)
                 if engine.has_work():
                     outputs = engine.step()
                     self.progress_at = time.monotonic()
@@ -250,7 +255,7 @@ class EngineDriver:
             log.exception("the engine failed; no request can run any more")
             # Whoever waits on a call must not wait forever.
             for cmd in self._take(block=False):
-                if cmd[0] == "call":
+                if cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
                     cmd[2].set_exception(EngineFailed("the engine failed"))
             self.sink.failed(exc)
 

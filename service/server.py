@@ -291,6 +291,10 @@ class StencilServer:
         done: concurrent.futures.Future[LoadedModels] = concurrent.futures.Future()
 
         def build() -> None:
+            # Marked running first: a stop while loading then cannot cancel it
+            # under the answer (the awaiting task is what gets cancelled).
+            if not done.set_running_or_notify_cancel():
+                return
             try:
                 done.set_result(self._build_models())
             except BaseException as exc:

@@ -237,7 +237,7 @@ class ProcessLink:
             self.process.send((command[0], call_id, *command[1:]))
         except EngineFailed:
             entry = self._calls.pop(call_id, None)  # unless the reader has failed it already
-            if entry is not None:
+            if entry is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineFailed("the engine process is gone"))
 
     @property
@@ -269,35 +269,49 @@ class ProcessLink:
                     failure = EngineFailed("the engine process exited")
                 break
             self._heard = time.monotonic()
-            kind = msg[0]
-            if kind == "step":
-                self._step(sink, *msg[1:])
-            elif kind == "reject":
-                self._contexts.pop(msg[1], None)
-                sink.rejected(msg[1], msg[2])
-            elif kind == "kv":
-                if self._kv_listener is not None:
-                    self._kv_listener(msg[1])
-            elif kind == "result":
-                self._answer(msg[1], msg[2], msg[3])
-            elif kind == "failed":
-                failure = EngineFailed(msg[1])
+            try:
+                failure = self._handle(sink, msg)
+            except Exception as exc:  # noqa: BLE001 - a bug here must fail the streams, not strand them
+                log.exception("reading the engine process's message %r failed", msg[0])
+                failure = exc
+                with contextlib.suppress(OSError):
+                    self.process.proc.kill()  # nothing will read what it sends
         self._gone = True
         while self._calls:  # popitem: the event loop may still add or fail one meanwhile
             try:
                 _, (future, _) = self._calls.popitem()
             except KeyError:
                 break
-            future.set_exception(EngineFailed("the engine process is gone"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineFailed("the engine process is gone"))
         if failure is not None:
             log.error("the engine process failed: %s", failure)
             sink.failed(failure)
+
+    def _handle(self, sink: DriverSink, msg: tuple[Any, ...]) -> BaseException | None:
+        """Act on one message from the engine process; the failure it reports, if any."""
+        kind = msg[0]
+        if kind == "step":
+            self._step(sink, *msg[1:])
+        elif kind == "reject":
+            self._contexts.pop(msg[1], None)
+            sink.rejected(msg[1], msg[2])
+        elif kind == "kv":
+            if self._kv_listener is not None:
+                self._kv_listener(msg[1])
+        elif kind == "result":
+            self._answer(msg[1], msg[2], msg[3])
+        elif kind == "failed":
+            return EngineFailed(msg[1])
+        return None
 
     def _answer(self, call_id: int, ok: bool, value: Any) -> None:
         entry = self._calls.pop(call_id, None)
         if entry is None:
             return
         future, before = entry
+        if not future.set_running_or_notify_cancel():
+            return  # its waiter has gone (a cancelled call cancels the future)
         if not ok:
             future.set_exception(value)
             return

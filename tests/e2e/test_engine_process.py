@@ -4,6 +4,8 @@ dead engine process that fails its calls and stops the server."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -19,7 +21,7 @@ from service.engine_proc import RemoteEngine
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.telemetry import TelemetryConfig
 
-from .helpers import TIMEOUT, ServerHandle, generate, greedy, process_factory
+from .helpers import TIMEOUT, ServerHandle, engine_factory, generate, greedy, process_factory
 from .metrics_helpers import scrape
 
 
@@ -161,3 +163,31 @@ def test_a_killed_engine_process_fails_its_calls_and_stops_the_server(
         time.sleep(0.05)
     assert handle.server.engine_failure is not None
     handle.runner.run(handle.server.wait_stopped())
+
+
+@pytest.mark.parametrize("factory", [engine_factory(slow_s=0.2),
+                                     process_factory(setup=("tests.e2e.helpers:slow_forward",))],
+                         ids=["thread", "process"])
+def test_a_call_its_caller_gave_up_on_harms_nothing(make_server: Callable[..., ServerHandle],
+                                                    factory: Callable[[], EngineCore]) -> None:
+    # A call (FlushCache, a KV-event subscriber's snapshot) whose caller is
+    # cancelled while the engine is inside a step: asyncio.wrap_future cancels
+    # its future. Answering it anyway used to raise on the engine thread (the
+    # engine failed, the server stopped) or on the reader of an engine process
+    # (nothing more was delivered, and the server went on saying SERVING).
+    handle = make_server(factory)
+    stream = handle.stub.Generate(greedy("keep the engine busy", max_new_tokens=30), timeout=TIMEOUT)
+    next(stream)  # running
+
+    async def give_up() -> None:
+        task = asyncio.ensure_future(handle.server.engine_loop.call(EngineCore.flush_prefix_cache))
+        await asyncio.sleep(0)  # sent
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    for _ in range(3):
+        handle.runner.run(give_up())
+    assert list(stream)[-1].HasField("complete")
+    assert handle.server.engine_failure is None and handle.server.engine_loop.alive
+    assert _answer(handle, greedy("still serving", max_new_tokens=3))[3] == 3
