@@ -87,10 +87,12 @@ class EngineChild:
         if kind == "add":
             self._add(cmd[1])
         elif kind == "abort":
+            # Under the lock that `_enqueue` adds under: an abort either finds
+            # its request compiling or reaches the driver after its add.
             with self._lock:
                 if cmd[1] in self._compiling:
                     self._compiling[cmd[1]] = True
-            self.driver.put(cmd)
+                self.driver.put(cmd)
         elif kind == "call":
             self._call(cmd[1], cmd[2])
         elif kind == "kv_listen":
@@ -144,10 +146,10 @@ class EngineChild:
             return
         with self._lock:
             aborted = self._compiling.pop(sub.request_id, False)
-        self._sent[ctx.request_id] = (ctx, None)
-        self.driver.put(("add", ctx))
-        if aborted:  # aborted while it compiled: it ends, with its output, as any abort
-            self.driver.put(("abort", ctx.request_id))
+            self._sent[ctx.request_id] = (ctx, None)
+            self.driver.put(("add", ctx))
+            if aborted:  # aborted while it compiled: it ends, with its output, as any abort
+                self.driver.put(("abort", ctx.request_id))
 
     def _call(self, call_id: int, fn: Any) -> None:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()

@@ -97,6 +97,28 @@ def test_a_request_aborted_while_its_constraint_compiles_is_added_then_aborted()
     assert kinds == [("add", "c"), ("abort", "c")]
 
 
+def test_an_abort_as_the_compile_ends_reaches_the_engine_after_its_request() -> None:
+    # The compile ends on the compiler's thread while the reader thread takes
+    # the abort: the abort must not reach the engine ahead of the add (an abort
+    # of an unknown id does nothing there, and the request would run on).
+    child, _, structured = _child()
+    child.handle(("add", _submission("c", grammar=True)))
+    reader: list[threading.Thread] = []
+
+    class AbortWhileAdding(dict):  # the moment _enqueue registers the request
+        def __setitem__(self, key: str, value: Any) -> None:
+            reader.append(threading.Thread(target=child.handle, args=(("abort", key),)))
+            reader[0].start()
+            reader[0].join(0.2)
+            super().__setitem__(key, value)
+
+    child._sent = AbortWhileAdding()
+    structured.pending[0].set_result(object())  # the compile is done (compiler thread)
+    reader[0].join()
+    kinds = [(cmd[0], cmd[1] if cmd[0] == "abort" else cmd[1].request_id) for cmd in _commands(child)]
+    assert kinds == [("add", "c"), ("abort", "c")]
+
+
 def test_a_constraint_that_fails_to_compile_fails_its_request_alone() -> None:
     child, outbox, structured = _child()
     child.handle(("add", _submission("bad", grammar=True)))
