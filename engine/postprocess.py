@@ -216,9 +216,12 @@ class Postprocessor:
         assert chosen is not None
         ids_h = top_ids.tolist() if top_ids is not None else None
         lp_h = top_lp.tolist() if top_lp is not None else None
+        stored = ctx.output.prompt_logprobs  # entry i: prompt position i's
         for j, value in enumerate(chosen.tolist()):
+            if first + j < len(stored):
+                continue  # computed again after a preemption: kept as first stored
             top = list(zip(ids_h[j], lp_h[j], strict=True)) if ids_h is not None and lp_h is not None else []
-            ctx.output.prompt_logprobs.append(TokenLogprobs(int(ctx.tokens[first + j]), value, top))
+            stored.append(TokenLogprobs(int(ctx.tokens[first + j]), value, top))
 
     def release_finished(self, touched: Sequence[TextContext]) -> None:
         """Give back the pages and token-buffer rows of the requests in `touched`

@@ -154,10 +154,12 @@ def _prompt_targets(contexts: Sequence[TextContext], spans: list[SeqSpan],
         n = ctx.sampling_params.prompt_logprobs
         if n is None or ctx.start_idx >= ctx.prompt_len:
             continue
+        # Not the positions stored already (a prompt computed again after a preemption).
+        first = max(ctx.start_idx + 1, len(ctx.output.prompt_logprobs))
         last = min(ctx.active_idx, ctx.prompt_len - 1)
-        if last > ctx.start_idx:
-            targets[row] = PromptLogprobTarget(spans[row].q_start, ctx.start_idx + 1,
-                                               staging.tensor(ctx.tokens[ctx.start_idx + 1:last + 1]), n)
+        if last >= first:
+            targets[row] = PromptLogprobTarget(spans[row].q_start + first - ctx.start_idx - 1, first,
+                                               staging.tensor(ctx.tokens[first:last + 1]), n)
     return targets
 
 

@@ -75,3 +75,32 @@ def test_bf16_runs_close_to_fp32(make_llm):
     b = bf16.generate([prompt], params)[0].logprobs[0]
     overlap = {t for t, _ in a.top} & {t for t, _ in b.top}
     assert len(overlap) >= 15  # same distribution up to bf16 rounding
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_logprobs_survive_a_preemption_mid_prefill(make_llm, overlap):
+    # A preempted request computes its prompt again from the start (no prefix
+    # lookup when it wants prompt log-probabilities): the positions it had
+    # stored are kept, not appended a second time.
+    llm = make_llm("tiny-llama", max_num_batched_tokens=16, overlap=overlap)
+    eng = llm.engine
+    prompt = list(range(10, 50))  # 40 tokens: three chunks of 16
+    params = SamplingParams(temperature=0, max_new_tokens=2, prompt_logprobs=1)
+    ctx = eng.make_context(prompt, params)
+    eng.add_request(ctx)
+    got, steps = None, 0
+    while eng.has_work():
+        for out in eng.step():
+            if out.prompt_logprobs is not None:
+                got = out.prompt_logprobs
+        steps += 1
+        if steps == 2 and not ctx.is_done:
+            assert 0 < ctx.start_idx < ctx.prompt_len  # mid prefill
+            eng.scheduler.requeue(ctx)  # what a preemption does to it
+    ref = hf_logits("tiny-llama", prompt).log_softmax(-1)
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        entry = got[i]
+        assert entry is not None and entry.token_id == prompt[i]
+        assert abs(entry.logprob - float(ref[i - 1, prompt[i]])) < 1e-4
+    assert len(ctx.output.prompt_logprobs) == len(prompt)
