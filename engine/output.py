@@ -182,7 +182,9 @@ class OutputStream:
     def _add(self, piece: str) -> StopStringMatch | None:
         before = len(self.text)
         self.text += piece
-        if piece and self.stops:
+        # As in vLLM, stop strings are looked for once the output has more
+        # than min_new_tokens tokens, in the text the newest tokens added.
+        if piece and self.stops and self.decoded_tokens > self.ctx.sampling_params.min_new_tokens:
             return self._match_stop(before)
         return None
 

@@ -73,6 +73,21 @@ def test_stop_string_across_token_boundary(script_llm, include):
     assert out.text == TEXT[:start + (len(stop) if include else 0)]
 
 
+def test_no_stop_string_before_min_new_tokens(script_llm):
+    # As vLLM: stop strings count once the output has more than
+    # min_new_tokens tokens, and only in the text added since.
+    llm, ids = script_llm()
+    texts = [llm.tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    hello = next(i for i, t in enumerate(texts) if "Hello" in t)  # tokens until each is written
+    world = next(i for i, t in enumerate(texts) if "world" in t)
+    out = run(llm, SamplingParams(temperature=0, stop=("Hello",), min_new_tokens=hello))
+    assert out.finish_reason == "eos" and out.text == TEXT  # its only "Hello" came too early
+    out = run(llm, SamplingParams(temperature=0, stop=("world", "test"), min_new_tokens=world - 1))
+    assert out.finish_reason == "stop_string" and out.text == "Hello "
+    out = run(llm, SamplingParams(temperature=0, stop=("world", "test"), min_new_tokens=world))
+    assert out.finish_reason == "stop_string" and out.text == TEXT[:TEXT.index("test")]
+
+
 def test_streamed_text_never_includes_a_trimmed_stop(script_llm):
     llm, ids = script_llm()
     stop, start = _boundary_stop(llm, ids)
