@@ -97,7 +97,9 @@ class Postprocessor:
                 if k is not None:
                     self._advance(ctx, host, k)
                     ctx.sched.suspect = False  # it sampled in a step that worked
-                self.kv.commit(ctx)
+                span = step.inputs.spans[row]  # its keys and values are written now
+                self.kv.commit(ctx, span.cache_len + span.q_len
+                               + (step.inputs.num_steps - 1 if k is not None else 0))
             except Exception:  # noqa: BLE001 - this request's fault; the others go on
                 log.exception("request %s failed while its step was processed", ctx.request_id)
                 ctx.fail(Failure("internal error while processing this request; see the server log"))

@@ -116,13 +116,16 @@ class KVCacheManager:
             return False
         return True
 
-    def commit(self, ctx: TextContext) -> None:
-        """Publish full pages whose tokens are computed and final."""
+    def commit(self, ctx: TextContext, computed: int) -> None:
+        """Publish full pages whose tokens are final and whose keys and values
+        are written: positions [0, `computed`), as of the step just finished.
+        (With overlap ctx has moved on past the next step's chunk, whose pages
+        are still being written: a failed step would leave them unwritten.)"""
         state = self._seqs.get(ctx.request_id)
         if state is None or not self.allocator.enable_prefix_caching:
             return
         p = self.page_size
-        final = min(ctx.start_idx, ctx.num_final_tokens)
+        final = min(ctx.start_idx, ctx.num_final_tokens, computed)
         full = min(final // p, len(state.pages))
         parent = state.hashes[-1] if state.hashes else None
         for i in range(len(state.hashes), full):

@@ -83,6 +83,41 @@ def test_a_request_that_breaks_the_forward_pass_fails_alone(make_llm, overlap):
     assert llm.engine.postprocessor.failed_steps == 0
 
 
+class FailsOnce:
+    """The real model, except that its `at`-th forward pass raises (writing no keys or values)."""
+
+    def __init__(self, real: Any, at: int):
+        self._real = real
+        self.calls = 0
+        self.at = at
+
+    def forward(self, input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("injected transient fault")
+        return self._real.forward(input_ids, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_step_publishes_no_page_it_did_not_write(make_llm, overlap):
+    # A 56-token prompt in chunks of 40 and 16: the second pass fails. With
+    # overlap the first chunk's results come in while the second is in flight,
+    # and publishing the pages up to the request's position then would have
+    # put the failed chunk's unwritten page in the prefix cache, for the
+    # request's own retry to reuse.
+    rng = np.random.default_rng(3)
+    batch = [rng.integers(5, 8000, size=56).tolist(), rng.integers(5, 8000, size=24).tolist()]
+    llm = make_llm("tiny-llama", overlap=overlap, max_num_batched_tokens=40,
+                   wrap_model=lambda real: FailsOnce(real, at=2))
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == hf_greedy("tiny-llama", prompt, 8)
+    assert llm.engine.postprocessor.failed_steps == 0
+
+
 def test_a_request_that_breaks_the_step_set_up_fails_alone(make_llm, monkeypatch):
     llm = make_llm("tiny-llama")
     real = step_inputs_module.build_sampling_batch

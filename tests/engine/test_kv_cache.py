@@ -60,7 +60,9 @@ def test_manager_claims_cached_pages_but_computes_the_last_token():
     assert m.claim(first) == 0
     assert m.reserve(first, 12)
     first.update(99)  # all 12 computed
-    m.commit(first)
+    m.commit(first, 8)  # as of a step that had computed 8 of them: 2 pages
+    assert first.committed_idx == 8 and a.num_cached == 2
+    m.commit(first, 12)
     assert first.committed_idx == 12 and a.num_cached == 3
     m.release(first)
     again = _ctx(list(range(1, 13)), "b")
@@ -85,11 +87,11 @@ def test_placeholders_are_never_published():
     c.update_with_future_token()  # token at index 3 is not known yet
     c.set_chunk(1)
     c.update_with_future_token()  # and index 3 has been computed
-    m.commit(c)
+    m.commit(c, 4)
     assert c.committed_idx == 2  # page [2, 3] holds a placeholder
     c.realize_future_token(7)
     c.realize_future_token(8)
-    m.commit(c)
+    m.commit(c, 4)
     assert c.committed_idx == 4
     m.release(c)
 
@@ -160,7 +162,7 @@ def test_truncate_after_a_rollback_never_rewrites_a_published_page():
     for tok in range(10, 20):  # 13 tokens, the first 12 computed: 3 full pages published
         assert m.reserve(ctx, ctx.end_idx + 1)
         ctx.update(tok)
-    m.commit(ctx)
+    m.commit(ctx, 12)
     assert a.num_cached == 3 and m.num_pages_held("r") == 4
     published = a.num_cached
     # Back to 6 tokens: position 5 is recomputed, and it lies in page 1 (published).
