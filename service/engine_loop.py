@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # A stream waits only when its share of the message budget is at least this.
+# How long stopping waits for an engine to end: a step that hangs (the
+# watchdog's case) must not hold a drain, or a second signal, for ever.
+STOP_TIMEOUT_S = 30.0
 _MIN_PACE_S = 0.001
 
 
@@ -571,4 +574,6 @@ class ThreadLink:
 
     async def join(self) -> None:
         if self._thread is not None and self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join)
+            await asyncio.to_thread(self._thread.join, STOP_TIMEOUT_S)
+            if self._thread.is_alive():  # a daemon: it ends with the process
+                log.warning("the engine thread did not stop in %.0fs (a step hangs); leaving it", STOP_TIMEOUT_S)

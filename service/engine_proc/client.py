@@ -38,7 +38,7 @@ from engine.request_factory import RequestFactory
 from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 
-from ..engine_loop import DriverSink, EngineFailed, Recipe
+from ..engine_loop import STOP_TIMEOUT_S, DriverSink, EngineFailed, Recipe
 from .wire import EngineFacts, EngineProcessSpec, SendEnd, Submission, ThreadCpu, mirror_times
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from service.engine_proc.child import main; main(int(sys.argv[2]), int(sys.argv[3]))")
-# How long a stopping engine process may take to finish its step and exit.
-_STOP_TIMEOUT_S = 30.0
 
 
 class EngineProcessFailed(RuntimeError):
@@ -97,7 +95,7 @@ class EngineProcess:
         _, message, user_error = msg
         raise ValueError(message) if user_error else EngineProcessFailed(message)
 
-    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Ask the process to stop (if it still reads), wait for it, kill it if it will not end."""
         with contextlib.suppress(EngineFailed):
             self.send(("stop",))
@@ -254,7 +252,7 @@ class ProcessLink:
     async def join(self) -> None:
         await asyncio.to_thread(self.process.stop)
         if self._reader is not None:
-            await asyncio.to_thread(self._reader.join, _STOP_TIMEOUT_S)
+            await asyncio.to_thread(self._reader.join, STOP_TIMEOUT_S)
 
     # -- the reader thread ----------------------------------------------------
     def _read(self) -> None:

@@ -91,3 +91,43 @@ def test_drain_past_grace_period_cancels_streams(make_server) -> None:
     assert loop.num_pending == 0 and not loop.alive
     engine = loop.engine  # the engine thread has stopped: safe to look directly
     assert engine.allocator.num_used == 0 and engine.kv_manager.num_active == 0
+
+
+def test_a_hung_step_does_not_hold_the_drain_for_ever(make_server, monkeypatch) -> None:
+    # A step that never ends (the watchdog's case): the drain stops waiting
+    # for the engine thread after STOP_TIMEOUT_S and the server stops; the
+    # stream still open gets UNAVAILABLE.
+    from engine import EngineConfig, EngineCore
+    from engine.presets import ensure_preset
+    from service import engine_loop
+
+    monkeypatch.setattr(engine_loop, "STOP_TIMEOUT_S", 1.0)
+    hang, release = threading.Event(), threading.Event()
+
+    class Hangs:
+        def __init__(self, real):  # type: ignore[no-untyped-def]
+            self._real = real
+
+        def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if hang.is_set():
+                release.wait(TIMEOUT)
+            return self._real.forward(*args, **kwargs)
+
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(self._real, name)
+
+    path = ensure_preset("tiny-llama")
+    server = make_server(lambda: EngineCore(EngineConfig(model=str(path), kv_cache_gib=0.05), wrap_model=Hangs))
+    call = server.stub.Generate(greedy("hang here", max_new_tokens=200), timeout=TIMEOUT)
+    next(call)
+    hang.set()
+    try:
+        stopped = server.drain(0.0)
+        stopped.result(15)  # grace 0, the aborts' 10 s bound, then 1 s for the thread
+        try:
+            list(call)
+            raise AssertionError("the stream should have been cut off")
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        release.set()
