@@ -39,7 +39,7 @@ from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 
 from ..engine_loop import STOP_TIMEOUT_S, DriverSink, EngineFailed, Recipe
-from .wire import EngineFacts, EngineProcessSpec, SendEnd, Submission, ThreadCpu, mirror_times
+from .wire import EngineFacts, EngineProcessSpec, SendQueue, Submission, ThreadCpu, mirror_times
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class EngineProcess:
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
-        self._send = SendEnd(to_child_w)
+        self._send = SendQueue(to_child_w, "stencild-engine-send")
         self.inbox = Connection(from_child_r, writable=False)
         self.send(spec)
 

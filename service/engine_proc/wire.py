@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import queue
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -135,6 +137,44 @@ class SendEnd:
         return True
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.close()
+
+
+class SendQueue:
+    """A pipe's writing end fed from a thread of its own: `send` pickles on the
+    caller's thread (so a message that cannot be sent fails there) and never
+    blocks, even when the reader has stopped reading and the pipe is full (the
+    server's event loop sends to its engine process this way: a hung process
+    must not stall the loop). Messages are written in order."""
+
+    _CLOSE = b""
+
+    def __init__(self, fd: int, name: str):
+        self._conn = Connection(fd, readable=False)
+        self._queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._gone = False
+        self._writer = threading.Thread(target=self._write, name=name, daemon=True)
+        self._writer.start()
+
+    def send(self, message: Any) -> bool:
+        """Queue `message`; False once a write has failed (the other side is gone)."""
+        if self._gone:
+            return False
+        self._queue.put(bytes(ForkingPickler.dumps(message)))  # what Connection.send writes
+        return True
+
+    def close(self) -> None:
+        """Close the pipe once what is queued is written (or the other side is gone)."""
+        self._queue.put(self._CLOSE)
+
+    def _write(self) -> None:
+        while (data := self._queue.get()) is not self._CLOSE:
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError):
+                self._gone = True
+                break
         with contextlib.suppress(OSError):
             self._conn.close()
 

@@ -191,3 +191,30 @@ def test_a_call_its_caller_gave_up_on_harms_nothing(make_server: Callable[..., S
     assert list(stream)[-1].HasField("complete")
     assert handle.server.engine_failure is None and handle.server.engine_loop.alive
     assert _answer(handle, greedy("still serving", max_new_tokens=3))[3] == 3
+
+
+def test_a_hung_engine_process_never_stalls_the_event_loop(make_server: Callable[..., ServerHandle]) -> None:
+    # A process that stops reading (SIGSTOP stands in for one wedged in native
+    # code): the requests sent to it fill the pipe, and writing there must not
+    # hold the event loop (health, Abort, the watchdog and a drain run on it).
+    handle = make_server(process_factory())
+    pid = handle.engine.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    calls = []
+    try:
+        for _ in range(40):  # ~1.5 KB of prompt each: more than the pipe holds
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10, 460))))
+            req.sampling.temperature = 0.0
+            req.stopping.max_new_tokens = 2
+            calls.append(handle.stub.Generate(req, timeout=TIMEOUT))
+        deadline = time.monotonic() + TIMEOUT
+        while handle.server.engine_loop.num_pending < len(calls):
+            assert time.monotonic() < deadline, "the requests never reached the engine loop"
+            time.sleep(0.05)
+        handle.runner.run(asyncio.sleep(0), timeout=5)  # the loop still runs
+        assert handle.server.health.status() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # Nothing was lost on the way: once the process reads again, every request ends.
+    for call in calls:
+        assert list(call)[-1].complete.usage.completion_tokens == 2
