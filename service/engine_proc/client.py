@@ -250,7 +250,9 @@ class ProcessLink:
         return [self._reader, None]
 
     async def join(self) -> None:
-        await asyncio.to_thread(self.process.stop)
+        # The process, then the server's own compile service (its worker
+        # processes), as the engine thread closes an engine in process.
+        await asyncio.to_thread(self.engine.close)
         if self._reader is not None:
             await asyncio.to_thread(self._reader.join, STOP_TIMEOUT_S)
 

@@ -218,3 +218,30 @@ def test_a_hung_engine_process_never_stalls_the_event_loop(make_server: Callable
     # Nothing was lost on the way: once the process reads again, every request ends.
     for call in calls:
         assert list(call)[-1].complete.usage.completion_tokens == 2
+
+
+def test_stopping_closes_the_servers_own_compile_workers(make_server: Callable[..., ServerHandle]) -> None:
+    # The server checks and compiles constraints itself before they go down
+    # to the process: its compile workers end with the server, as an
+    # in-process engine's end with its engine thread.
+    handle = make_server(process_factory())
+    req = greedy("Answer:", max_new_tokens=4)
+    req.constraint.regex = "[a-z]{2,6}"
+    generate(handle.stub, req)
+    compiler = handle.engine.structured.compiler
+    workers = compiler.worker_pids()
+    assert workers
+    handle.runner.run(handle.server.stop())
+    assert compiler.worker_pids() == []
+    deadline = time.monotonic() + TIMEOUT
+    while any(_running(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a compile worker outlived the server"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
