@@ -1,6 +1,6 @@
 """Batched sampling on the device.
 
-Order per row: penalties -> logit_bias -> min_new_tokens EOS mask -> grammar
+Order per row (vLLM's): logit_bias -> penalties -> min_new_tokens EOS mask -> grammar
 mask (by the caller) -> greedy argmax, or temperature -> top-k -> top-p ->
 min-p -> a draw by inverse CDF. Log-probabilities are of the raw model output.
 
@@ -202,7 +202,11 @@ def _add_penalties(batch: SamplingBatch, contexts: Sequence[TextContext], vocab:
 
 
 def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """In place: repetition, frequency and presence penalties, logit_bias, EOS block."""
+    """In place: logit_bias, then repetition, frequency and presence penalties
+    (vLLM's order: a bias is penalised with its logit), then the EOS block."""
+    if batch.bias is not None:
+        rows, cols, vals = batch.bias
+        logits.index_put_((rows, cols), vals, accumulate=True)
     if batch.penalties is not None:
         pen = batch.penalties
         counts, seen = pen.state()
@@ -211,9 +215,6 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> None
         logits.copy_(torch.where(seen, penalised, logits))
         logits -= pen.frequency[:, None] * counts
         logits -= pen.presence[:, None] * (counts > 0).float()
-    if batch.bias is not None:
-        rows, cols, vals = batch.bias
-        logits.index_put_((rows, cols), vals, accumulate=True)
     if batch.eos_block is not None:
         rows, cols = batch.eos_block
         logits[rows, cols] = float("-inf")

@@ -91,6 +91,18 @@ def test_penalties_match_their_definitions():
     torch.testing.assert_close(out[0], expected)
 
 
+def test_logit_bias_comes_before_the_penalties():
+    # vLLM's order: a biased logit of a seen token is penalised as a whole.
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, logit_bias={3: 1.0, 4: 1.0, 6: 3.0})
+    c = ctx(params, prompt=(1, 2), generated=(3, 4))
+    raw = torch.tensor([[0.5, 1.0, -2.0, 2.0, -3.0, 0.7, 0.0, 0.0, 0.0, 0.0]])
+    out = raw.clone()
+    apply_penalties_and_bias(out, batch_for(c))
+    assert float(out[0, 3]) == (2.0 + 1.0) / 2.0 - 0.5  # not 2.0 / 2.0 + 1.0 - 0.5
+    assert float(out[0, 4]) == (-3.0 + 1.0) * 2.0 - 0.5
+    assert float(out[0, 6]) == 3.0  # not seen: the bias alone
+
+
 def test_penalties_of_a_batch_count_per_row_and_cost_the_host_tokens_not_the_vocabulary():
     """Rows without penalties and rows with, prompt tokens seen but not counted,
     placeholders of tokens still on the device left out; the host hands over the
