@@ -59,6 +59,11 @@ class PageAllocator:
         self.refcount = np.zeros(num_pages, dtype=np.int32)
         self._free: deque[int] = deque(range(num_pages))
         self._by_hash: dict[int, int] = {}
+        # Pages published under a hash another page holds already (requests
+        # that computed the same page before either published it): spares. One
+        # takes over when that page goes, so the pages chained after it stay
+        # reachable; the hash is announced stored once and removed once.
+        self._spares: dict[int, list[int]] = {}
         self._page_hash: dict[int, int] = {}
         self._page_tokens: dict[int, tuple[int, ...]] = {}
         self._page_parent: dict[int, int | None] = {}
@@ -92,6 +97,9 @@ class PageAllocator:
         assert not (free & evictable) and not (free & used) and not (evictable & used)
         assert len(free) + len(evictable) + len(used) == self.num_pages, "a page is lost"
         assert all(p in self._page_hash for p in evictable)
+        assert all(self._page_hash[p] == h for h, p in self._by_hash.items())
+        assert all(h in self._by_hash and all(self._page_hash[p] == h for p in spares)
+                   for h, spares in self._spares.items())
         assert (self.refcount >= 0).all()
 
     # -- allocation -------------------------------------------------------
@@ -142,12 +150,13 @@ class PageAllocator:
         hash of the page before it, None for a sequence's first page)."""
         if not self.enable_prefix_caching or page in self._page_hash:
             return
-        if page_hash in self._by_hash:
-            return  # an identical page is already published; keep that one
-        self._by_hash[page_hash] = page
         self._page_hash[page] = page_hash
         self._page_tokens[page] = tokens
         self._page_parent[page] = parent
+        if page_hash in self._by_hash:  # an identical page is published: this one is its spare
+            self._spares.setdefault(page_hash, []).append(page)
+            return
+        self._by_hash[page_hash] = page
         if self._listeners:
             last = self._events[-1] if self._events else None
             if isinstance(last, PagesStored) and last.hashes and last.hashes[-1] == parent:
@@ -160,8 +169,18 @@ class PageAllocator:
         page_hash = self._page_hash.pop(page)
         self._page_tokens.pop(page, None)
         self._page_parent.pop(page, None)
+        spares = self._spares.get(page_hash)
         if self._by_hash.get(page_hash) == page:
-            del self._by_hash[page_hash]
+            if spares:  # a spare takes over: the hash stays stored
+                self._by_hash[page_hash] = spares.pop()
+            else:
+                del self._by_hash[page_hash]
+        elif spares is not None:  # a spare itself: nothing changes for the hash
+            spares.remove(page)
+        if spares is not None:
+            if not spares:
+                del self._spares[page_hash]
+            return
         if record and self._listeners:
             last = self._events[-1] if self._events else None
             if isinstance(last, PagesRemoved):
@@ -203,7 +222,7 @@ class PageAllocator:
         """Every published page as a PagesStored of its own, each after its parent."""
         out: list[PagesStored] = []
         done: set[int] = set()
-        for start in list(self._page_hash):
+        for start in list(self._by_hash.values()):
             chain = []
             page: int | None = start
             while page is not None and page not in done:

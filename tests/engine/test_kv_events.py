@@ -116,3 +116,38 @@ def test_engine_steps_publish_prompt_pages_and_flush_drops_them(make_llm):
     held = len(state)
     assert held > 0 and engine.flush_prefix_cache() == held
     assert state == {} and engine.allocator.num_cached == 0
+
+
+def test_a_page_computed_twice_keeps_what_follows_it_reachable():
+    # Two requests computed the same first page before either was published:
+    # the second copy is a spare. When the first is evicted the spare takes
+    # its place, so the second request's next page, chained after that hash,
+    # is still found; a router hears of the hash once, and of its removal only
+    # when no copy is left.
+    a = PageAllocator(4, page_size=2)
+    got: list = []
+    a.add_listener(got.extend)
+    first, copy, after = a.allocate(3)
+    h0 = chain_hash(None, (1, 2))
+    h1 = chain_hash(h0, (3, 4))
+    a.publish(first, h0, (1, 2))
+    a.publish(copy, h0, (1, 2))
+    a.publish(after, h1, (3, 4), h0)
+    for page in (first, copy, after):
+        a.release(page)
+    a.check_consistency()
+    assert a.lookup(h0, (1, 2)) == first
+    assert [(s.hashes, s.parent) for s in a.snapshot()] == [([h0], None), ([h1], h0)]
+    a.allocate(2)  # the free page, then the oldest cached one: `first`
+    a.check_consistency()
+    assert a.lookup(h0, (1, 2)) == copy and a.lookup(h1, (3, 4)) == after
+    a.flush_events()
+    state: dict = {}
+    _replay(got, state)
+    assert state == _published(a) == {h0: (None, (1, 2)), h1: (h0, (3, 4))}
+    a.allocate(2)  # `copy` and `after`: now the hash is gone
+    a.check_consistency()
+    a.flush_events()
+    state = {}
+    _replay(got, state)
+    assert state == _published(a) == {} and a.lookup(h0, (1, 2)) is None
