@@ -54,6 +54,15 @@ def preset() -> Callable[[str], Path]:
     return ensure_preset
 
 
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # gone before or while read
+        return False
+
+
 def assert_no_page_leak(llm: LLM) -> None:
     """Every page is free or held only by the prefix cache once nothing runs."""
     eng = llm.engine

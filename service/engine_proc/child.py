@@ -231,6 +231,14 @@ def _build(spec: EngineProcessSpec, outbox: SendEnd) -> EngineCore | None:
     return engine
 
 
+def _exit_when_orphaned(server_pid: int, period_s: float = 1.0) -> None:
+    """End this process once its server is gone (it is then re-parented)."""
+    while os.getppid() == server_pid:
+        time.sleep(period_s)
+    log.warning("the server (pid %d) is gone; the engine process exits", server_pid)
+    os._exit(1)
+
+
 def main(read_fd: int, write_fd: int) -> None:
     """Entry point of the engine process."""
     from service.ops.request_log import configure_logging
@@ -243,6 +251,10 @@ def main(read_fd: int, write_fd: int) -> None:
     except (EOFError, OSError):
         return
     configure_logging(spec.log_level, spec.log_format)
+    # Nothing reads the pipe while the engine loads (minutes for a large
+    # checkpoint): a server that dies meanwhile is noticed by its pid instead.
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), name="stencild-orphan-watch",
+                     daemon=True).start()
     engine = _build(spec, outbox)
     if engine is None:
         return

@@ -21,6 +21,7 @@ from service.engine_proc import RemoteEngine
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.telemetry import TelemetryConfig
 
+from ..conftest import process_running
 from .helpers import TIMEOUT, ServerHandle, engine_factory, generate, greedy, process_factory
 from .metrics_helpers import scrape
 
@@ -234,14 +235,6 @@ def test_stopping_closes_the_servers_own_compile_workers(make_server: Callable[.
     handle.runner.run(handle.server.stop())
     assert compiler.worker_pids() == []
     deadline = time.monotonic() + TIMEOUT
-    while any(_running(pid) for pid in workers):
+    while any(process_running(pid) for pid in workers):
         assert time.monotonic() < deadline, "a compile worker outlived the server"
         time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

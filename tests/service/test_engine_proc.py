@@ -20,6 +20,8 @@ from grammar import GrammarError, GrammarSpec
 from service.engine_proc.child import EngineChild
 from service.engine_proc.wire import Submission, ThreadCpu, mirror_times, portable_error, times_of
 
+from ..conftest import process_running
+
 
 class _Outbox:
     def __init__(self) -> None:
@@ -177,3 +179,26 @@ def test_an_error_that_does_not_pickle_crosses_as_its_message() -> None:
     assert isinstance(err, RuntimeError) and "Local: lost class" in str(err)
     kept = ValueError("kept")
     assert portable_error(kept) is kept
+
+
+def test_an_engine_process_whose_server_died_exits() -> None:
+    # While the engine loads nothing reads the pipe, so the process watches
+    # its parent: a server that died (here, a parent that exits at once) takes it down.
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    watch = (f"import os, sys; sys.path.insert(0, {root!r}); "
+             "from service.engine_proc.child import _exit_when_orphaned; "
+             "print(os.getpid(), flush=True); _exit_when_orphaned(os.getppid(), 0.05)")
+    parent = ("import subprocess, sys; "
+              f"child = subprocess.Popen([sys.executable, '-c', {watch!r}], stdout=subprocess.PIPE); "
+              "print(child.stdout.readline().decode().strip(), flush=True)")
+    pid = int(subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True,
+                             timeout=120).stdout)
+    deadline = time.monotonic() + 30
+    while process_running(pid):
+        assert time.monotonic() < deadline, "the orphaned engine process kept running"
+        time.sleep(0.05)
