@@ -342,17 +342,22 @@ class EngineLoop:
 
     # -- requests (event loop) ----------------------------------------------
     def submit_request(self, spec: RequestSpec, matcher: Matcher | None = None, resample: bool = True,
-                       reasoning: ReasoningOptions | None = None) -> RequestStream:
+                       reasoning: ReasoningOptions | None = None, *, room_for: int = 1,
+                       admitted: bool = False) -> RequestStream:
         """Build a checked request's context (`RequestFactory.context`, which may
-        raise InvalidRequest) and `submit` it."""
+        raise InvalidRequest) and `submit` it. A call that brings several
+        sequences (vLLM's n) is admitted as a whole with its first: `room_for`
+        sequences of this size must fit now, and the rest, submitted later,
+        come `admitted` (no limit refuses them)."""
         ctx = self.engine.requests.context(spec, matcher, resample, reasoning)
-        return self._admit(ctx, Recipe(spec, matcher, resample, reasoning))
+        return self._admit(ctx, Recipe(spec, matcher, resample, reasoning), room_for, admitted)
 
     def submit(self, ctx: TextContext) -> RequestStream:
         """Admit a request or refuse it (RESOURCE_EXHAUSTED, UNAVAILABLE, ALREADY_EXISTS)."""
         return self._admit(ctx, None)
 
-    def _admit(self, ctx: TextContext, recipe: Recipe | None) -> RequestStream:
+    def _admit(self, ctx: TextContext, recipe: Recipe | None, room_for: int = 1,
+               admitted: bool = False) -> RequestStream:
         """Register `ctx`'s stream within the limits, then hand it to the engine."""
         if not self.alive:
             raise unavailable("the engine is not running", Reason.ENGINE_STOPPED)
@@ -360,19 +365,9 @@ class EngineLoop:
         if rid in self._streams:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running",
                                Reason.DUPLICATE_REQUEST_ID)
-        limit = self.limits.max_pending_requests
-        if len(self._streams) >= limit:
-            self.stats.rejected += 1
-            note_refusal("max_pending_requests")
-            raise resource_exhausted(f"the server is at capacity ({limit} requests in flight); retry later",
-                                     Reason.QUEUE_FULL)
         cost = ctx.max_length
-        # An idle server takes any valid request, so a large one is never refused forever.
-        if self._streams and self._pending_tokens + cost > self.max_pending_tokens:
-            self.stats.rejected += 1
-            note_refusal("max_pending_tokens")
-            raise resource_exhausted(f"the server's token budget is full ({self._pending_tokens} of "
-                                     f"{self.max_pending_tokens} tokens in flight); retry later", Reason.TOKEN_BUDGET_FULL)
+        if not admitted:
+            self._check_room(room_for, cost)
         stream = RequestStream(rid, cost)
         self._streams[rid] = stream
         self._pending_tokens += cost
@@ -381,6 +376,24 @@ class EngineLoop:
             self.observer.submitted(ctx, stream)
         self._link.add(ctx, recipe)
         return stream
+
+    def _check_room(self, count: int, cost: int) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) `count` more requests of `cost` tokens
+        each beyond the limits. An idle server takes any valid call, so a
+        large one is never refused forever."""
+        if not self._streams:
+            return
+        limit = self.limits.max_pending_requests
+        if len(self._streams) + count > limit:
+            self.stats.rejected += 1
+            note_refusal("max_pending_requests")
+            raise resource_exhausted(f"the server is at capacity ({limit} requests in flight); retry later",
+                                     Reason.QUEUE_FULL)
+        if self._pending_tokens + count * cost > self.max_pending_tokens:
+            self.stats.rejected += 1
+            note_refusal("max_pending_tokens")
+            raise resource_exhausted(f"the server's token budget is full ({self._pending_tokens} of "
+                                     f"{self.max_pending_tokens} tokens in flight); retry later", Reason.TOKEN_BUDGET_FULL)
 
     def abort(self, request_id: str, shutdown_reason: str | None = None) -> bool:
         """Abort a running request; False if no such request is in flight."""

@@ -86,7 +86,7 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
     if p.HasField("max_tokens"):
         kwargs["max_new_tokens"] = p.max_tokens
     if p.HasField("seed"):
-        kwargs["seed"] = p.seed
+        kwargs["seed"] = p.seed % (1 << 63)  # a signed int32 here, as vLLM takes any integer
     if p.logit_bias:
         kwargs["logit_bias"] = dict(p.logit_bias)
     for name in ("logprobs", "prompt_logprobs"):

@@ -96,8 +96,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         def start(i: int) -> None:
             spec = prepared.specs[i]
             # vLLM's request has no resample field: the server's default applies.
+            # The call is admitted whole with its first sequence (room for all n).
             stream = loop.submit_request(spec, matchers[i], compiler.resamples(prepared.constraint),
-                                         prepared.reasoning)
+                                         prepared.reasoning, room_for=len(prepared.specs), admitted=i > 0)
             seq = _Sequence(i, stream.request_id, stream,
                             vllm_convert.SequenceState.start(i, [int(t) for t in spec.prompt]))
             sequences.append(seq)
@@ -117,10 +118,15 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if not others_started:
                     # The first sequence's prompt is computed and its pages
                     # published: the others reuse them from the prefix cache.
+                    # If it was aborted meanwhile (an Abort finds only it until
+                    # now), they start aborted: each ends "abort" too.
                     others_started = True
+                    aborted = sequences[0].stream.abort_sent
                     for j in range(1, len(prepared.specs)):
                         start(j)
                         running += 1
+                        if aborted:
+                            loop.abort(sequences[-1].engine_id)
                 seq = sequences[i]
                 new_ids, new_lps = seq.state.add(outputs)
                 if request.stream:

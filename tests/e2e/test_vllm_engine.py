@@ -92,6 +92,42 @@ def test_n_sequences_share_the_prompt(vllm) -> None:  # type: ignore[no-untyped-
     assert all(c.cached_tokens >= 20 for c in later), "the later sequences reuse the prompt's pages"
 
 
+def test_abort_ends_every_sequence_of_an_n_request(vllm) -> None:  # type: ignore[no-untyped-def]
+    # The other sequences start with the first one's first output: an Abort
+    # that came before (it found only the first) must end them too.
+    handle, stub = vllm
+    req = _req("na", list(range(5, 30)), max_tokens=400, temperature=1.0, ignore_eos=True, n=3)
+    call = stub.Generate(req, timeout=TIMEOUT)
+    call.initial_metadata()  # the first sequence is submitted
+    stub.Abort(vpb.AbortRequest(request_ids=["na"]), timeout=TIMEOUT)
+    out = [m.complete for m in call]
+    assert sorted((c.index, c.finish_reason) for c in out) == [(0, "abort"), (1, "abort"), (2, "abort")]
+    assert handle.wait_no_pages() == (0, 0)
+
+
+def test_an_n_request_is_admitted_whole(make_server) -> None:  # type: ignore[no-untyped-def]
+    # Each sequence without max_tokens costs the whole context (512 tokens): a
+    # budget of two is refused n=3 at once while busy, and an idle server
+    # takes the call whole (before, its first sequence was taken and the call
+    # failed "retry later" when the others came, on every retry).
+    from service.engine_loop import AdmissionLimits
+
+    handle = make_server(engine_factory(page_size=4), admission=AdmissionLimits(max_pending_tokens=1100))
+    stub = vpb_grpc.VllmEngineStub(handle.channel)
+    req = _req("whole", list(range(5, 30)), temperature=1.0, n=3)
+    req.sampling_params.ClearField("max_tokens")
+    req.sampling_params.seed = -7  # a signed int32 in vLLM's proto, taken as vLLM does
+    assert sorted(m.complete.index for m in stub.Generate(req, timeout=TIMEOUT)) == [0, 1, 2]
+    busy = stub.Generate(_req("busy", [5, 6, 7], max_tokens=200, stream=True, ignore_eos=True), timeout=TIMEOUT)
+    next(busy)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(_req("refused", list(range(5, 30)), max_tokens=400, temperature=1.0, n=3),
+                           timeout=TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    busy.cancel()
+    assert handle.wait_no_pages() == (0, 0)
+
+
 @pytest.mark.parametrize("mutate, field", [
     (lambda r: setattr(r.sampling_params, "top_p", 1.5), "sampling_params.top_p"),
     (lambda r: setattr(r.sampling_params, "logprobs", -1), "sampling_params.logprobs"),
