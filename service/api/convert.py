@@ -132,6 +132,9 @@ def invalid_request(err: InvalidRequest, input_field: str = "prompt") -> Service
     return invalid_argument(path, err.description)
 
 
+_RENDERER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 def template_kwargs(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat") -> dict[str, Any]:
     """ChatInput.template_kwargs as a dict (none of apply_chat_template's own parameters)."""
     if not chat.template_kwargs:
@@ -142,7 +145,9 @@ def template_kwargs(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat
         raise invalid_argument(f"{field}.template_kwargs", f"not JSON: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(kwargs, dict):
         raise invalid_argument(f"{field}.template_kwargs", "must be a JSON object")
-    reserved = sorted(set(kwargs) & set(inspect.signature(tokenizer.hf.apply_chat_template).parameters))
+    # apply_chat_template's own parameters, and the names its renderer passes the template itself.
+    own = set(inspect.signature(tokenizer.hf.apply_chat_template).parameters) | _RENDERER_NAMES
+    reserved = sorted(set(kwargs) & own)
     if reserved:
         raise invalid_argument(f"{field}.template_kwargs", f"{reserved[0]!r} is not a template variable")
     return kwargs
@@ -168,6 +173,10 @@ def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat",
                                              add_generation_prompt=add_prompt, tools=tools, template_kwargs=kwargs)
     except jinja2.TemplateError as err:
         raise invalid_argument(f"{field}.messages", f"the chat template rejected them: {err}") from None
+    except TypeError as err:  # a variable the renderer sets too
+        if not kwargs:
+            raise
+        raise invalid_argument(f"{field}.template_kwargs", f"not usable as template variables: {err}") from None
 
 
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer,

@@ -215,6 +215,22 @@ def test_bad_reasoning_and_tool_fields_are_named(reasoner, field) -> None:  # ty
     assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == [field]
 
 
+@pytest.mark.parametrize("name", ["messages", "documents", "add_generation_prompt"])
+def test_template_kwargs_may_not_set_what_the_renderer_sets(reasoner, name) -> None:  # type: ignore[no-untyped-def]
+    # The template's renderer passes these itself: a client's value was a
+    # TypeError inside transformers, answered INTERNAL.
+    req = _request(_prompt(CLOSES))
+    req.ClearField("token_ids")
+    req.chat.messages.add(role="user", content="hi")
+    req.chat.template_kwargs = json.dumps({name: []})
+    tokenize = pb.TokenizeRequest(chat=req.chat)
+    for call in (lambda: generate(reasoner.stub, req), lambda: reasoner.stub.Tokenize(tokenize, timeout=TIMEOUT)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == ["chat.template_kwargs"]
+
+
 def test_reasoning_options_need_a_parser(server) -> None:  # type: ignore[no-untyped-def]
     req = _request([5, 6, 7])
     req.reasoning.constraint_start = pb.ReasoningOptions.CONSTRAINT_START_AFTER_THOUGHT
