@@ -263,16 +263,16 @@ def chunk_response(request_id: str, outputs: Sequence[RequestOutput],
     text = "".join(o.text for o in outputs)
     reasoning = "".join(o.reasoning for o in outputs)
     chunk = pb.GenerateChunk(text=text, reasoning=reasoning)
-    has_tokens = False
     for o in outputs:
-        has_tokens = has_tokens or bool(o.token_ids)
         if options.return_token_ids:
             chunk.token_ids.extend(o.token_ids)
         if options.logprobs:
             chunk.logprobs.extend(_logprob(lp) for lp in o.logprobs)
         if options.prompt_logprobs and o.prompt_logprobs:
             chunk.prompt_logprobs.extend(_logprob(lp) for lp in o.prompt_logprobs if lp is not None)
-    if not (text or reasoning or has_tokens or len(chunk.prompt_logprobs)):
+    # Nothing the client asked for is new (tokens whose text is not complete
+    # yet, with token ids off): no message.
+    if not (text or reasoning or len(chunk.token_ids) or len(chunk.logprobs) or len(chunk.prompt_logprobs)):
         return None
     return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 

@@ -120,6 +120,12 @@ def test_chunks_merge_steps_and_honour_options() -> None:
     assert bare is not None
     assert list(bare.chunk.token_ids) == [] and len(bare.chunk.logprobs) == 0
     assert convert.chunk_response("r", [RequestOutput("r")], convert.OutputOptions()) is None
+    # A token whose text is not complete yet (half a character): with token
+    # ids off there is nothing to send, with them its id goes.
+    partial = [RequestOutput("r", token_ids=[7], text="")]
+    assert convert.chunk_response("r", partial, convert.OutputOptions(return_token_ids=False)) is None
+    sent = convert.chunk_response("r", partial, convert.OutputOptions())
+    assert sent is not None and list(sent.chunk.token_ids) == [7]
 
 
 @pytest.mark.parametrize("status, reason, stop", [
