@@ -78,6 +78,17 @@ def _request_id() -> str | None:
     return current_request_id.get() or (call.request_id if call is not None else None)
 
 
+# A status travels in trailers, its message up to three times (grpc-message,
+# the Status, a violation), and clients refuse trailers over their metadata
+# limit (8 KiB by default): a message echoing client input (a tool's name, a
+# pattern) is cut to this many characters, so the client still gets its status.
+MAX_MESSAGE_CHARS = 512
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 1] + "…"
+
+
 class ServiceError(Exception):
     """An error to report to the client as a gRPC status.
 
@@ -88,11 +99,12 @@ class ServiceError(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str,
                  violations: Sequence[tuple[str, str]] = ()):
+        message = _clip(message)
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
-        self.violations = tuple(violations)
+        self.violations = tuple((field, _clip(text)) for field, text in violations)
 
     def status(self) -> status_pb2.Status:
         """The google.rpc.Status this error is reported as."""

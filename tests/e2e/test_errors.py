@@ -102,6 +102,18 @@ def test_invalid_argument_names_the_field(stub, case: str) -> None:
     assert "Traceback" not in err.details()
 
 
+def test_an_error_echoing_long_input_still_arrives_as_its_status(stub) -> None:
+    # The message names the client's 20 kB tool name; sent whole (three times
+    # in the trailers) the client saw RESOURCE_EXHAUSTED about metadata size.
+    req = pb.GenerateRequest(text="hi")
+    req.tools.add(name="x" * 20_000)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [(field, text)] = bad_request_violations(info.value.trailing_metadata())
+    assert field == "tools[0].name" and len(text) <= 512 and len(info.value.details()) <= 512
+
+
 def test_prompt_longer_than_context(stub, server: ServerHandle) -> None:
     req = greedy(max_new_tokens=1)
     req.token_ids.ids.extend([7] * server.engine.max_model_len)
