@@ -45,6 +45,7 @@ class Reason:
 
     INVALID_FIELD = "INVALID_FIELD"  # a field's value (BadRequest names it)
     UNPARSABLE_REQUEST = "UNPARSABLE_REQUEST"  # the request bytes are not the message
+    RESPONSE_TOO_LARGE = "RESPONSE_TOO_LARGE"  # the answer would be over the message limit
     GRAMMAR_INVALID = "GRAMMAR_INVALID"  # the constraint does not compile
     GRAMMAR_TOO_LARGE = "GRAMMAR_TOO_LARGE"  # ... or is too large for the limits
     GRAMMAR_COMPILE_TIMEOUT = "GRAMMAR_COMPILE_TIMEOUT"  # ... or did not compile in time

@@ -190,7 +190,8 @@ class StencilServer:
             raise ValueError("a shared speech model needs the generation engine that serves it")
         self.config = config or ServerConfig()
         self._engine_factory = engine_factory
-        self.state = ServingState(model_name, SERVER_VERSION, serves_generation=engine_factory is not None)
+        self.state = ServingState(model_name, SERVER_VERSION, serves_generation=engine_factory is not None,
+                                  max_message_bytes=self.config.max_message_bytes)
         self.state.validate_output = self.config.validate_output
         self.embedding = EmbeddingSlot(embedding)
         self.speech = SpeechSlot(speech)

@@ -30,6 +30,8 @@ from .pipeline import EmbeddingPipeline, EmbedRequest
 EmbedResult = tuple[np.ndarray, int]
 # Above this many characters, `embed` tokenizes off the event loop (~1 ms of work).
 INLINE_TOKENIZE_CHARS = 16_384
+# What one input weighs against that, whatever its length (about 10 us of tokenizer work).
+INPUT_CHARS = 64
 
 
 class BatcherClosed(RuntimeError):
@@ -125,7 +127,9 @@ class EmbeddingBatcher:
         """
         if not isinstance(texts, (str, bytes)) and isinstance(texts, Iterable):
             texts = list(texts)
-            chars = sum(len(t) for t in texts if isinstance(t, str))
+            # Each input costs the tokenizer a call of its own: many short (or
+            # empty) ones weigh as much as long text.
+            chars = sum(len(t) for t in texts if isinstance(t, str)) + INPUT_CHARS * len(texts)
             if chars > INLINE_TOKENIZE_CHARS:
                 future = await asyncio.to_thread(self.submit, texts, normalize, dimensions, truncate)
                 return await asyncio.wrap_future(future)

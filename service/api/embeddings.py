@@ -178,6 +178,7 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
         runtime = self._require()
         normalize = request.normalize if request.HasField("normalize") else True
         dimensions = request.dimensions if request.HasField("dimensions") else None
+        self._check_answer_fits(runtime, len(request.inputs), dimensions)
         self.state.call_started()
         try:
             vectors, tokens = await runtime.batcher.embed(request.inputs, normalize, dimensions,
@@ -199,6 +200,26 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
         # Large responses are built off the loop (tens of thousands of floats).
         build = _response if vectors.size < 65536 else _response_off_loop
         return await build(vectors, tokens, runtime.options.model_name)
+
+
+    def _check_answer_fits(self, runtime: EmbeddingRuntime, inputs: int, dimensions: int | None) -> None:
+        """Refuse, before any work, a call whose vectors would not fit in one
+        message (RESPONSE_TOO_LARGE on `inputs`)."""
+        dim = runtime.pipeline.dimension
+        if dimensions is not None and 1 <= dimensions < dim:
+            dim = dimensions
+        per_vector = 4 * dim + _VECTOR_FRAMING
+        limit = self.state.max_message_bytes
+        if inputs * per_vector + _RESPONSE_FRAMING > limit:
+            most = max(1, (limit - _RESPONSE_FRAMING) // per_vector)
+            raise invalid_argument("inputs", f"{inputs} vectors of {dim} floats would be over the server's "
+                                             f"message limit of {limit} bytes; send at most {most} inputs a call",
+                                   Reason.RESPONSE_TOO_LARGE)
+
+
+# Bytes an Embedding adds to its packed floats, and an EmbedResponse to its embeddings (an upper bound).
+_VECTOR_FRAMING = 16
+_RESPONSE_FRAMING = 1024
 
 
 async def _response(vectors: np.ndarray, tokens: int, model: str) -> pb.EmbedResponse:

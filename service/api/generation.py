@@ -85,8 +85,12 @@ class ServingState:
     model (embeddings only): its Generation RPCs fail with FAILED_PRECONDITION.
     """
 
-    def __init__(self, model_name: str, server_version: str, serves_generation: bool = True):
+    def __init__(self, model_name: str, server_version: str, serves_generation: bool = True,
+                 max_message_bytes: int = 16 * 1024 * 1024):
         self.model_name = model_name
+        # The largest message a call may send (gRPC's own check would end it
+        # with a bare RESOURCE_EXHAUSTED after the work was done).
+        self.max_message_bytes = max_message_bytes
         self.server_version = server_version
         self.serves_generation = serves_generation
         self.engine_loop: EngineLoop | None = None
@@ -99,6 +103,14 @@ class ServingState:
         self._calls = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def check_fits(self, message: Any, field: str, advice: str) -> None:
+        """INVALID_ARGUMENT naming `field` if `message` (a response) is larger
+        than the server sends; `advice` says what to ask for instead."""
+        size = message.ByteSize()
+        if size > self.max_message_bytes:
+            raise invalid_argument(field, f"the answer would be {size} bytes, over the server's message limit "
+                                          f"of {self.max_message_bytes}; {advice}", Reason.RESPONSE_TOO_LARGE)
 
     def require_ready(self, handle: T | None, alive: Callable[[T], bool], *, served: bool, not_served: str,
                       not_served_reason: str, loading: str, stopped: str) -> T:
@@ -193,6 +205,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if validate:
                     text.extend(o.text for o in outputs)
                 chunk = convert.chunk_response(rid, outputs, prepared.options)
+                if chunk is not None and len(chunk.chunk.prompt_logprobs):  # the one chunk that can grow so large
+                    self.state.check_fits(chunk, "response.prompt_logprobs", "ask for fewer top tokens")
                 if chunk is not None:
                     await context.write(chunk)
                     if final is None:
@@ -237,7 +251,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         loop = self.state.require_engine()
-        return await run_maybe_off_loop(request.ByteSize(), convert.tokenize, request, loop.engine.tokenizer)
+        response = await run_maybe_off_loop(request.ByteSize(), convert.tokenize, request, loop.engine.tokenizer)
+        self.state.check_fits(response, "text", "send less text, or leave out the offsets")
+        return response
 
     @rpc_guard
     async def Detokenize(self, request: pb.DetokenizeRequest,

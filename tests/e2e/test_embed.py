@@ -229,3 +229,29 @@ def test_cli_embed(embed_server: ServerHandle, capsys: pytest.CaptureFixture[str
     assert matrix[0][1] > matrix[0][2], "a cat is nearer a kitten than stock prices"
     assert main(["embed", LONG, "--port", port]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+def test_answers_over_the_message_limit_are_refused_by_name(make_server: Callable[..., ServerHandle]) -> None:
+    # 384 floats a vector: 100 inputs are ~155 kB, over a 64 kB limit. Embed
+    # refuses before any work, naming `inputs` (gRPC's own check came after
+    # the work, as a bare RESOURCE_EXHAUSTED); fewer dimensions fit; Tokenize
+    # refuses its oversized answer by name as well.
+    from service.errors import error_reason
+
+    handle = make_server(embedding=EmbeddingOptions(EmbeddingConfig()), max_message_bytes=64 * 1024)
+    stub = pb_grpc.EmbeddingsStub(handle.channel)
+    runtime = handle.server.embedding.runtime
+    assert runtime is not None
+    before = runtime.batcher.forward_passes
+    err = _error(lambda: embed(stub, ["x"] * 100))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and error_reason(err.trailing_metadata()) == \
+        "RESPONSE_TOO_LARGE"
+    [(field, text)] = bad_request_violations(err.trailing_metadata())
+    assert field == "inputs" and "at most 41 inputs" in text
+    assert runtime.batcher.forward_passes == before  # refused before any work
+    assert len(embed(stub, ["x"] * 100, dimensions=32).embeddings) == 100
+    assert len(embed(stub, ["x"] * 41).embeddings) == 41
+    tokenize = generate_pb2.TokenizeRequest(text="word " * 12_000, return_offsets=True)
+    err = _error(lambda: handle.stub.Tokenize(tokenize, timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in bad_request_violations(err.trailing_metadata())] == ["text"]

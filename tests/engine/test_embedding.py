@@ -331,6 +331,23 @@ def test_async_large_request_tokenizes_off_the_loop(pipeline: EmbeddingPipeline)
     np.testing.assert_allclose(vecs, ref, atol=1e-5)
 
 
+def test_many_short_inputs_tokenize_off_the_loop(pipeline: EmbeddingPipeline) -> None:
+    # Each input is a tokenizer call of its own: 2,000 empty strings weigh as
+    # much as long text (300k of them held the loop for 3 s), a few do not.
+    with EmbeddingBatcher(pipeline) as batcher:
+        where: list[bool] = []
+        submit = batcher.submit
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            where.append(threading.current_thread() is threading.main_thread())
+            return submit(*args, **kwargs)
+
+        batcher.submit = recording  # type: ignore[method-assign]
+        asyncio.run(batcher.embed([""] * 2000))
+        asyncio.run(batcher.embed(["a", "b"]))
+    assert where == [False, True]  # off the loop's thread, then on it
+
+
 def test_invalid_request_fails_only_its_caller(pipeline: EmbeddingPipeline) -> None:
     with EmbeddingBatcher(pipeline) as batcher:
         good = batcher.submit(["fine"])
