@@ -371,10 +371,15 @@ class EngineLoop:
         stream = RequestStream(rid, cost)
         self._streams[rid] = stream
         self._pending_tokens += cost
+        try:
+            if self.observer is not None:
+                self.observer.submitted(ctx, stream)
+            self._link.add(ctx, recipe)
+        except BaseException:  # not in the engine: nothing will ever finish it
+            del self._streams[rid]
+            self._pending_tokens -= cost
+            raise
         self.stats.added += 1
-        if self.observer is not None:
-            self.observer.submitted(ctx, stream)
-        self._link.add(ctx, recipe)
         return stream
 
     def _check_room(self, count: int, cost: int) -> None:

@@ -105,6 +105,24 @@ def test_token_budget(engine: EngineCore) -> None:
     run(engine, body, limits=AdmissionLimits(max_pending_tokens=100))
 
 
+def test_a_request_the_link_could_not_take_holds_nothing(engine: EngineCore) -> None:
+    # Handing a request to the engine failed (the link raised): it was
+    # registered with its token cost and nothing would ever have released them.
+    async def body(loop: EngineLoop) -> None:
+        add = loop._link.add
+
+        def failing(*args: Any) -> None:
+            raise RuntimeError("the link broke")
+
+        loop._link.add = failing  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            loop.submit(ctx(engine, rid="lost"))
+        assert loop.num_pending == 0 and loop.pending_tokens == 0
+        loop._link.add = add  # type: ignore[method-assign]
+        await drain(loop.submit(ctx(engine, rid="lost")))  # the id is free again
+    run(engine, body)
+
+
 def test_engine_failure_fails_requests_and_calls_back(engine: EngineCore) -> None:
     failures: list[BaseException] = []
 
