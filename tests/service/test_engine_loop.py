@@ -114,7 +114,7 @@ def test_a_request_the_link_could_not_take_holds_nothing(engine: EngineCore) -> 
         def failing(*args: Any) -> None:
             raise RuntimeError("the link broke")
 
-        loop._link.add = failing  # type: ignore[method-assign]
+        loop._link.add = failing  # type: ignore[method-assign,assignment]
         with pytest.raises(RuntimeError):
             loop.submit(ctx(engine, rid="lost"))
         assert loop.num_pending == 0 and loop.pending_tokens == 0
