@@ -47,6 +47,9 @@ WHITESPACE: dict[int, str] = {
     C.WHITESPACE_PRETTY: "pretty",
 }
 _JSON_KINDS = ("json_schema", "json_object")
+# The kinds whose values may be resampled: JSON, and the JSON inside structural
+# tags (tool calls compile to them). Constraint.resample is set for JSON only.
+_RESAMPLED_KINDS = (*_JSON_KINDS, "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class ConstraintSpec:
 
     def resamples(self, default: bool) -> bool:
         """Whether this request's values are checked and resampled."""
-        if self.spec.kind not in _JSON_KINDS:
+        if self.spec.kind not in _RESAMPLED_KINDS:
             return False
         return self.strict or (default if self.resample is None else self.resample)
 

@@ -17,7 +17,13 @@ from service.errors import Reason, ServiceError
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.request_log import CallRecord, enter_call, exit_call
 from service.security.auth import current_key
-from service.structured import ConstraintCompiler, ConstraintSpec, caller_tenant, constraint_spec
+from service.structured import (
+    ConstraintCompiler,
+    ConstraintSpec,
+    caller_tenant,
+    constraint_spec,
+    tools_spec,
+)
 
 C = pb.Constraint
 
@@ -123,6 +129,24 @@ SPEC = ConstraintSpec(GrammarSpec.regex("a+"), None, "constraint.regex")
 def _compiler(fake: FakeStructured, **options: Any) -> ConstraintCompiler:
     """A compiler over the fake, which is a StructuredOutput by duck typing only."""
     return ConstraintCompiler(fake, **options)  # type: ignore[arg-type]
+
+
+def test_json_inside_tags_and_tool_calls_follows_the_servers_resample_default() -> None:
+    # (Constraint.resample itself is for JSON kinds only.) Before, tags and
+    # tool calls never resampled over gRPC whatever the server's default.
+    schema = '{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}'
+    tagged = pb.GenerateRequest(text="x")
+    tagged.constraint.structural_tag = ('{"structures": [{"begin": "<f>", "schema": ' + schema
+                                        + ', "end": "</f>"}], "triggers": ["<f>"]}')
+    tool = pb.GenerateRequest(text="x")
+    tool.tools.add(name="f", parameters=schema)
+    tool.tool_choice.mode = pb.ToolChoice.MODE_REQUIRED
+    tools = tools_spec(tool)
+    assert tools is not None and tools.constraint is not None
+    for spec in (constraint_spec(tagged), tools.constraint):
+        assert spec is not None and spec.resamples(True) and not spec.resamples(False)
+    regex = constraint_spec(pb.GenerateRequest(text="x", constraint=pb.Constraint(regex="a+")))
+    assert regex is not None and not regex.resamples(True)
 
 
 def test_compile_result_and_errors() -> None:
