@@ -411,7 +411,13 @@ class TextContext:
     def reset(self) -> None:
         """After preemption: everything known is recomputed from scratch."""
         # Work in flight for this request is discarded; its placeholders go.
+        # A token the grammar forces at the first of them stays forced: the
+        # matcher has not moved, and that position is sampled again.
+        forced, cut = self.grammar.forced_next, self._futures[0] if self._futures else None
         self.drop_futures()
+        if forced is not None and cut is not None:
+            self.grammar.forced_next = forced
+            self.grammar.forced_positions.add(cut)
         self.start_idx = 0
         self.active_idx = self.end_idx
         self.committed_idx = 0

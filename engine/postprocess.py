@@ -206,6 +206,11 @@ class Postprocessor:
         self.kv.truncate(ctx)
         if stream is not None:
             stream.rolled_back()
+        # What the grammar forces from there is forced again, as the first
+        # time: the value's first choice, where its ban goes, is a sampled token.
+        verdict, _ = StepMasks.advance(ctx)
+        if verdict is not None:
+            ctx.end(verdict)
         return True
 
     @staticmethod

@@ -222,3 +222,60 @@ def test_a_failing_value_check_fails_only_its_request(make_llm, tok):
     assert final["broken"].error is not None and "internal error" in final["broken"].error
     assert final["healthy"].error is None and healthy.schema_retries == 0
     assert tok.decode(healthy.tokens[len(PROMPT):healthy.end_idx].tolist(), skip_special_tokens=True) == "[1,2,3]"
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_value_with_a_forced_start_gets_every_retry(make_llm, tok, backend):
+    # An object item starts with forced tokens (`{"a":`). After a rollback they
+    # are forced again, so the next ban lands on the value's first sampled
+    # token; before, it landed on the start (sampled under a one-token mask
+    # then), the mask could not apply it, and the retry replayed the same item.
+    text = '[{"a":1},{"a":2},{"a":1}]'
+    ids = tok.encode(text, add_special_tokens=False)
+    third = [i for i, t in enumerate(ids) if tok.decode([t]) in ("1", "2")][2]
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(_script(tok, text, {third: ["2", "3"]})),
+                   grammar_backend=backend)
+    schema = {"type": "array", "uniqueItems": True,
+              "items": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                        "additionalProperties": False}}
+    out = _generate(llm, schema)
+    assert json.loads(out.text) == [{"a": 1}, {"a": 2}, {"a": 3}] and out.schema_retries == 2
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_preemption_keeps_the_forced_token_in_flight(make_llm, tok, backend, logprobs):
+    # Preempted while the token the grammar forces is in flight: that position
+    # is sampled again under the one-token mask (before, under the grammar's
+    # whole row, where this model prefers `{` to the forced `{"`).
+    text = '{"xs":[{"a":1},{"a":2}]}'
+    ids = tok.encode(text, add_special_tokens=False)
+    second = [i for i, t in enumerate(ids) if tok.decode([t]) == '{"'][2]
+    script = _script(tok, text)
+    [brace] = tok.encode("{", add_special_tokens=False)
+    script[len(PROMPT) + second].insert(0, brace)
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+        "additionalProperties": False}}}, "required": ["xs"], "additionalProperties": False}
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), grammar_backend=backend,
+                   speculative_constrained=True)
+    eng = llm.engine
+
+    def run(preempt: bool) -> list[int]:
+        matcher = eng.structured.compile(GrammarSpec.json_schema(json.dumps(schema)))
+        ctx = eng.make_context(PROMPT, SamplingParams(temperature=0, max_new_tokens=40, logprobs=logprobs),
+                               matcher=matcher, resample=False)
+        eng.add_request(ctx)
+        preempted = False
+        while eng.has_work():
+            if preempt and not preempted and ctx.grammar.forced_next is not None and ctx.pending_futures \
+                    and ctx in eng.scheduler.running and ctx.num_final_tokens == len(PROMPT) + second:
+                eng.scheduler._preempt(ctx)  # what schedule() does when pages run out
+                preempted = True
+            eng.step()
+        assert preempted or not preempt
+        return ctx.tokens[len(PROMPT):ctx.end_idx].tolist()
+
+    plain = run(preempt=False)
+    assert tok.decode(plain).startswith(text)
+    assert run(preempt=True) == plain
