@@ -177,11 +177,13 @@ def test_a_call_its_caller_gave_up_on_harms_nothing(make_server: Callable[..., S
     # engine failed, the server stopped) or on the reader of an engine process
     # (nothing more was delivered, and the server went on saying SERVING).
     handle = make_server(factory)
+    loop = handle.server.engine_loop
+    assert loop is not None
     stream = handle.stub.Generate(greedy("keep the engine busy", max_new_tokens=30), timeout=TIMEOUT)
     next(stream)  # running
 
     async def give_up() -> None:
-        task = asyncio.ensure_future(handle.server.engine_loop.call(EngineCore.flush_prefix_cache))
+        task = asyncio.ensure_future(loop.call(EngineCore.flush_prefix_cache))
         await asyncio.sleep(0)  # sent
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -190,7 +192,7 @@ def test_a_call_its_caller_gave_up_on_harms_nothing(make_server: Callable[..., S
     for _ in range(3):
         handle.runner.run(give_up())
     assert list(stream)[-1].HasField("complete")
-    assert handle.server.engine_failure is None and handle.server.engine_loop.alive
+    assert handle.server.engine_failure is None and loop.alive
     assert _answer(handle, greedy("still serving", max_new_tokens=3))[3] == 3
 
 
@@ -199,7 +201,9 @@ def test_a_hung_engine_process_never_stalls_the_event_loop(make_server: Callable
     # code): the requests sent to it fill the pipe, and writing there must not
     # hold the event loop (health, Abort, the watchdog and a drain run on it).
     handle = make_server(process_factory())
-    pid = handle.engine.process.pid
+    engine, loop = handle.engine, handle.server.engine_loop
+    assert isinstance(engine, RemoteEngine) and loop is not None
+    pid = engine.process.pid
     os.kill(pid, signal.SIGSTOP)
     calls = []
     try:
@@ -209,7 +213,7 @@ def test_a_hung_engine_process_never_stalls_the_event_loop(make_server: Callable
             req.stopping.max_new_tokens = 2
             calls.append(handle.stub.Generate(req, timeout=TIMEOUT))
         deadline = time.monotonic() + TIMEOUT
-        while handle.server.engine_loop.num_pending < len(calls):
+        while loop.num_pending < len(calls):
             assert time.monotonic() < deadline, "the requests never reached the engine loop"
             time.sleep(0.05)
         handle.runner.run(asyncio.sleep(0), timeout=5)  # the loop still runs
