@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .context import Failure, GenerationStatus, TextContext, TokenLogprobs
+from .context import Failure, GenerationStatus, TextContext, TokenLogprobs, Verdict
 from .executor import StepExecutor
 from .kv_cache import KVCacheManager
 from .output import OutputStream, RequestOutput
@@ -147,10 +147,7 @@ class Postprocessor:
         if ctx.grammar.gate is not None:
             self._advance_gate(ctx)
         if ctx.constrained and not ctx.is_done:
-            verdict, forced = StepMasks.advance(ctx)
-            if verdict is None and forced:
-                last = ctx.end_idx - 1
-                verdict = token_verdict(ctx, int(ctx.tokens[last]), last, self.max_seq_len)
+            verdict = self._advance_grammar(ctx)
             if verdict is GenerationStatus.END_OF_SEQUENCE and ctx.grammar.resampler is not None \
                     and self._resample(ctx, at_end=True):
                 verdict = None  # the output broke its schema: rolled back instead
@@ -160,6 +157,16 @@ class Postprocessor:
             self._resample(ctx)
         if ctx.is_done:
             ctx.drop_futures()
+
+    def _advance_grammar(self, ctx: TextContext) -> Verdict | None:
+        """Feed ctx's matcher its new tokens and append what the grammar forces
+        (StepMasks.advance); how that ends ctx, if it does: the grammar's
+        verdict, or a length limit the forced tokens reached."""
+        verdict, forced = StepMasks.advance(ctx)
+        if verdict is None and forced:
+            last = ctx.end_idx - 1
+            verdict = token_verdict(ctx, int(ctx.tokens[last]), last, self.max_seq_len)
+        return verdict
 
     def _advance_gate(self, ctx: TextContext) -> None:
         """Read ctx's known tokens into its reasoning gate. When the answer
@@ -208,7 +215,7 @@ class Postprocessor:
             stream.rolled_back()
         # What the grammar forces from there is forced again, as the first
         # time: the value's first choice, where its ban goes, is a sampled token.
-        verdict, _ = StepMasks.advance(ctx)
+        verdict = self._advance_grammar(ctx)
         if verdict is not None:
             ctx.end(verdict)
         return True
