@@ -53,10 +53,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# A stream waits only when its share of the message budget is at least this.
 # How long stopping waits for an engine to end: a step that hangs (the
 # watchdog's case) must not hold a drain, or a second signal, for ever.
 STOP_TIMEOUT_S = 30.0
+# A stream waits only when its share of the message budget is at least this.
 _MIN_PACE_S = 0.001
 
 
