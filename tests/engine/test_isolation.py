@@ -25,15 +25,20 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=Tru
 
 
 class PoisonedModel:
-    """The real model, except that a forward pass over `poison` raises."""
+    """The real model, except that a forward pass over `poison` raises (every
+    one with `always`, only the `at`-th with `at`), writing no keys or values."""
 
-    def __init__(self, real: Any, poison: int, always: bool = False):
+    def __init__(self, real: Any, poison: int | None = None, always: bool = False, at: int | None = None):
         self._real = real
         self.poison = poison
         self.always = always
+        self.at = at
+        self.calls = 0
 
     def forward(self, input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
-        if self.always or bool((input_ids == self.poison).any()):
+        self.calls += 1
+        if self.always or self.calls == self.at or \
+                (self.poison is not None and bool((input_ids == self.poison).any())):
             raise RuntimeError("injected fault in the forward pass")
         return self._real.forward(input_ids, *args)
 
@@ -83,24 +88,6 @@ def test_a_request_that_breaks_the_forward_pass_fails_alone(make_llm, overlap):
     assert llm.engine.postprocessor.failed_steps == 0
 
 
-class FailsOnce:
-    """The real model, except that its `at`-th forward pass raises (writing no keys or values)."""
-
-    def __init__(self, real: Any, at: int):
-        self._real = real
-        self.calls = 0
-        self.at = at
-
-    def forward(self, input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == self.at:
-            raise RuntimeError("injected transient fault")
-        return self._real.forward(input_ids, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_failed_step_publishes_no_page_it_did_not_write(make_llm, overlap):
     # A 56-token prompt in chunks of 40 and 16: the second pass fails. With
@@ -111,7 +98,7 @@ def test_a_failed_step_publishes_no_page_it_did_not_write(make_llm, overlap):
     rng = np.random.default_rng(3)
     batch = [rng.integers(5, 8000, size=56).tolist(), rng.integers(5, 8000, size=24).tolist()]
     llm = make_llm("tiny-llama", overlap=overlap, max_num_batched_tokens=40,
-                   wrap_model=lambda real: FailsOnce(real, at=2))
+                   wrap_model=lambda real: PoisonedModel(real, at=2))
     outs = llm.generate(batch, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
     for prompt, out in zip(batch, outs, strict=True):
         assert out.token_ids == hf_greedy("tiny-llama", prompt, 8)
