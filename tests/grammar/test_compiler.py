@@ -12,6 +12,7 @@ import pytest
 
 from grammar import GrammarCache, GrammarCompiler, GrammarError, GrammarOptions, GrammarSpec, _pool
 
+from ..conftest import process_running
 from .conftest import MODEL_VOCAB, STOP_IDS
 
 
@@ -185,15 +186,10 @@ def _compile_when_a_worker_is_up(c: GrammarCompiler, spec: GrammarSpec, backend:
 
 def _wait_gone(pid: int, limit: float = 5.0) -> None:
     deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split()[2] == "Z":
-                    return
-        except FileNotFoundError:
-            return
+    while process_running(pid):  # (it may vanish while its /proc entry is read)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker {pid} still running")
         time.sleep(0.05)
-    raise AssertionError(f"worker {pid} still running")
 
 
 def test_a_dead_worker_is_replaced_transparently(tokenizer):
