@@ -73,12 +73,21 @@ class AudioGenerator:
         return out
 
     def drain(self, contexts: Sequence[TTSContext]) -> dict[str, np.ndarray]:
-        """Decode everything ready (all of it, for finished contexts), concatenated per request."""
+        """Decode everything ready (all of it, for finished contexts), concatenated per request.
+
+        All or nothing: if a decode fails part way, every context is put back
+        where it was, so a retry decodes its frames again (none is skipped)."""
+        start = [(ctx, ctx.decoded_frames, ctx.audio_samples) for ctx in contexts]
         pieces: dict[str, list[np.ndarray]] = {}
-        while True:
-            got = self.next_chunk(contexts)
-            if not got:
-                break
-            for rid, chunk in got.items():
-                pieces.setdefault(rid, []).append(chunk.audio)
+        try:
+            while True:
+                got = self.next_chunk(contexts)
+                if not got:
+                    break
+                for rid, chunk in got.items():
+                    pieces.setdefault(rid, []).append(chunk.audio)
+        except BaseException:
+            for ctx, frames, samples in start:
+                ctx.decoded_frames, ctx.audio_samples = frames, samples
+            raise
         return {rid: np.concatenate(p) for rid, p in pieces.items()}

@@ -85,6 +85,38 @@ def test_the_device_thread_decodes_audio_only_when_a_chunk_is_ready(speech_llm, 
     assert len(drains) == len(set(steps)) and all(drains)
 
 
+def test_a_decode_failing_mid_drain_loses_no_audio(speech_llm, monkeypatch):
+    """A drain decodes several chunks; when one fails after others were decoded,
+    the request by request retry decodes those frames again: the stream has no
+    gap (it used to skip the frames decoded before the failure)."""
+    llm = speech_llm()
+    audio = llm.engine.audio
+    decode, drain = audio.codec.decode, audio.drain
+    calls = {"in_drain": 0, "failed": False}
+
+    def flaky_decode(windows):  # type: ignore[no-untyped-def]
+        calls["in_drain"] += 1
+        if calls["in_drain"] == 2 and not calls["failed"]:
+            calls["failed"] = True
+            raise RuntimeError("injected decode failure")
+        return decode(windows)
+
+    def counted_drain(contexts):  # type: ignore[no-untyped-def]
+        calls["in_drain"] = 0
+        return drain(contexts)
+
+    monkeypatch.setattr(audio.codec, "decode", flaky_decode)
+    monkeypatch.setattr(audio, "drain", counted_drain)
+    chunks, _, _, ctx = stream(llm, "A gap in the audio.", params=SamplingParams(temperature=0.7, seed=3),
+                               chunk_frames=1, max_audio_seconds=1.0)
+    assert calls["failed"]
+    assert ctx.status.finish_reason == "length"
+    streamed = np.concatenate(chunks)
+    assert streamed.shape == (len(ctx.speech_codes()) * 2048,)
+    one_shot = audio.codec.decode_all(ctx.speech_codes())
+    assert np.abs(streamed - one_shot).max() < STREAM_BOUND
+
+
 def test_tokens_follow_the_codebook_layout(speech_llm):
     llm = speech_llm()
     out = llm.synthesize("Every position in its own codebook.", max_audio_seconds=1.0)[0]
