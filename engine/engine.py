@@ -197,12 +197,16 @@ class EngineCore:
         self.masks = StepMasks(self.structured, mc.vocab_size, Staging(device), triton=ops is triton_ops)
         self.speech: SpeechModel | None = None
         if config.speech_codec:
-            layout = SpeechLayout.for_model(config.model)
             try:
+                layout = SpeechLayout.for_model(config.model)
                 layout.check_vocab(mc.vocab_size)
             except ValueError as e:
                 raise CheckpointError(f"{config.model} is not a speech model: {e}") from None
-            self.speech = SpeechModel(layout, AudioGenerator(SpeechCodec(config.speech_codec, device)))
+            codec = SpeechCodec(config.speech_codec, device)
+            if codec.codebook_size < layout.codebook_size:
+                raise CheckpointError(f"codec {config.speech_codec} has {codec.codebook_size} codes a codebook; "
+                                      f"the model writes {layout.codebook_size}")
+            self.speech = SpeechModel(layout, AudioGenerator(codec))
         # What the event loop may call (checks, contexts): fixed facts only.
         self.requests = RequestFactory(self.tokenizer, mc.vocab_size, max_len, self.eos_token_ids, self.reasoning,
                                        config.max_thinking_tokens, self.speech)

@@ -32,6 +32,8 @@ from engine.models.config import CheckpointError
 from .layout import split_codebooks
 
 NOISE_TABLE = 1 << 20
+# Codebook strides of the 24 kHz SNAC, whose frame (1 + 2 + 4 codes) the layout writes.
+SNAC_FRAME_STRIDES = (4, 2, 1)
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,21 @@ class SpeechCodec:
         if not config_path.exists():
             raise CheckpointError(f"codec is missing config.json (looked in {root})")
         config = json.loads(config_path.read_text())
-        model = SNAC(**config)
-        model.load_state_dict(_load_weights(root))
+        try:
+            model = SNAC(**config)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"codec config.json does not describe a SNAC model ({e})") from None
+        # The speech layout's frame is the 24 kHz model's: 7 codes over three
+        # codebooks (1, 2, 4 a frame). Another SNAC (32/44 kHz: four codebooks)
+        # would load and then fail every request inside its decoder.
+        if [int(s) for s in model.vq_strides] != list(SNAC_FRAME_STRIDES):
+            raise CheckpointError(f"codec has codebook strides {list(model.vq_strides)}; the speech layout "
+                                  f"needs {list(SNAC_FRAME_STRIDES)} (24 kHz SNAC: 7 codes a frame)")
+        self.codebook_size = int(model.codebook_size)
+        try:
+            model.load_state_dict(_load_weights(root))
+        except RuntimeError as e:  # missing, unexpected or misshapen weights
+            raise CheckpointError(f"codec weights do not match its config.json: {str(e)[:300]}") from None
         _remove_weight_norm(model)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.device, self.dtype = device, dtype

@@ -45,9 +45,17 @@ class SpeechLayout:
         return self.audio_token_offset + CODES_PER_FRAME * self.codebook_size
 
     def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError unless the audio tokens and every marker are in the
+        vocabulary, and no marker is an audio token."""
         if vocab_size < self.audio_token_end:
             raise ValueError(f"vocabulary of {vocab_size} tokens cannot hold audio tokens up to "
                              f"{self.audio_token_end}")
+        for name, token in asdict(self).items():
+            if name in ("audio_token_offset", "codebook_size"):
+                continue
+            if not 0 <= token < vocab_size or self.audio_token_offset <= token < self.audio_token_end:
+                raise ValueError(f"marker {name}={token} is not a text token of a {vocab_size}-token vocabulary "
+                                 f"(audio tokens are {self.audio_token_offset}..{self.audio_token_end - 1})")
 
     # -- tokens <-> codes --------------------------------------------------------------
     def token_range(self, position: int) -> tuple[int, int]:
@@ -93,9 +101,13 @@ class SpeechLayout:
     def for_model(cls, model_dir: str | Path) -> SpeechLayout:
         """The checkpoint's own layout if it has speech_config.json, else Orpheus'."""
         path = Path(model_dir) / SPEECH_CONFIG
-        if path.exists():
-            return cls(**json.loads(path.read_text()))
-        return cls()
+        if not path.exists():
+            return cls()
+        fields = json.loads(path.read_text())
+        try:
+            return cls(**fields)
+        except TypeError as e:  # an unknown or missing key
+            raise ValueError(f"{SPEECH_CONFIG}: {e}") from None
 
 
 def split_codebooks(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from typing import Any
 
 import numpy as np
@@ -196,6 +198,44 @@ def test_voice_prompt_and_bad_requests(speech_llm, make_llm):
     text_only = make_llm("tiny-llama")
     with pytest.raises(SpeechUnavailable):
         text_only.engine.make_speech_context("hello")
+
+
+@pytest.mark.parametrize("change", [{"vq_strides": [8, 4, 2, 1]}, {"codebook_size": 1024}, {"hop": 2},
+                                    {"weights": "other shape"}])
+def test_a_codec_the_layout_cannot_drive_is_refused_at_load(tmp_path, change):
+    """A SNAC with four codebooks (the 32/44 kHz models), one with fewer codes
+    a codebook than the model writes, or a config SNAC does not take: each used
+    to load and then fail every request inside the decoder (or, for the first
+    two, would index out of range on a GPU). So do weights of another shape."""
+    from engine.models.config import CheckpointError
+    from engine.speech.codec import SNAC_24KHZ, write_random_codec
+
+    small = {**SNAC_24KHZ, "decoder_dim": 64, "encoder_dim": 16}
+    if "hop" in change or "weights" in change:
+        codec = write_random_codec(tmp_path / "codec", config=small)
+        config = {**small, "decoder_dim": 32} if "weights" in change else {**small, **change}
+        (codec / "config.json").write_text(json.dumps(config))
+    else:
+        codec = write_random_codec(tmp_path / "codec", config={**small, **change})
+    with pytest.raises(CheckpointError):
+        LLM(ensure_preset("demo-speech"), speech_codec=str(codec))
+
+
+@pytest.mark.parametrize("change", [{"end_of_speech": 10**7}, {"start_of_ai": "audio"}, {"voice": 1}])
+def test_a_speech_layout_with_markers_outside_the_text_tokens_is_refused(tmp_path, change):
+    """A marker outside the vocabulary or among the audio tokens, and a key
+    the layout does not have, are checkpoint errors, not a crash mid-request."""
+    from engine.models.config import CheckpointError
+    from engine.speech.layout import SPEECH_CONFIG
+
+    model = tmp_path / "model"
+    shutil.copytree(ensure_preset("demo-speech"), model)
+    layout = json.loads((model / SPEECH_CONFIG).read_text())
+    if change.get("start_of_ai") == "audio":
+        change = {"start_of_ai": layout["audio_token_offset"] + 3}
+    (model / SPEECH_CONFIG).write_text(json.dumps({**layout, **change}))
+    with pytest.raises(CheckpointError, match="not a speech model"):
+        LLM(model, speech_codec=str(ensure_preset("tiny-codec")))
 
 
 def test_two_engines_share_one_device_thread(make_llm):
