@@ -43,7 +43,7 @@ class SpeechRequest:
     request_id: str | None = None
     chunk_frames: int = 4
     max_audio_seconds: float = 30.0
-    audio_prompt_codes: Sequence[int] | None = None
+    audio_prompt_codes: Sequence[int] | np.ndarray | None = None  # [F * 7] or [F, 7]
     audio_prompt_transcription: str = ""
 
 
@@ -66,7 +66,7 @@ def speech_context(req: SpeechRequest, speech: SpeechModel, tokenizer: Tokenizer
     if not 0 < req.max_audio_seconds <= 300:
         raise InvalidRequest("max_audio_seconds", "must be in (0, 300]")
     codes = None
-    if req.audio_prompt_codes:
+    if req.audio_prompt_codes is not None and len(req.audio_prompt_codes):  # a list or an array
         codes = np.asarray(req.audio_prompt_codes, dtype=np.int64)
         if codes.size % CODES_PER_FRAME or (codes < 0).any() or (codes >= layout.codebook_size).any():
             raise InvalidRequest("audio_prompt_tokens", f"need whole frames of {CODES_PER_FRAME} codes in "
@@ -83,8 +83,12 @@ def speech_context(req: SpeechRequest, speech: SpeechModel, tokenizer: Tokenizer
         raise InvalidRequest("max_audio_seconds", f"shorter than one frame of audio ({frame_s:.3f} s)")
     base = req.params or DEFAULT_SPEECH_SAMPLING
     check_params_token_ids(base, vocab_size)
-    wanted = frames * CODES_PER_FRAME if base.max_new_tokens is None else \
-        base.max_new_tokens // CODES_PER_FRAME * CODES_PER_FRAME
+    # max_new_tokens (offline API) bounds the audio further; it never lifts max_audio_seconds.
+    wanted = frames * CODES_PER_FRAME
+    if base.max_new_tokens is not None:
+        if base.max_new_tokens < CODES_PER_FRAME:
+            raise InvalidRequest("max_new_tokens", f"a frame of audio is {CODES_PER_FRAME} tokens")
+        wanted = min(wanted, base.max_new_tokens // CODES_PER_FRAME * CODES_PER_FRAME)
     room = (max_model_len - len(prompt)) // CODES_PER_FRAME * CODES_PER_FRAME
     if room < CODES_PER_FRAME:
         # Name the voice prompt when the text alone would have fitted.
@@ -92,7 +96,7 @@ def speech_context(req: SpeechRequest, speech: SpeechModel, tokenizer: Tokenizer
         field = "audio_prompt_tokens" if codes is not None and alone + CODES_PER_FRAME <= max_model_len \
             else "input"
         raise InvalidRequest(field, "the prompt is too long for the speech model's context")
-    params = dataclasses.replace(base, max_new_tokens=max(CODES_PER_FRAME, min(wanted, room)),
+    params = dataclasses.replace(base, max_new_tokens=min(wanted, room),
                                  stop_token_ids=(*base.stop_token_ids, layout.end_of_speech),
                                  ignore_eos=True, logprobs=None, prompt_logprobs=None)
     seed = params.seed if params.seed is not None else secrets.randbits(63)

@@ -238,6 +238,31 @@ def test_a_speech_layout_with_markers_outside_the_text_tokens_is_refused(tmp_pat
         LLM(model, speech_codec=str(ensure_preset("tiny-codec")))
 
 
+def test_max_new_tokens_only_shortens_the_audio(speech_llm):
+    """The offline API's max_new_tokens bounds the audio inside
+    max_audio_seconds (it used to replace it, past the 300 s cap too), and one
+    under a frame is refused rather than raised to a frame."""
+    eng = speech_llm().engine
+    # 0.5 s holds 5 whole frames of 2048 samples at 24 kHz.
+    ctx = eng.make_speech_context("bounded", SamplingParams(max_new_tokens=7 * 40), max_audio_seconds=0.5)
+    assert ctx.sampling_params.max_new_tokens == 5 * 7
+    ctx = eng.make_speech_context("bounded", SamplingParams(max_new_tokens=7 * 2 + 3), max_audio_seconds=0.5)
+    assert ctx.sampling_params.max_new_tokens == 2 * 7
+    with pytest.raises(InvalidRequest) as err:
+        eng.make_speech_context("tiny", SamplingParams(max_new_tokens=3))
+    assert err.value.field == "max_new_tokens"
+
+
+def test_a_voice_prompt_may_be_an_array_of_frames(speech_llm):
+    """`ctx.speech_codes()` ([F, 7]) goes back in as a voice prompt (an array's
+    truth value used to raise)."""
+    eng = speech_llm().engine
+    codes = np.arange(14).reshape(2, 7)
+    from_array = eng.make_speech_context("clone", audio_prompt_codes=codes)
+    from_list = eng.make_speech_context("clone", audio_prompt_codes=codes.reshape(-1).tolist())
+    assert from_array.prompt_tokens.tolist() == from_list.prompt_tokens.tolist()
+
+
 def test_two_engines_share_one_device_thread(make_llm):
     text = make_llm("tiny-llama")
     speech = make_llm("demo-speech", speech_codec=str(ensure_preset("tiny-codec")), executor=text.engine.executor)
