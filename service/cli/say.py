@@ -43,19 +43,33 @@ def add_say(sub: argparse._SubParsersAction) -> None:
                    help="print the finish reason, speech tokens and audio length to stderr")
 
 
+class _BadFlag(ValueError):
+    """A flag whose value the request cannot take."""
+
+    def __init__(self, flag: str, err: Exception):
+        super().__init__(f"{flag}: {err}")
+
+
 def _request(args: argparse.Namespace, pb: Any) -> Any:
+    """The SynthesizeRequest of `args`; _BadFlag names the flag at fault."""
     req = pb.SynthesizeRequest(input=args.text, format=pb.AUDIO_FORMAT_PCM16,
                                audio_prompt_transcription=args.voice_text)
     if args.voice_codes is not None:
-        req.audio_prompt_tokens.extend(int(c) for c in json.loads(args.voice_codes.read_text()))
-    if args.max_seconds is not None:
-        req.max_audio_seconds = args.max_seconds
-    if args.chunk_frames is not None:
-        req.chunk_frames = args.chunk_frames
-    for name in ("temperature", "top_p", "repetition_penalty", "seed"):
-        value = getattr(args, name)
+        try:
+            req.audio_prompt_tokens.extend(int(c) for c in json.loads(args.voice_codes.read_text()))
+        except (OSError, ValueError, TypeError) as err:
+            raise _BadFlag("--voice-codes", err) from None
+    # Protobuf refuses a value out of its field's range (a negative --seed).
+    fields = [("--max-seconds", req, "max_audio_seconds"), ("--chunk-frames", req, "chunk_frames"),
+              ("--temperature", req.sampling, "temperature"), ("--top-p", req.sampling, "top_p"),
+              ("--repetition-penalty", req.sampling, "repetition_penalty"), ("--seed", req.sampling, "seed")]
+    for flag, message, name in fields:
+        value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
-            setattr(req.sampling, name, value)
+            try:
+                setattr(message, name, value)
+            except (ValueError, TypeError) as err:
+                raise _BadFlag(flag, err) from None
     return req
 
 
@@ -88,8 +102,8 @@ def cmd_say(args: argparse.Namespace) -> int:
 
     try:
         req = _request(args, pb)
-    except (OSError, ValueError, TypeError) as err:
-        print(f"stencild: --voice-codes: {err}", file=sys.stderr)
+    except _BadFlag as err:
+        print(f"stencild: {err}", file=sys.stderr)
         return 2
     # A file is written under a temporary name and renamed once complete; stdout
     # cannot seek back to patch the header, so its file is built in memory.
@@ -105,7 +119,7 @@ def cmd_say(args: argparse.Namespace) -> int:
             else:
                 with open(part, "wb") as out:
                     final = _write_wav(call, out)
-                if final is not None:
+                if final is not None and final.finish_reason != pb.AudioChunk.CANCELLED:
                     os.replace(part, args.output)
     except KeyboardInterrupt:  # leaving the channel cancels the call
         return 130
@@ -117,6 +131,9 @@ def cmd_say(args: argparse.Namespace) -> int:
             part.unlink()
     if final is None:
         print("stencild: the stream ended without its final chunk", file=sys.stderr)
+        return 1
+    if final.finish_reason == pb.AudioChunk.CANCELLED:  # aborted on the server (Generation/Abort)
+        print("stencild: the speech was cancelled before its end", file=sys.stderr)
         return 1
     if args.usage:
         reason = pb.AudioChunk.FinishReason.Name(final.finish_reason)

@@ -296,6 +296,40 @@ def test_say_writes_a_wav_file(speech_server: ServerHandle, tmp_path: Path,
     assert not (tmp_path / "bad.wav").exists() and not list(tmp_path.glob("*.part"))
 
 
+@pytest.mark.parametrize("flag, value", [("--seed", "-1"), ("--chunk-frames", "-4")])
+def test_say_names_the_flag_at_fault(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str,
+                                     value: str) -> None:
+    """A value the request cannot hold is blamed on its own flag (all were
+    reported as --voice-codes errors), before any connection is made."""
+    assert main(["say", "hi", "-o", str(tmp_path / "x.wav"), "--port", "1", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "--voice-codes" not in err, err
+
+
+def test_say_fails_a_speech_aborted_on_the_server(speech_server: ServerHandle, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A stream that ends CANCELLED (Generation/Abort) is no whole speech: the
+    command exits 1 and leaves no file (it used to rename the cut file into place)."""
+    loop = speech_server.server.speech.loop
+    assert loop is not None
+    out = tmp_path / "cut.wav"
+    result: list[int] = []
+    say = threading.Thread(target=lambda: result.append(main(
+        ["say", "A long speech to abort.", "-o", str(out), "--port", str(speech_server.port),
+         "--max-seconds", "30", "--chunk-frames", "1"])))
+    say.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not loop._streams and time.monotonic() < deadline:  # the call reached the engine
+        time.sleep(0.01)
+    rid = next(iter(loop._streams))
+    aborted = speech_server.stub.Abort(generate_pb2.AbortRequest(request_ids=[rid]))
+    assert list(aborted.aborted_request_ids) == [rid]
+    say.join(TIMEOUT)
+    assert result == [1]
+    assert "cancelled" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob("*.part"))
+
+
 @pytest.mark.parametrize("seconds, frames", [(0.1, 1), (1.0, 11), (1.024, 12)])
 def test_never_more_audio_than_asked(speech_server: ServerHandle, seconds: float, frames: int) -> None:
     # 0.05 s used to give 0.085 s of audio and 1 s 1.024 s: a frame too many.
