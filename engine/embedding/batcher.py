@@ -49,6 +49,7 @@ class _Job:
     next_seq: int = 0  # first sequence not yet handed to a forward pass
     pooled: list[torch.Tensor] = field(default_factory=list)  # outputs, in sequence order
     started: bool = False
+    abandoned: bool = False  # its caller went away (set under the batcher's lock)
 
     @property
     def num_seqs(self) -> int:
@@ -93,17 +94,24 @@ class EmbeddingBatcher:
 
     def submit(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
                truncate: bool = False) -> Future[EmbedResult]:
-        """Validate and queue a request; raises InvalidRequest, BatcherClosed, BatcherOverloaded."""
+        """Validate and queue a request; raises InvalidRequest, BatcherClosed, BatcherOverloaded.
+
+        A request of more than `max_pending_tokens` tokens is invalid: it could
+        never be queued beside another."""
+        return self._submit(texts, normalize, dimensions, truncate).future
+
+    def _submit(self, texts: Iterable[str], normalize: bool, dimensions: int | None, truncate: bool) -> _Job:
         if self._closing:
             raise BatcherClosed("the embedding batcher is shut down")
-        request = self.pipeline.prepare(texts, normalize, dimensions, truncate)
+        limit = self.max_pending_tokens
+        request = self.pipeline.prepare(texts, normalize, dimensions, truncate, max_tokens=limit)
         job = _Job(request, Future())
         tokens = request.prompt_tokens
         with self._cond:
             if self._closing:
                 raise BatcherClosed("the embedding batcher is shut down")
-            limit = self.max_pending_tokens
-            # An idle batcher takes any request, however large: it would never fit otherwise.
+            # An idle batcher takes any request within the limit, however large:
+            # it would never fit otherwise.
             if limit is not None and self._pending_tokens and self._pending_tokens + tokens > limit:
                 raise BatcherOverloaded(
                     f"{self._pending_tokens} tokens already queued; this request adds {tokens} "
@@ -112,7 +120,7 @@ class EmbeddingBatcher:
             self._queue.append(job)
             self._pending_tokens += tokens
             self._cond.notify()
-        return job.future
+        return job
 
     def embed_sync(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
                    truncate: bool = False, timeout: float | None = None) -> EmbedResult:
@@ -120,7 +128,9 @@ class EmbeddingBatcher:
 
     async def embed(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
                     truncate: bool = False) -> EmbedResult:
-        """Asyncio API; cancelling the awaiting task drops the request if it has not started.
+        """Asyncio API; cancelling the awaiting task drops what of the request
+        has not run (whether it is being tokenized, queued or part way through
+        its forward passes).
 
         Small requests are tokenized on the event loop (tens of microseconds);
         large ones in a helper thread, so the loop never stalls for long.
@@ -131,9 +141,37 @@ class EmbeddingBatcher:
             # empty) ones weigh as much as long text.
             chars = sum(len(t) for t in texts if isinstance(t, str)) + INPUT_CHARS * len(texts)
             if chars > INLINE_TOKENIZE_CHARS:
-                future = await asyncio.to_thread(self.submit, texts, normalize, dimensions, truncate)
-                return await asyncio.wrap_future(future)
-        return await asyncio.wrap_future(self.submit(texts, normalize, dimensions, truncate))
+                submitting = asyncio.ensure_future(
+                    asyncio.to_thread(self._submit, texts, normalize, dimensions, truncate))
+                try:
+                    job = await asyncio.shield(submitting)
+                except asyncio.CancelledError:
+                    # The thread queues the job anyway: drop it once it has.
+                    submitting.add_done_callback(self._abandon_submitted)
+                    raise
+                return await self._result(job)
+        return await self._result(self._submit(texts, normalize, dimensions, truncate))
+
+    async def _result(self, job: _Job) -> EmbedResult:
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            self._abandon(job)
+            raise
+
+    def _abandon_submitted(self, submitting: asyncio.Future[_Job]) -> None:
+        if not submitting.cancelled() and submitting.exception() is None:
+            self._abandon(submitting.result())
+
+    def _abandon(self, job: _Job) -> None:
+        """Its caller went away: unqueue what of `job` has not run (the worker
+        drops the rows of a pass in flight)."""
+        with self._cond:
+            job.abandoned = True
+            if job in self._queue:
+                self._queue.remove(job)
+                self._pending_tokens -= sum(len(t) for t in job.request.token_ids[job.next_seq:])
+        job.future.cancel()  # a job not started yet; a started one's future just stays unfinished
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests; finish the queued ones (drain) or fail them with BatcherClosed."""
@@ -216,8 +254,11 @@ class EmbeddingBatcher:
                 continue
             row = 0
             for job, a, b in taken:
-                job.pooled.append(pooled[row:row + b - a])
-                row += b - a
+                rows, row = pooled[row:row + b - a], row + b - a
+                if job.abandoned:
+                    job.pooled.clear()
+                    continue
+                job.pooled.append(rows)
                 if b == job.num_seqs and not job.future.done():
                     self._complete(job)
 
@@ -225,6 +266,9 @@ class EmbeddingBatcher:
         """After a merged pass failed: each request's sequences on their own, so
         only the request that breaks a pass fails."""
         for job, a, b in taken:
+            if job.abandoned:
+                job.pooled.clear()
+                continue
             try:
                 pooled = self.pipeline.forward(job.request.token_ids[a:b])
                 self._forward_passes += 1

@@ -115,8 +115,10 @@ class EmbeddingPipeline:
         return self._forward_passes
 
     def prepare(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
-                truncate: bool = False) -> EmbedRequest:
-        """Validate a request and tokenize it; raises InvalidRequest naming the field."""
+                truncate: bool = False, max_tokens: int | None = None) -> EmbedRequest:
+        """Validate a request and tokenize it; raises InvalidRequest naming the field.
+
+        `max_tokens` bounds the request's tokens in all (special tokens included)."""
         if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
             raise InvalidRequest("inputs", "must be a list of strings")
         texts = list(texts)  # also accepts protobuf repeated fields and generators
@@ -130,6 +132,9 @@ class EmbeddingPipeline:
             or not 1 <= dimensions <= self.dimension
         ):
             raise InvalidRequest("dimensions", f"must be an integer in [1, {self.dimension}], got {dimensions!r}")
+        # Every input has a token at least: too many inputs fail before the tokenizer runs.
+        if max_tokens is not None and len(texts) > max_tokens:
+            raise InvalidRequest("inputs", f"{len(texts)} inputs; a call may have at most {max_tokens} tokens")
 
         ids = self.tokenizer.encode(texts)
         empty = next((i for i, t in enumerate(ids) if not t), None)
@@ -147,6 +152,9 @@ class EmbeddingPipeline:
             for i, cut in zip(too_long, self.tokenizer.encode_truncated([texts[i] for i in too_long]),
                               strict=True):
                 ids[i] = cut
+        total = sum(len(t) for t in ids)
+        if max_tokens is not None and total > max_tokens:
+            raise InvalidRequest("inputs", f"{total} tokens in all; a call may have at most {max_tokens}")
         return EmbedRequest(tuple(tuple(t) for t in ids), bool(normalize),
                             None if dimensions is None else int(dimensions))
 

@@ -77,8 +77,8 @@ class EmbeddingOptions:
     """Which embedding model to serve and how much work may be queued for it.
 
     max_pending_tokens: input tokens queued before new calls get
-    RESOURCE_EXHAUSTED (an idle server takes any valid call).
-    """
+    RESOURCE_EXHAUSTED; a call of more tokens is invalid (an idle server
+    takes any call within it)."""
 
     config: EmbeddingConfig = EmbeddingConfig()
     max_pending_tokens: int = 256 * 1024

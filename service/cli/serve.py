@@ -176,7 +176,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--embedding-only", action="store_true",
                    help="serve only the embedding model, no generation or speech model")
     e.add_argument("--embedding-max-pending-tokens", type=int, default=256 * 1024,
-                   help="input tokens queued for embedding before new calls get RESOURCE_EXHAUSTED")
+                   help="input tokens queued for embedding before new calls get RESOURCE_EXHAUSTED "
+                        "(a single call of more is INVALID_ARGUMENT)")
 
 
 @dataclass

@@ -336,13 +336,13 @@ def test_many_short_inputs_tokenize_off_the_loop(pipeline: EmbeddingPipeline) ->
     # much as long text (300k of them held the loop for 3 s), a few do not.
     with EmbeddingBatcher(pipeline) as batcher:
         where: list[bool] = []
-        submit = batcher.submit
+        submit = batcher._submit
 
         def recording(*args: Any, **kwargs: Any) -> Any:
             where.append(threading.current_thread() is threading.main_thread())
             return submit(*args, **kwargs)
 
-        batcher.submit = recording  # type: ignore[method-assign]
+        batcher._submit = recording  # type: ignore[method-assign]
         asyncio.run(batcher.embed([""] * 2000))
         asyncio.run(batcher.embed(["a", "b"]))
     assert where == [False, True]  # off the loop's thread, then on it
@@ -385,6 +385,100 @@ def test_cancelled_request_is_skipped(pipeline: EmbeddingPipeline) -> None:
         last.result(60)
     assert gated.batch_sizes == [1, 1]
     assert batcher.pending_tokens == 0
+
+
+def test_cancelling_a_started_request_drops_its_remaining_passes(pipeline: EmbeddingPipeline) -> None:
+    """A caller that goes away while its request's first pass runs stops the
+    rest (its future is running, so cancelling it used to do nothing: all 8
+    passes ran for nobody)."""
+    gated = GatedPipeline(pipeline)
+    texts = [long_text(pipeline, 200)] * 8  # one input a pass at 256 tokens
+    batcher = EmbeddingBatcher(gated, max_batch_tokens=256)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        task = asyncio.ensure_future(batcher.embed(texts))
+        assert await asyncio.to_thread(gated.entered.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert batcher.pending_tokens == 0  # what had not run is unqueued at once
+        gated.gate.set()
+
+    try:
+        asyncio.run(main())
+        vecs, _ = batcher.embed_sync(["after"], timeout=60)
+    finally:
+        batcher.close()
+    assert gated.batch_sizes == [1, 1]  # the pass in flight, then "after"
+    np.testing.assert_allclose(vecs[0], expected_rows(pipeline, ["after"])[0], atol=1e-5)
+
+
+def test_a_cancel_while_tokenizing_off_the_loop_drops_the_request(pipeline: EmbeddingPipeline) -> None:
+    """A large request is tokenized in a helper thread; a cancel that lands
+    then used to leave the job queued, embedded for nobody."""
+    prepared, release = threading.Event(), threading.Event()
+
+    class SlowPrepare(GatedPipeline):
+        def prepare(self, texts: list[str], *args: Any, **kwargs: Any) -> Any:
+            if len(texts[0]) > 1000:  # the large request, in the helper thread
+                prepared.set()
+                assert release.wait(30)
+            return self.inner.prepare(texts, *args, **kwargs)
+
+    slow = SlowPrepare(pipeline)
+    batcher = EmbeddingBatcher(slow)  # type: ignore[arg-type]
+    submitted = threading.Event()
+    submit = batcher._submit
+
+    def recording(texts: list[str], *args: Any) -> Any:
+        try:
+            return submit(texts, *args)
+        finally:
+            if len(texts[0]) > 1000:
+                submitted.set()
+
+    batcher._submit = recording  # type: ignore[method-assign]
+
+    async def main() -> None:
+        first = asyncio.ensure_future(batcher.embed(["first"]))
+        assert await asyncio.to_thread(slow.entered.wait, 30)  # the worker waits in a pass
+        task = asyncio.ensure_future(batcher.embed(["beta " * 4000], truncate=True))  # off the loop
+        assert await asyncio.to_thread(prepared.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        assert await asyncio.to_thread(submitted.wait, 30)  # the thread has queued the job
+        for _ in range(100):  # the loop runs the thread's done callback
+            await asyncio.sleep(0.01)
+            if not batcher._queue:
+                break
+        assert not batcher._queue and batcher.pending_tokens == 0
+        slow.gate.set()
+        await first
+
+    try:
+        asyncio.run(main())
+        batcher.embed_sync(["after"], timeout=60)
+    finally:
+        batcher.close()
+    assert slow.batch_sizes == [1, 1]  # "first" and "after" only
+
+
+def test_a_request_over_the_pending_limit_is_invalid(pipeline: EmbeddingPipeline) -> None:
+    """An idle batcher took a request of any size, so one call could queue
+    many times the limit (838k inputs fit in a 16 MB message); now a call
+    over the limit is refused, before tokenizing when its input count alone is."""
+    gated = GatedPipeline(pipeline)
+    gated.gate.set()
+    with EmbeddingBatcher(gated, max_pending_tokens=256) as batcher:  # type: ignore[arg-type]
+        for inputs in (["hello world"] * 100, [""] * 300):  # 400 tokens; 300 inputs
+            with pytest.raises(InvalidRequest) as err:
+                batcher.submit(inputs)
+            assert err.value.field == "inputs" and "at most 256" in err.value.description
+        vecs, tokens = batcher.embed_sync(["hello world"] * 64)  # 256 tokens: just fits
+        assert vecs.shape == (64, 384) and tokens == 256
+    assert gated.batch_sizes == [64]
 
 
 def test_close_without_drain_fails_queued_requests(pipeline: EmbeddingPipeline) -> None:
