@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from engine import EngineCore
 from service.api import convert
@@ -200,10 +201,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 raise invalid_argument("tokenized.original_text", "required on a server without a generation "
                                                                   "model (token ids cannot be decoded)")
             engine = loop.engine
-            if any(not 0 <= t < engine.vocab_size for t in ids):
-                bad = next(i for i, t in enumerate(ids) if not 0 <= t < engine.vocab_size)
-                raise invalid_argument(f"tokenized.input_ids[{bad}]", "outside the vocabulary")
-            text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+            # Up to millions of ids fit in a message: checked in numpy, decoded off the loop when long.
+            array = np.asarray(ids, dtype=np.int64)
+            bad = np.flatnonzero((array < 0) | (array >= engine.vocab_size))
+            if bad.size:
+                raise invalid_argument(f"tokenized.input_ids[{int(bad[0])}]", "outside the vocabulary")
+            text = await run_maybe_off_loop(4 * len(ids), lambda: engine.tokenizer.decode(ids, skip_special_tokens=True))
         from engine.embedding import BatcherClosed, BatcherOverloaded
         from engine.errors import InvalidRequest
 
@@ -218,6 +221,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                      Reason.EMBEDDING_QUEUE_FULL) from None
         except BatcherClosed:
             raise unavailable("the server is shutting down", Reason.DRAINING) from None
+        except Exception:
+            if not runtime.alive:  # the device thread went away with a failed engine
+                raise unavailable("the embedding model is not running", Reason.ENGINE_STOPPED) from None
+            raise
         finally:
             self.state.call_finished()
         values = [float(v) for v in vectors[0]]

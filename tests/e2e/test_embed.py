@@ -255,3 +255,27 @@ def test_answers_over_the_message_limit_are_refused_by_name(make_server: Callabl
     err = _error(lambda: handle.stub.Tokenize(tokenize, timeout=TIMEOUT))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [f for f, _ in bad_request_violations(err.trailing_metadata())] == ["text"]
+
+
+def test_vllm_protocol_embed(embed_server: ServerHandle, st_model: Any) -> None:
+    """vLLM's Embed: the input's text (original_text, else the generation
+    model's ids decoded) is embedded; ids outside the vocabulary are named
+    (checked in numpy: a message holds millions)."""
+    from service.gen.vllm import vllm_engine_pb2 as vpb
+    from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+
+    stub = vpb_grpc.VllmEngineStub(embed_server.channel)
+    text = TEXTS[1]
+    by_text = stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(original_text=text)), timeout=TIMEOUT)
+    assert by_text.embedding_dim == len(by_text.embedding) == 384
+    np.testing.assert_allclose(by_text.embedding, reference(st_model, [text])[0], atol=1e-5)
+    engine = embed_server.server.state.engine_loop.engine
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    by_ids = stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=ids)), timeout=TIMEOUT)
+    decoded = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    np.testing.assert_allclose(by_ids.embedding, reference(st_model, [decoded])[0], atol=1e-5)
+    bad = [*ids, 5] * 20_000 + [engine.vocab_size]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=bad)), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == [f"tokenized.input_ids[{len(bad) - 1}]"]
