@@ -67,6 +67,7 @@ class Reason:
     ENGINE_STOPPED = "ENGINE_STOPPED"  # the engine is not running (it failed)
     GRAMMAR_COMPILER_UNAVAILABLE = "GRAMMAR_COMPILER_UNAVAILABLE"
     UNAUTHENTICATED = "UNAUTHENTICATED"  # a missing or wrong API key
+    ROUTER_KEY_REQUIRED = "ROUTER_KEY_REQUIRED"  # a router-only RPC with another key
     INTERNAL = "INTERNAL"  # a server bug; details in the server log
 
 

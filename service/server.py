@@ -54,8 +54,8 @@ from service.security.auth import ApiKey, ApiKeyAuth
 from service.security.tls import ServerTLS, TLSConfig
 from service.structured import ConstraintCompiler
 from service.vllm_protocol.kv_events import KvEventHub
+from service.vllm_protocol.servicer import ROUTER_METHODS, VllmEngineServicer
 from service.vllm_protocol.servicer import SERVICE_NAME as VLLM_SERVICE
-from service.vllm_protocol.servicer import VllmEngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,8 @@ class StencilServer:
         # key is checked, then the request parsed.
         interceptors: list[grpc.aio.ServerInterceptor] = [self.telemetry.interceptor, UnparsableRequests()]
         if self.config.api_keys:
-            interceptors.insert(1, ApiKeyAuth(list(self.config.api_keys), self.config.public_reflection))
+            interceptors.insert(1, ApiKeyAuth(list(self.config.api_keys), self.config.public_reflection,
+                                              ROUTER_METHODS))
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),

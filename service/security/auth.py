@@ -10,13 +10,18 @@ the log names a key by its name.
 A key may cap its calls in flight (`name:max_inflight`); beyond that a call is
 RESOURCE_EXHAUSTED (KEY_LIMIT_REACHED). Request ids belong to their key: the
 engine sees them as `<key name>/<id>`, so one client cannot abort another's
-request or learn whether an id of another key is running.
+request or learn whether an id of another key is running. The RPCs that see
+or change every key's state at once (the prefix cache's events, which carry
+prompt tokens, and its flush: `router_methods`) take only a key marked
+`router`; others get PERMISSION_DENIED (ROUTER_KEY_REQUIRED).
 
-Key file format, one key per line (blank lines and `#` comments ignored):
+Key file format, one key per line (blank lines and comments ignored: a
+comment starts with `#` at the start of a line or after a space):
 
-    SECRET                 a key named key-1, key-2, ... by its line
-    SECRET NAME            a named key
-    SECRET NAME:LIMIT      a named key with at most LIMIT calls in flight
+    SECRET                    a key named key-1, key-2, ... by its line
+    SECRET NAME               a named key
+    SECRET NAME:LIMIT         a named key with at most LIMIT calls in flight
+    SECRET NAME[:LIMIT] router  a key a router uses (the router-only RPCs too)
 
 `$STENCILD_API_KEYS` holds the same entries separated by commas.
 """
@@ -28,6 +33,7 @@ import contextvars
 import hashlib
 import hmac
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +43,7 @@ import grpc
 
 from service.errors import Reason, ServiceError, resource_exhausted
 from service.interceptors import rewrap
+from service.ops.request_log import note_refusal
 
 log = logging.getLogger(__name__)
 
@@ -62,34 +69,39 @@ class ApiKey:
     name: str
     secret: str
     max_inflight: int | None = None
+    router: bool = False  # may call the router-only RPCs
 
     def __repr__(self) -> str:  # the secret stays out of logs and tracebacks
-        return f"ApiKey(name={self.name!r}, max_inflight={self.max_inflight})"
+        return f"ApiKey(name={self.name!r}, max_inflight={self.max_inflight}, router={self.router})"
 
 
 def parse_keys(entries: list[str], source: str) -> list[ApiKey]:
-    """Keys from entries of the form `SECRET [NAME[:LIMIT]]`; ValueError names the bad one."""
+    """Keys from entries of the form `SECRET [NAME[:LIMIT] [router]]`; ValueError names the bad one."""
     keys: list[ApiKey] = []
     for number, raw in enumerate(entries, 1):
-        line = raw.split("#", 1)[0].strip()
+        # A `#` inside a secret is part of it: a comment starts a line or follows a space.
+        line = _COMMENT.sub("", raw).strip()
         if not line:
             continue
         fields = line.split()
-        if len(fields) > 2:
-            raise ValueError(f"{source}, entry {number}: expected 'SECRET [NAME[:LIMIT]]'")
+        if len(fields) > 3 or (len(fields) == 3 and fields[2] != "router"):
+            raise ValueError(f"{source}, entry {number}: expected 'SECRET [NAME[:LIMIT] [router]]'")
         secret = fields[0]
-        name, _, limit = (fields[1] if len(fields) == 2 else f"key-{len(keys) + 1}").partition(":")
+        name, _, limit = (fields[1] if len(fields) >= 2 else f"key-{len(keys) + 1}").partition(":")
         if not name or "/" in name:
             raise ValueError(f"{source}, entry {number}: a key name must be non-empty, without '/'")
         if limit and not (limit.isdigit() and int(limit) > 0):
             raise ValueError(f"{source}, entry {number}: the limit must be a positive integer")
-        keys.append(ApiKey(name, secret, int(limit) if limit else None))
+        keys.append(ApiKey(name, secret, int(limit) if limit else None, router=len(fields) == 3))
     names = [k.name for k in keys]
     if len(set(names)) != len(names):
         raise ValueError(f"{source}: key names must be unique")
     if len({k.secret for k in keys}) != len(keys):
         raise ValueError(f"{source}: two entries have the same key")
     return keys
+
+
+_COMMENT = re.compile(r"(^|\s)#.*$")
 
 
 def load_keys(path: Path | None, env_value: str | None) -> list[ApiKey]:
@@ -108,11 +120,13 @@ def _digest(secret: str) -> bytes:
 class ApiKeyAuth(grpc.aio.ServerInterceptor):
     """Checks `authorization: Bearer <key>` on every call that needs it, and counts calls per key."""
 
-    def __init__(self, keys: list[ApiKey], public_reflection: bool = False):
+    def __init__(self, keys: list[ApiKey], public_reflection: bool = False,
+                 router_methods: frozenset[str] = frozenset()):
         if not keys:
             raise ValueError("ApiKeyAuth needs at least one key")
         self._keys = [(_digest(k.secret), k) for k in keys]
         self._public = (HEALTH_PREFIX, *(REFLECTION_PREFIXES if public_reflection else ()))
+        self._router_methods = router_methods  # full method names only a router key may call
         self._inflight: dict[str, int] = {k.name: 0 for k in keys}
 
     def match(self, metadata: Any) -> ApiKey | None:
@@ -133,15 +147,21 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(self._public):
             return handler
         key = self.match(handler_call_details.invocation_metadata)
-        return rewrap(handler, scope=lambda _request, context: self._call(key, context))
+        router_only = handler_call_details.method in self._router_methods
+        return rewrap(handler, scope=lambda _request, context: self._call(key, router_only, context))
 
     @contextlib.asynccontextmanager
-    async def _call(self, key: ApiKey | None, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    async def _call(self, key: ApiKey | None, router_only: bool,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         if key is None:
             err = ServiceError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, Reason.UNAUTHENTICATED)
             await err.abort(context)
         assert key is not None
+        if router_only and not key.router:
+            await ServiceError(grpc.StatusCode.PERMISSION_DENIED, "this RPC sees every key's requests: it needs "
+                               "an API key marked 'router'", Reason.ROUTER_KEY_REQUIRED).abort(context)
         if key.max_inflight is not None and self._inflight[key.name] >= key.max_inflight:
+            note_refusal("key_max_inflight")
             await resource_exhausted(f"this API key has {key.max_inflight} calls in flight already; retry later",
                                      Reason.KEY_LIMIT_REACHED).abort(context)
         self._inflight[key.name] += 1
@@ -149,5 +169,7 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         try:
             yield
         finally:
-            current_key.reset(token)
             self._inflight[key.name] -= 1
+            # A streaming handler finalized in another context cannot reset it (ValueError).
+            with contextlib.suppress(ValueError):
+                current_key.reset(token)

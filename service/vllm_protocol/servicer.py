@@ -52,6 +52,9 @@ from service.vllm_protocol.kv_events import KvEventHub, SubscriberGone
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# What sees or changes every client's state at once (the prefix cache's events
+# carry prompt tokens): with API keys, for a key marked `router` only.
+ROUTER_METHODS = frozenset({f"/{SERVICE_NAME}/SubscribeKvEvents", f"/{SERVICE_NAME}/FlushCache"})
 
 
 class _Sequence:

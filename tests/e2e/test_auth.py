@@ -20,8 +20,9 @@ from service.security.auth import ApiKey
 
 from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy
 
-ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-9876543210", "sk-carol-limited"
-KEYS = (ApiKey("alice", ALICE), ApiKey("bob", BOB), ApiKey("carol", CAROL, max_inflight=1))
+ALICE, BOB, CAROL, ROUTER = "sk-alice-0123456789", "sk-bob-9876543210", "sk-carol-limited", "sk-router-42"
+KEYS = (ApiKey("alice", ALICE), ApiKey("bob", BOB), ApiKey("carol", CAROL, max_inflight=1),
+        ApiKey("smg", ROUTER, router=True))
 
 
 def bearer(secret: str) -> tuple[tuple[str, str], ...]:
@@ -85,6 +86,27 @@ def test_request_ids_belong_to_their_key(keyed: ServerHandle) -> None:
     assert list(done.aborted_request_ids) == ["same"]
     last = list(alice)[-1]
     assert last.request_id == "same" and last.complete.finish_reason == pb.GenerateComplete.CANCELLED
+
+
+def test_only_a_router_key_sees_every_keys_cache(keyed: ServerHandle) -> None:
+    """The prefix cache's events carry every key's prompt tokens, and its flush
+    touches every key's pages: a tenant's key gets PERMISSION_DENIED (any key
+    could read another's prompts); the router's key is served."""
+    from service.gen.vllm import common_pb2 as cpb
+    from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+
+    stub = vpb_grpc.VllmEngineStub(keyed.channel)
+    for call in (lambda m: next(iter(stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), metadata=m,
+                                                            timeout=TIMEOUT))),
+                 lambda m: stub.FlushCache(cpb.FlushCacheRequest(), metadata=m, timeout=TIMEOUT)):
+        code, reason, _ = code_and_reason(call, bearer(BOB))
+        assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, Reason.ROUTER_KEY_REQUIRED)
+    assert stub.FlushCache(cpb.FlushCacheRequest(), metadata=bearer(ROUTER), timeout=TIMEOUT).success
+    events = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), metadata=bearer(ROUTER), timeout=TIMEOUT)
+    try:
+        events.initial_metadata()  # sent once the subscription is taken
+    finally:
+        events.cancel()
 
 
 def test_cli_clients_send_the_key(keyed: ServerHandle, capsys: pytest.CaptureFixture[str],

@@ -9,10 +9,12 @@ from service.security.auth import ApiKey, ApiKeyAuth, load_keys, parse_keys
 
 def test_key_entries_parse_with_names_and_limits(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "keys"
-    path.write_text("\n# comment\nsk-a\nsk-b ops\nsk-c batch:8  # the batch jobs\n")
+    path.write_text("\n# comment\nsk-a\nsk-b ops\nsk-c batch:8  # the batch jobs\n"
+                    "Tr0ub4dor#3-horse alice:2 #a '#' inside a secret is part of it\nsk-r smg router\n")
     keys = load_keys(path, "ignored-when-a-file-is-given")
-    assert [(k.name, k.secret, k.max_inflight) for k in keys] == \
-        [("key-1", "sk-a", None), ("ops", "sk-b", None), ("batch", "sk-c", 8)]
+    assert [(k.name, k.secret, k.max_inflight, k.router) for k in keys] == \
+        [("key-1", "sk-a", None, False), ("ops", "sk-b", None, False), ("batch", "sk-c", 8, False),
+         ("alice", "Tr0ub4dor#3-horse", 2, False), ("smg", "sk-r", None, True)]
     assert [k.name for k in load_keys(None, "sk-x one, sk-y two:2")] == ["one", "two"]
     assert load_keys(None, None) == []
     assert "sk-c" not in repr(keys[2]), "a key's secret never shows in its repr"
@@ -20,6 +22,7 @@ def test_key_entries_parse_with_names_and_limits(tmp_path) -> None:  # type: ign
 
 @pytest.mark.parametrize("entries, problem", [
     (["sk-a one extra"], "SECRET"),
+    (["sk-a one router more"], "SECRET"),
     (["sk-a a/b"], "without '/'"),
     (["sk-a one:0"], "positive integer"),
     (["sk-a one:many"], "positive integer"),
@@ -37,3 +40,55 @@ def test_a_key_matches_only_exactly() -> None:
     for metadata in [(), (("authorization", "Bearer sk-"),), (("authorization", "sk-a"),),
                      (("authorization", "Bearer sk-ab"),), (("x-api-key", "sk-a"),)]:
         assert auth.match(metadata) is None
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    async def abort(self, code, message, trailing_metadata=()):  # type: ignore[no-untyped-def]
+        raise _Aborted(code)
+
+
+def test_a_limited_keys_refusal_is_named_and_a_stream_closed_elsewhere_gives_its_slot_back() -> None:
+    """A KEY_LIMIT_REACHED refusal names its limit (it was counted as "other");
+    a streaming handler closed in another context (asyncio's async-generator
+    finalizer) still gives its key's slot back (the context variable's reset
+    raised first and the slot leaked, refusing the key for good)."""
+    import asyncio
+    import contextlib
+
+    import grpc
+
+    from service.interceptors import rewrap
+    from service.ops.request_log import CallRecord, enter_call, exit_call
+
+    key = ApiKey("carol", "sk-carol", max_inflight=1)
+    auth = ApiKeyAuth([key])
+    record = CallRecord("/stencil.v1.Generation/Tokenize", "r1", "peer", 0.0)
+
+    async def behavior(request, context):  # type: ignore[no-untyped-def]
+        yield 1
+        yield 2
+
+    wrapped = rewrap(grpc.unary_stream_rpc_method_handler(behavior),
+                     scope=lambda _r, c: auth._call(key, False, c))
+
+    async def run() -> None:
+        gen = wrapped.unary_stream(object(), _Context())
+        assert await asyncio.create_task(gen.__anext__()) == 1  # holds the only slot
+        token = enter_call(record)
+        try:
+            with pytest.raises(_Aborted) as info:
+                async with auth._call(key, False, _Context()):
+                    pass
+            assert info.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            exit_call(token)
+        with contextlib.suppress(ValueError):
+            await asyncio.create_task(gen.aclose())
+
+    asyncio.run(run())
+    assert record.refusal == "key_max_inflight"
+    assert auth._inflight["carol"] == 0, "the key's in-flight slot leaked"
