@@ -243,7 +243,7 @@ class StencilServer:
         services = [SERVICE_NAME, EMBEDDINGS_SERVICE, SPEECH_SERVICE, HEALTH_SERVICE]
         if self.config.vllm_protocol:
             vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-                VllmEngineServicer(self.state, self.embedding, self.kv_events), server)
+                VllmEngineServicer(self.state, self.embedding, self.kv_events, self.health), server)
             services.append(VLLM_SERVICE)
         self.health.add_to_server(server)
         await self.health.not_serving()

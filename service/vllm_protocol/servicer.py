@@ -43,6 +43,7 @@ from service.errors import (
 from service.gen.vllm import common_pb2 as cpb
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+from service.ops.health import SERVING, HealthState
 from service.ops.request_log import note_refusal
 from service.security.auth import scoped_request_id
 from service.vllm_protocol import convert as vllm_convert
@@ -73,10 +74,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     StartProfile and StopProfile are left UNIMPLEMENTED.
     """
 
-    def __init__(self, state: ServingState, embedding: EmbeddingSlot, kv_events: KvEventHub):
+    def __init__(self, state: ServingState, embedding: EmbeddingSlot, kv_events: KvEventHub,
+                 health: HealthState):
         self.state = state
         self.embedding = embedding
         self.kv_events = kv_events
+        self.health = health  # grpc.health.v1's view, which the watchdog keeps
         self.started_at = time.monotonic()
         self.last_receive = 0.0
 
@@ -251,6 +254,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
         if not loop.alive:
             return vpb.HealthCheckResponse(healthy=False, message="the engine is not running")
+        # What grpc.health.v1 says of this service: NOT_SERVING while the engine hangs.
+        if self.health.status(SERVICE_NAME) != SERVING:
+            return vpb.HealthCheckResponse(healthy=False, message="not serving: warming up, or the engine "
+                                                                  "is not completing its steps")
         return vpb.HealthCheckResponse(healthy=True, message="serving")
 
     @rpc_guard

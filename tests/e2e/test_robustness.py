@@ -273,6 +273,13 @@ def test_the_process_exits_non_zero_when_an_engine_dies(tmp_path: Path) -> None:
     assert "an engine failed" in stderr
 
 
+def vllm_health(handle: ServerHandle) -> Any:
+    from service.gen.vllm import vllm_engine_pb2 as vpb
+    from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+
+    return vpb_grpc.VllmEngineStub(handle.channel).HealthCheck(vpb.HealthCheckRequest(), timeout=TIMEOUT)
+
+
 def test_the_watchdog_reports_a_hung_engine_and_its_recovery(make_server: Callable[..., ServerHandle],
                                                              caplog: pytest.LogCaptureFixture) -> None:
     handle = make_server(engine_factory(slow_s=0.0001), watchdog_timeout_s=0.5)
@@ -286,10 +293,13 @@ def test_the_watchdog_reports_a_hung_engine_and_its_recovery(make_server: Callab
         assert time.monotonic() < deadline, "the watchdog never reported the stall"
         time.sleep(0.05)
     assert health(handle, "") == NOT_SERVING
+    # vLLM's own HealthCheck, which routers such as SMG poll, agrees (it said healthy).
+    assert not vllm_health(handle).healthy
     model.delay_s = 0.0
     list(call)  # the stalled step completes; the request finishes
     while health(handle, "stencil.v1.Generation") != SERVING:
         assert time.monotonic() < deadline, "the watchdog never reported the recovery"
         time.sleep(0.05)
     assert health(handle, "") == SERVING
+    assert vllm_health(handle).healthy
     assert "engine stalled" in caplog.text and "stencild-engine" in caplog.text
