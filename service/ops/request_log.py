@@ -197,7 +197,12 @@ def valid_request_id(rid: str) -> bool:
 def assign_request_id(request: Any, metadata: Sequence[tuple[str, Any]] | None) -> str:
     """The call's request id: the request's own `request_id` field, else the
     `x-request-id` metadata (as set by gateways), else a new one. An empty
-    field is filled in, so the servicer and the log name the same request."""
+    field is filled in, so the servicer and the log name the same request.
+
+    A gateway sends one `x-request-id` with every call it makes for one of its
+    own requests, so concurrent calls may share it: as the id of an engine
+    request (a message with a `request_id` field) it gets a unique suffix,
+    `<x-request-id>-<8 hex digits>`."""
     field = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {}).get("request_id")
     own = request.request_id if field is not None else ""
     if own:
@@ -206,6 +211,8 @@ def assign_request_id(request: Any, metadata: Sequence[tuple[str, Any]] | None) 
     for key, value in metadata or ():
         if key == REQUEST_ID_METADATA and isinstance(value, str) and valid_request_id(value):
             own = value
+            if field is not None:
+                own = f"{value[:MAX_REQUEST_ID_LENGTH - 9].rstrip(' ')}-{uuid.uuid4().hex[:8]}"
             break
     else:
         own = uuid.uuid4().hex

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +29,7 @@ from service.ops.request_log import (
     note_refusal,
     note_request,
     note_validation,
+    valid_request_id,
 )
 from service.ops.tracing import parse_traceparent, trace_context
 
@@ -65,9 +67,17 @@ def test_trace_context_reads_metadata() -> None:
 def test_request_ids() -> None:
     own = pb.GenerateRequest(request_id="mine")
     assert assign_request_id(own, (("x-request-id", "gateway"),)) == "mine"
-    empty = pb.GenerateRequest()
-    assert assign_request_id(empty, (("x-request-id", "gateway"),)) == "gateway"
-    assert empty.request_id == "gateway", "the servicer sees the same id"
+    # A gateway's id names one of its requests, not one of ours: calls that
+    # share it get ids of their own (a second used to be ALREADY_EXISTS).
+    empty, again = pb.GenerateRequest(), pb.GenerateRequest()
+    rid = assign_request_id(empty, (("x-request-id", "gateway"),))
+    assert re.fullmatch(r"gateway-[0-9a-f]{8}", rid)
+    assert empty.request_id == rid, "the servicer sees the same id"
+    assert assign_request_id(again, (("x-request-id", "gateway"),)) != rid
+    long = "g" * 128
+    assert valid_request_id(assign_request_id(pb.GenerateRequest(), (("x-request-id", long),)))
+    # A call that starts no engine request keeps the gateway's id for its line.
+    assert assign_request_id(pb.TokenizeRequest(), (("x-request-id", "gateway"),)) == "gateway"
     fresh = pb.GenerateRequest()
     rid = assign_request_id(fresh, ())
     assert len(rid) == 32 and fresh.request_id == rid
