@@ -280,7 +280,7 @@ class ConstraintCompiler:
             note_refusal("grammar_compiles")
             raise resource_exhausted(f"{err}; retry later", Reason.COMPILE_QUEUE_FULL) from None
         except GrammarError as err:
-            note_compile(kind, err.backend, start, err.reason, cached)
+            note_compile(kind, err.backend, start, _outcome(err), cached)
             raise _compile_error(err, constraint.field) from None
         note_compile(kind, getattr(matcher, "backend", None), start, "compiled", cached)
         if self.resamples(constraint) and not matcher.checks_ready:
@@ -302,6 +302,14 @@ class ConstraintCompiler:
                 "for them; drop strict to have them checked on the finished output instead",
                 Reason.SCHEMA_NOT_ENFORCEABLE)
         return matcher, cached
+
+
+def _outcome(err: GrammarError) -> str:
+    """A failed compile's outcome for the metrics: what the library said, or
+    `busy`/`unavailable` when no worker ever compiled it (_compile_error)."""
+    if err.backend is None and err.reason in ("timeout", "crashed"):
+        return "busy" if err.reason == "timeout" else "unavailable"
+    return err.reason
 
 
 def _compile_error(err: GrammarError, field: str) -> ServiceError:

@@ -225,7 +225,8 @@ class ServerMetrics:
             ("backend", "kind"), registry=r, buckets=COMPILE_BUCKETS)
         self.compile_failures = Counter(
             "stencil_grammar_compile_failures",
-            "Constraints that could not be compiled, by reason (invalid, timeout, too_large, crashed).",
+            "Constraints that could not be compiled, by reason (invalid, timeout, too_large, crashed); "
+            "not those refused because no compile worker was free.",
             ("kind", "reason"), registry=r)
         self.compile_timeouts = Counter(
             "stencil_grammar_compile_timeouts",

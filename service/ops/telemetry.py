@@ -178,7 +178,9 @@ class Telemetry:
                 m.compile_cache_hits.labels(note.kind).inc()
             if note.outcome == "compiled" and not note.cached:
                 m.compile_seconds.labels(note.backend or "", note.kind).observe(note.end - note.start)
-            elif note.outcome not in ("compiled", "hit"):
+            # A constraint refused because no worker was free ("busy", an
+            # admission refusal) or none could start is no failure of its own.
+            elif note.outcome not in ("compiled", "hit", "busy", "unavailable"):
                 m.compile_failures.labels(note.kind, note.outcome).inc()
                 if note.outcome == "timeout":
                     m.compile_timeouts.labels(note.kind).inc()
