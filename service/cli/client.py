@@ -24,7 +24,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="the prompt text")
     add_connection_args(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    p.add_argument("--system", default=None, help="a system message (with --chat)")
+    p.add_argument("--system", default=None, help="a system message (implies --chat)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -139,7 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 
     req = pb.GenerateRequest()
-    if args.chat:
+    if args.chat or args.system is not None:
         if args.system:
             req.chat.messages.add(role="system", content=args.system)
         req.chat.messages.add(role="user", content=args.prompt)

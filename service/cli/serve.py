@@ -81,7 +81,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watchdog-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine with work that completes no step for this long reports "
                         "NOT_SERVING and logs what it is doing (0: off)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    p.add_argument("--log-level", default="INFO", type=_log_level, help="DEBUG, INFO, WARNING, ERROR")
     t = p.add_argument_group("security")
     t.add_argument("--tls-cert", type=Path, default=None, metavar="FILE",
                    help="serve TLS with this certificate chain (PEM); reloaded on SIGHUP")
@@ -189,6 +189,14 @@ class ServePlan:
     config: ServerConfig
     embedding: EmbeddingOptions | None
     speech: SpeechOptions | None
+
+
+def _log_level(value: str) -> str:
+    """A logging level's name (any case); argparse's error otherwise."""
+    level = value.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a log level (DEBUG, INFO, WARNING, ERROR)")
+    return level
 
 
 def _model_dir(args: argparse.Namespace) -> tuple[Path, str] | str:
@@ -314,6 +322,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     if args.tls_client_ca is not None and args.tls_cert is None:
         return "--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS with client certificates)"
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert is not None else None
+    if tls is not None:
+        tls.read()  # files that are not a certificate and its key: ValueError, before anything starts
     try:
         api_keys = load_keys(args.api_key_file, os.environ.get(API_KEYS_ENV))
     except (OSError, ValueError) as err:

@@ -78,6 +78,39 @@ def test_serve_rejects_bad_embedding_and_grammar_options(tmp_path: Path,
         main(["serve", "--embedding-model", str(tmp_path), "--no-embedding-model"])
 
 
+def test_serve_refuses_a_bad_log_level_and_unusable_tls_files(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Both ended in a traceback: the log level inside logging's set-up, the TLS
+    files inside the running server."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--log-level", "verbose"])
+    assert exit_.value.code == 2 and "not a log level" in capsys.readouterr().err
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    assert main(["serve", "--preset", "tiny-llama", "--tls-cert", str(bad), "--tls-key", str(bad)]) == 2
+    assert "cannot use the TLS files" in capsys.readouterr().err
+
+
+def test_generate_system_implies_chat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--system without --chat was accepted and dropped."""
+    from service.gen.stencil.v1 import generate_pb2 as pb
+    from service.gen.stencil.v1 import generate_pb2_grpc
+
+    sent: list[pb.GenerateRequest] = []
+
+    class Stub:
+        def __init__(self, channel: object) -> None:
+            pass
+
+        def Generate(self, req: pb.GenerateRequest, **_: object) -> object:
+            sent.append(req)
+            return iter([pb.GenerateResponse(complete=pb.GenerateComplete())])
+
+    monkeypatch.setattr(generate_pb2_grpc, "GenerationStub", Stub)
+    assert main(["generate", "Hello", "--system", "You are terse.", "--port", "1"]) == 0
+    assert [(m.role, m.content) for m in sent[0].chat.messages] == [("system", "You are terse."), ("user", "Hello")]
+
+
 def test_serve_speech_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from service.cli import build_parser
     from service.cli.serve import ServePlan, plan_serve
