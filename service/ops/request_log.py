@@ -337,7 +337,8 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        ids = [f"{k}={getattr(record, k)}" for k in ("request_id", "trace_id") if hasattr(record, k)]
+        # Quoted like the access line's values: an id with a space cannot fake a field.
+        ids = [f"{k}={_value(getattr(record, k))}" for k in ("request_id", "trace_id") if hasattr(record, k)]
         return f"{line} [{' '.join(ids)}]" if ids else line
 
 

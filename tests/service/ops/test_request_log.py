@@ -105,6 +105,19 @@ def _capture(formatter: logging.Formatter) -> tuple[logging.Logger, io.StringIO]
     return logger, out
 
 
+def test_a_request_id_with_a_space_cannot_fake_a_field_on_other_lines() -> None:
+    logger, out = _capture(TextFormatter())
+    record = _record()
+    record.request_id = "x trace_id=forged"
+    token = enter_call(record)
+    try:
+        logging.getLogger("stencild.requests").info("a line logged during the call")
+    finally:
+        exit_call(token)
+        logger.handlers.clear()
+    assert '[request_id="x trace_id=forged" trace_id=' in out.getvalue()
+
+
 def test_text_and_json_lines() -> None:
     for formatter in (TextFormatter(), JsonFormatter()):
         logger, out = _capture(formatter)
