@@ -244,15 +244,17 @@ class WorkerPool:
         the replacement is ready: the caller may charge that wait to whoever
         asked for the compile.
         """
+        budget = deadline - time.monotonic()
         worker = self._acquire(deadline)
         started_by = worker.started + self._startup_timeout
-        if worker.first:
-            # A compiler's first workers start with it: a caller that uses it
-            # at once waits for them, as for its construction.
-            deadline += max(0.0, started_by - time.monotonic()) if not worker.ready else 0.0
-            worker.first = False
+        # A compiler's first workers start with it: a caller that uses it at
+        # once waits for them, as for its construction, and then has the
+        # budget it came with (no more: the start-up budget is minutes, which
+        # a hostile compile would otherwise get too).
+        first_wait = worker.first and not worker.ready
+        worker.first = False
         try:
-            worker.wait_ready(max(0.0, min(started_by, deadline) - time.monotonic()))
+            worker.wait_ready(max(0.0, (started_by if first_wait else min(started_by, deadline)) - time.monotonic()))
         except _Timeout:
             if time.monotonic() >= started_by:  # it never started
                 self._discard(worker)
@@ -262,6 +264,8 @@ class WorkerPool:
         except _Crashed:
             self._discard(worker)
             raise GrammarError("grammar compile worker could not start", reason="crashed") from None
+        if first_wait:
+            deadline = max(deadline, time.monotonic() + budget)
         if deadline - time.monotonic() <= 0:
             # The wait for a worker used up the budget. Giving it a compile
             # now would only time out and kill a worker that did nothing

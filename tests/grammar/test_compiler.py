@@ -173,6 +173,28 @@ def test_pathological_schema_times_out_and_compiler_recovers(tokenizer):
         assert time.monotonic() - again < 0.5
 
 
+def test_a_compile_that_waits_for_the_first_worker_still_gets_only_its_timeout(tokenizer):
+    """A caller that takes one of a fresh compiler's first workers waits for it
+    to start, then has its own budget: the start-up budget (40 s here, 120 by
+    default) used to be added to the compile's deadline, so a hostile compile
+    on an unwarmed compiler held the worker ~30 s against a 1 s timeout."""
+    timeout = 1.0
+    tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": nested_any_of(7), "end": "</f>"}],
+           "triggers": ["<f>"]}  # no planning job: the compile itself takes the starting worker
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=timeout,
+                         compile_workers=1, worker_startup_timeout_s=40.0) as c:
+        fut = c.compile_async(GrammarSpec.structural_tag(tag), backend="xgrammar")
+        ready_at = None
+        while not fut.done():
+            if ready_at is None and c._pool is not None and any(w.ready for w in list(c._pool._all)):
+                ready_at = time.monotonic()
+            time.sleep(0.02)
+        answered = time.monotonic()
+        err = fut.exception()
+        assert isinstance(err, GrammarError) and err.reason == "timeout" and err.backend == "xgrammar"
+        assert ready_at is not None and answered - ready_at < timeout + 2.0
+
+
 def _compile_when_a_worker_is_up(c: GrammarCompiler, spec: GrammarSpec, backend: str,
                                  limit: float = 60.0):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + limit
