@@ -653,8 +653,11 @@ def _combine(errors: list[GrammarError]) -> GrammarError:
         if i and text.startswith("cannot compile"):
             text = text.split(": ", 1)[1]  # the label is already in the first message
         parts.append(f"{text} [{e.backend}]" if e.backend else text)
-    return GrammarError("; ".join(parts), reason=first.reason, backend=first.backend,
-                        final=any(e.final for e in errors))
+    # A fallback that ran out of time (or never got a worker: no backend) has
+    # no verdict on the spec: the whole is that timeout, never cached as invalid.
+    last = errors[-1]
+    reason, backend = (last.reason, last.backend) if last.reason == "timeout" else (first.reason, first.backend)
+    return GrammarError("; ".join(parts), reason=reason, backend=backend, final=any(e.final for e in errors))
 
 
 def _done(value: Any, error: BaseException | None = None) -> Future[Any]:

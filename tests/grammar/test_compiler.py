@@ -195,6 +195,32 @@ def test_a_compile_that_waits_for_the_first_worker_still_gets_only_its_timeout(t
         assert ready_at is not None and answered - ready_at < timeout + 2.0
 
 
+def test_a_fallback_left_without_time_does_not_cache_the_first_refusal(tokenizer):
+    """auto: llguidance refuses the schema and xgrammar (which compiles it) is
+    left no budget (the compile had queued): the combined error took the
+    first's reason, "invalid", and was cached under auto, so every later call
+    was refused as invalid. It is a busy timeout now, not cached."""
+    spec = GrammarSpec.json_schema({"type": "object", "patternProperties": {"a*": {"type": "integer"}, "aaa*": {}}})
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS,
+                         compile_timeout_s=2.0, compile_workers=1) as c:
+        c.compile(GrammarSpec.regex("warm"), backend="xgrammar")  # worker up
+        assert c.backends_for(spec)[0] == "llguidance"
+        real = c._compile_one
+
+        def budget_spent_by_llguidance(backend, view, deadline, given=None):  # type: ignore[no-untyped-def]
+            try:
+                return real(backend, view, deadline, given)
+            finally:
+                if backend == "llguidance":
+                    time.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+
+        c._compile_one = budget_spent_by_llguidance  # type: ignore[method-assign]
+        err = c.compile_async(spec).exception(timeout=30)
+        assert isinstance(err, GrammarError) and err.reason == "timeout" and err.backend is None
+        del c._compile_one
+        assert c.compile(spec).backend == "xgrammar"
+
+
 def _compile_when_a_worker_is_up(c: GrammarCompiler, spec: GrammarSpec, backend: str,
                                  limit: float = 60.0):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + limit
