@@ -64,6 +64,10 @@ class WorkerProcess:
             self.proc: subprocess.Popen[bytes] | ForkedProcess = (
                 fork_worker(to_child_r, from_child_w, startup_timeout_s)
                 or _start_interpreter(to_child_r, from_child_w))
+        except BaseException:
+            os.close(to_child_w)  # our ends too: nothing will use them
+            os.close(from_child_r)
+            raise
         finally:
             os.close(to_child_r)
             os.close(from_child_w)

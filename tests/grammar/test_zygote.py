@@ -216,3 +216,23 @@ def test_the_zygote_answers_a_fork_it_cannot_make_with_none(monkeypatch):
 
     monkeypatch.setattr(os, "fork", no_fork)
     assert _zygote._fork(lambda: None) == (0, None)
+
+
+def test_a_worker_that_cannot_start_leaks_no_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the zygote nor a fresh interpreter could start it (a process
+    limit): the parent's two pipe ends leaked on every try (three a compile)."""
+    import errno
+
+    from grammar import _pool
+
+    monkeypatch.setattr(_pool, "fork_worker", lambda *args: None)
+
+    def refused(*args: object) -> None:
+        raise BlockingIOError(errno.EAGAIN, "fork: Resource temporarily unavailable")
+
+    monkeypatch.setattr(_pool, "_start_interpreter", refused)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(OSError):
+            _pool.WorkerProcess(b"", startup_timeout_s=1.0)
+    assert len(os.listdir("/proc/self/fd")) == before
