@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 # A compile that timed out is cached as a failure only if it had (nearly) the
 # whole timeout; one whose budget went on queueing may succeed another time.
 _FULL_BUDGET = 0.9
+# Specs remembered as having crashed a worker once (a second crash is cached).
+_CRASHES_KEPT = 1024
 # From bench/grammar_conformance.py on the draft 2020-12 suite (see BENCHMARKS.md).
 JSON_ORDER = ("llguidance", "xgrammar")
 _KIND_ORDER = {
@@ -164,6 +166,7 @@ class GrammarCompiler:
         # Compiles queued or running: each queue job counts, per tenant, the
         # callers waiting for it (`Job.waiters`).
         self._inflight: dict[tuple[GrammarSpec, str], Job] = {}
+        self._crashed_once: dict[Any, None] = {}  # keys whose compile crashed once (oldest first)
         self._lock = threading.Lock()
         self._queue = FairQueue(cfg.compile_workers, cfg.compiles_per_tenant, "grammar-compile")
         self._filler = BitmaskFiller(self.tokenizer_data, cfg.mask_threads)
@@ -343,6 +346,21 @@ class GrammarCompiler:
                 del self._inflight[key]  # a new caller starts afresh
         pending.future.cancel()  # outside the lock: its callbacks run here
 
+    def _cache_failure(self, key: Any, error: GrammarError) -> None:
+        """Cache `error` as the verdict on `key`. A crash counts once it
+        repeats: a worker also dies of what is not its spec's doing (the OOM
+        killer, an operator, the end of its zygote), and a spec that truly
+        crashes it would otherwise cost a worker on every call."""
+        if error.reason == "crashed":
+            with self._lock:
+                if key not in self._crashed_once:
+                    self._crashed_once[key] = None
+                    if len(self._crashed_once) > _CRASHES_KEPT:
+                        del self._crashed_once[next(iter(self._crashed_once))]
+                    return
+                del self._crashed_once[key]
+        self._cache.put(key, error, 512)
+
     def _key(self, backend: str, spec: GrammarSpec) -> tuple[str, str, GrammarSpec]:
         return (self.tokenizer_data.fingerprint, backend, spec)
 
@@ -382,7 +400,7 @@ class GrammarCompiler:
             plan = self._plan(spec, deadline)
         except GrammarError as e:
             if e.reason != "timeout" and e.backend is not None:
-                self._cache.put(key, e, 512)
+                self._cache_failure(key, e)
             raise
         assert plan is not None
         if plan.watch is not None:
@@ -425,7 +443,7 @@ class GrammarCompiler:
                                    "(preparing the schema)", reason="timeout", backend=order[0]) from None
             e = GrammarError(str(e), reason=e.reason, backend=order[0])
             if auto:
-                self._cache.put(self._key("auto", spec), e, 512)
+                self._cache_failure(self._key("auto", spec), e)
             raise e from None
         assert plan is not None
         if deadline <= time.monotonic():
@@ -444,7 +462,7 @@ class GrammarCompiler:
                                            time.monotonic() - planning, given)
         except GrammarError as e:
             if auto and e.reason != "timeout" and e.backend is not None:
-                self._cache.put(self._key("auto", spec), e, 512)
+                self._cache_failure(self._key("auto", spec), e)
             raise
         if auto:
             self._cache.put(self._key("auto", spec), _stored(artifact), 1)  # shares the backend's entry
@@ -497,7 +515,7 @@ class GrammarCompiler:
                 # (Planning the schema is the spec's own cost: it counts as budget.)
                 full_budget = budget + plan_seconds >= _FULL_BUDGET * timeout
                 if e.backend is not None and (e.reason != "timeout" or full_budget):
-                    self._cache.put(key, e, 512)
+                    self._cache_failure(key, e)
                 errors.append(e)
                 if e.reason == "timeout" or e.final:
                     break  # the deadline is spent, or the spec accepts nothing: no fallback

@@ -221,6 +221,41 @@ def test_a_fallback_left_without_time_does_not_cache_the_first_refusal(tokenizer
         assert c.compile(spec).backend == "xgrammar"
 
 
+def test_a_crash_is_cached_only_once_it_repeats(tokenizer):
+    """A worker killed mid-compile from outside (the OOM killer, an operator,
+    its zygote's end) said nothing of the spec, yet the crash was cached and
+    the valid spec refused until evicted. One crash is not cached; a second is
+    (a spec that truly crashes workers must not cost one on every call)."""
+    spec = GrammarSpec.regex("(a|b)*c" * 40)
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS,
+                         compile_timeout_s=60.0, compile_workers=1) as c:
+        _compile_when_a_worker_is_up(c, GrammarSpec.regex("warm"), "llguidance")
+        key = c._key("llguidance", spec)
+        for crash in range(2):
+            (pid,) = c.worker_pids()
+            c._pool.run = _killing(c._pool.run, pid)  # type: ignore[union-attr, method-assign]
+            with pytest.raises(GrammarError, match="crashed") as info:
+                c.compile(spec, backend="llguidance")
+            assert info.value.backend == "llguidance"
+            del c._pool.run  # type: ignore[union-attr]
+            _wait_gone(pid)
+            assert (c._cache.get(key) is None) == (crash == 0)
+            if crash == 0:
+                _compile_when_a_worker_is_up(c, GrammarSpec.regex("wait for the new one"), "llguidance")
+        start = time.monotonic()
+        with pytest.raises(GrammarError, match="crashed"):
+            c.compile(spec, backend="llguidance")  # from the cache
+        assert time.monotonic() - start < 0.5
+
+
+def _killing(run, pid: int):  # type: ignore[no-untyped-def]
+    """`run` of a pool whose worker `pid` is killed (SIGKILL) as the compile starts."""
+    def killed_run(backend, spec, *args):  # type: ignore[no-untyped-def]
+        os.kill(pid, signal.SIGKILL)
+        return run(backend, spec, *args)
+    return killed_run
+
+
 def _compile_when_a_worker_is_up(c: GrammarCompiler, spec: GrammarSpec, backend: str,
                                  limit: float = 60.0):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + limit
