@@ -370,6 +370,10 @@ class GrammarCompiler:
             # auto's choice for a JSON spec depends on the schema (see _resolve),
             # so it is cached under its own key.
             entry = self._cache.get(self._key("auto", spec))
+            if isinstance(entry, _Chosen):
+                # The chosen library's own entry, which holds (and counts) the
+                # artifact; reading it keeps it as recent as its choice.
+                entry = self._cache.get(entry.key)
             if entry is None:
                 return None
             return _done(entry) if isinstance(entry, _Artifact) else _done(None, entry)
@@ -465,7 +469,7 @@ class GrammarCompiler:
                 self._cache_failure(self._key("auto", spec), e)
             raise
         if auto:
-            self._cache.put(self._key("auto", spec), _stored(artifact), 1)  # shares the backend's entry
+            self._cache.put(self._key("auto", spec), _Chosen(self._key(artifact.backend, spec)), 1)
         return artifact
 
     def _resolve_order(self, spec: GrammarSpec, order: tuple[str, ...], deadline: float,
@@ -659,6 +663,15 @@ def _check_backend(backend: str) -> str:
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"unknown grammar backend {backend!r}; use auto, xgrammar or llguidance")
     return backend
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    """auto's cache entry for a JSON spec: the key of the library it chose.
+    (Holding the artifact itself, counted as one byte, kept it alive after
+    its library's entry, the one whose bytes count, was evicted.)"""
+
+    key: Any
 
 
 def _combine(errors: list[GrammarError]) -> GrammarError:

@@ -256,6 +256,25 @@ def _killing(run, pid: int):  # type: ignore[no-untyped-def]
     return killed_run
 
 
+def test_auto_json_entries_keep_to_the_cache_byte_bound(tokenizer):
+    """auto's entry for a JSON schema held the artifact as one byte: cache hits
+    kept it recent while its library's entry (whose bytes count) aged out, so
+    the cache held far more than its byte bound (12 artifacts of 3 MB under 1 MiB)."""
+    from grammar.compiler import _Artifact
+
+    cache = GrammarCache(max_entries=1000, max_bytes=1 << 20)
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation="thread",
+                         cache=cache) as c:
+        seen: list[GrammarSpec] = []
+        for i in range(8):
+            seen.append(GrammarSpec.json_schema({"type": "object", "properties": {f"f{i}": {"type": "integer"}},
+                                                 "required": [f"f{i}"]}))
+            for spec in seen:  # a new schema, then the earlier ones again
+                assert c.compile(spec).accept_tokens(c.tokenizer_data.encode(f'{{"f{seen.index(spec)}": 1}}'))
+        held = {id(v): v for v, _ in cache._data.values() if isinstance(v, _Artifact)}
+        assert sum(a.size_bytes for a in held.values()) <= cache.max_bytes
+
+
 def _compile_when_a_worker_is_up(c: GrammarCompiler, spec: GrammarSpec, backend: str,
                                  limit: float = 60.0):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + limit
