@@ -158,7 +158,20 @@ class CompileContext:
             )
         if not self._serialize:
             return {"compiled": compiled, "size": size}
-        return {"json": compiled.serialize_json(), "size": size}
+        # xgrammar's estimate leaves out the per-rule automata, which can make
+        # the serialized grammar (and what the parent rebuilds from it) tens
+        # of times larger: the text is what counts.
+        try:
+            text = compiled.serialize_json()
+        except (MemoryError, RuntimeError) as e:  # std::bad_alloc under the worker's memory limit
+            if isinstance(e, RuntimeError) and "alloc" not in str(e):
+                raise
+            raise GrammarError("compiled grammar is too large to send", reason="too_large",
+                               backend="xgrammar") from None
+        if len(text) > max_bytes:
+            raise GrammarError(f"compiled grammar is too large ({len(text) >> 20} MiB > {max_bytes >> 20} MiB)",
+                               reason="too_large", backend="xgrammar")
+        return {"json": text, "size": max(size, len(text))}
 
     def _compile_llguidance(self, spec: GrammarSpec, max_bytes: int) -> dict[str, Any]:
         from . import _llg

@@ -319,7 +319,8 @@ def new_compiler(info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:
 def load(payload: dict[str, Any], data: TokenizerData) -> tuple[xgr.CompiledGrammar, int]:
     """Rebuild a CompiledGrammar sent by a worker; returns it and its size in bytes."""
     compiled = xgr.CompiledGrammar.deserialize_json(payload["json"], tokenizer_info(data))
-    return compiled, int(compiled.memory_size_bytes)
+    # The estimate leaves out the per-rule automata; the text's length does not.
+    return compiled, max(int(compiled.memory_size_bytes), len(payload["json"]))
 
 
 def direct_target(bitmask: torch.Tensor) -> Any | None:

@@ -13,7 +13,8 @@ class CompilerConfig:
 
     compile_timeout_s: wall-clock bound on one compile, fallback included.
     max_source_bytes: largest spec source accepted (UTF-8 bytes).
-    max_compiled_bytes: largest compiled grammar kept (xgrammar's estimate).
+    max_compiled_bytes: largest compiled grammar kept (xgrammar: its serialized size with
+        process isolation, else its own estimate; llguidance: the grammar text).
     cache_entries / cache_bytes: LRU bounds of the compiled-grammar cache.
     isolation: "process" (compiles run in killable worker processes) or
         "thread" (in-process; a timed-out compile keeps running - only for

@@ -275,6 +275,24 @@ def test_auto_json_entries_keep_to_the_cache_byte_bound(tokenizer):
         assert sum(a.size_bytes for a in held.values()) <= cache.max_bytes
 
 
+def test_an_xgrammar_compile_is_sized_by_what_crosses_to_the_parent(tokenizer):
+    """xgrammar's memory estimate leaves out the per-rule automata: a schema
+    it put at well under 1 MiB sends 3.3 MB of JSON (30 MB one level deeper),
+    which the parent then holds. The worker now sizes and limits it by that."""
+    from grammar import _worker, _xgr
+    from grammar.tokenizer import TokenizerData
+
+    data = TokenizerData(tokenizer, MODEL_VOCAB, list(STOP_IDS))
+    worker = _worker.CompileContext(_worker.process_init(data, None))
+    spec = GrammarSpec.json_schema(nested_any_of(2))
+    payload = worker.compile("xgrammar", spec, 64 << 20)
+    assert payload["size"] == len(payload["json"]) > 1 << 20
+    assert _xgr.load(payload, data)[1] == len(payload["json"])
+    with pytest.raises(GrammarError, match="too large") as info:
+        worker.compile("xgrammar", spec, 1 << 20)
+    assert (info.value.reason, info.value.backend) == ("too_large", "xgrammar")
+
+
 def _compile_when_a_worker_is_up(c: GrammarCompiler, spec: GrammarSpec, backend: str,
                                  limit: float = 60.0):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + limit
