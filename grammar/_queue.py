@@ -59,6 +59,10 @@ class Job:
     holds: list[Callable[[float], object]] = field(default_factory=list)
 
 
+# Idle tenants whose last start is remembered (the oldest is forgotten first).
+_LAST_STARTS_KEPT = 4096
+
+
 @dataclass(eq=False)
 class _Tenant:
     queue: list[tuple[int, int, Job]] = field(default_factory=list)  # heap of (cost, seq, job)
@@ -77,6 +81,10 @@ class FairQueue:
         self._cond = threading.Condition(lock)  # runners: a job may start
         self._timer = threading.Condition(lock)  # the reaper: the earliest deadline moved
         self._tenants: dict[str, _Tenant] = {}
+        # When tenants with nothing queued last started a job (oldest first,
+        # bounded): one that sends a compile at a time comes back with its
+        # place, not as a tenant never served.
+        self._last_starts: dict[str, float] = {}
         self._deadlines: list[tuple[float, int, Job]] = []  # heap; stale entries skipped
         self._seq = itertools.count()
         self._closed = False
@@ -164,13 +172,23 @@ class FairQueue:
         first = tenant not in job.waiters
         job.waiters[tenant] = job.waiters.get(tenant, 0) + 1
         if first:
-            state = self._tenants.setdefault(tenant, _Tenant())
+            state = self._tenants.get(tenant)
+            if state is None:
+                state = self._tenants[tenant] = _Tenant(last_start=self._last_starts.pop(tenant, float("-inf")))
             heapq.heappush(state.queue, (job.cost, job.seq, job))
 
     def _drop_if_idle(self, tenant: str) -> None:
         state = self._tenants[tenant]
         if state.running == 0 and not any(j.state == "queued" for _, _, j in state.queue):
-            del self._tenants[tenant]
+            self._forget(tenant)
+
+    def _forget(self, tenant: str) -> None:
+        """Drop an idle tenant, keeping when it last started a job."""
+        state = self._tenants.pop(tenant)
+        if state.last_start > float("-inf"):
+            self._last_starts[tenant] = state.last_start
+            if len(self._last_starts) > _LAST_STARTS_KEPT:
+                del self._last_starts[next(iter(self._last_starts))]
 
     def _next(self) -> tuple[Job, str] | None:
         """The job to start now, and the tenant it is charged to (under the lock)."""
@@ -186,7 +204,7 @@ class FairQueue:
             if state.running < self.per_tenant and (best is None or state.last_start < best[0]):
                 best = (state.last_start, name, state)
         for name in idle:
-            del self._tenants[name]
+            self._forget(name)
         if best is None:
             return None
         _, name, state = best

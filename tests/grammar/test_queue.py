@@ -114,6 +114,27 @@ def test_the_tenant_served_least_recently_goes_first(make_queue: Callable[..., F
     assert rec.started == ["a0", "b0", "c0", "a1", "b1", "a2"]
 
 
+def test_a_tenant_that_sends_one_job_at_a_time_keeps_its_place(make_queue: Callable[..., FairQueue]) -> None:
+    """A tenant whose queue emptied was forgotten, so a client that sends,
+    waits, then sends again came back as never served and overtook tenants
+    served less recently (here d, waiting since before a's first job ran)."""
+    q = make_queue(threads=1, per_tenant=1)
+    rec = Recorder()
+    jobs = [submit(q, "d", rec.job("d1", blocking=True))]
+    rec.wait_started("d1")
+    jobs += [submit(q, "a", rec.job("a1", blocking=True)), submit(q, "d", rec.job("d2")),
+             submit(q, "b", rec.job("b1", blocking=True))]
+    rec.release("d1")
+    rec.wait_started("a1")
+    rec.release("a1")
+    rec.wait_started("b1")  # a has nothing queued now
+    jobs.append(submit(q, "a", rec.job("a2")))  # a's next compile
+    rec.release("b1")
+    for job in jobs:
+        job.future.result(5)
+    assert rec.started == ["d1", "a1", "b1", "d2", "a2"]
+
+
 def test_a_job_still_queued_at_its_deadline_fails_then(make_queue: Callable[..., FairQueue]) -> None:
     q = make_queue(threads=1, per_tenant=1)
     rec = Recorder()
