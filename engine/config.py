@@ -95,6 +95,10 @@ class EngineConfig(DeviceOptions):
             raise ValueError("num_steps > 1 needs overlap=False")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        # Checked again by the scheduler, but only after the weights and the cache are loaded.
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of "
                              f"{', '.join(sorted(PARSERS))}")

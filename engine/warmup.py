@@ -27,8 +27,10 @@ def warm_up(engine: EngineCore, grammar: bool = False) -> None:
         matcher = engine.structured.compile(GrammarSpec.choice(GRAMMAR_WARMUP_CHOICES))
     prompts = ["Hello", "Warm-up request with a somewhat longer prompt."]
     for i, text in enumerate(prompts + (["Yes or no?"] if grammar else [])):
-        ids = tok.encode(text)[: engine.max_model_len - 3]
-        ctx = engine.requests.make_context(ids, SamplingParams(temperature=0.0, max_new_tokens=2),
+        # Fitted to any context the engine takes (2 tokens and up).
+        ids = tok.encode(text)[: max(1, engine.max_model_len - 2)]
+        new_tokens = min(2, engine.max_model_len - len(ids))
+        ctx = engine.requests.make_context(ids, SamplingParams(temperature=0.0, max_new_tokens=new_tokens),
                                   request_id=f"stencild-warmup-{i}",
                                   matcher=matcher if i == len(prompts) else None)
         engine.add_request(ctx)

@@ -162,3 +162,19 @@ def test_config_checks() -> None:
         EngineConfig(model="x", gpu_memory_utilization=0.9)
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         EngineConfig(model="x", device="cuda", gpu_memory_utilization=1.5)
+    # Refused before any weight is loaded (the scheduler refused them after).
+    for name, value in (("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("num_steps", -1)):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(model="x", overlap=False, **{name: value})
+
+
+@pytest.mark.parametrize("limits", [dict(max_model_len=2), dict(max_model_len=3),
+                                    dict(page_size=1, kv_cache_gib=3 * 2 * 2 * 2 * 16 * 4 / 2**30)])
+def test_the_warm_up_fits_the_shortest_context(make_llm, limits) -> None:  # type: ignore[no-untyped-def]
+    """A context of 2 or 3 tokens (asked for, or all a tiny cache holds) is
+    accepted, and the server's warm-up then failed on it at start-up."""
+    from engine.warmup import warm_up
+
+    llm = make_llm("tiny-llama", **limits)
+    assert llm.engine.max_model_len in (2, 3)
+    warm_up(llm.engine)
