@@ -98,8 +98,11 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
     if not isinstance(node, dict):
         return
     declared = node.get("type")
+    ignored = _xgr_ignored_siblings(node)
     for key, value in node.items():
-        if key in _STRUCTURAL or key in _XGR_ANYWHERE:
+        if key in ignored:
+            gaps.add(key)
+        elif key in _STRUCTURAL or key in _XGR_ANYWHERE:
             pass
         elif key == "oneOf" and isinstance(value, list) and disjoint(value):
             pass  # xgrammar reads oneOf as anyOf: exact for disjoint branches
@@ -122,6 +125,25 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
         elif key in SUBSCHEMA_LISTS and isinstance(value, list):
             for sub in value:
                 _xgrammar_gaps(sub, gaps)
+
+
+def _xgr_ignored_siblings(node: dict) -> set[str]:
+    """Keywords of `node` xgrammar 0.2 reads past: beside enum or const it
+    takes the list alone (`type` too), beside anyOf (or oneOf) the branches
+    alone; a string's format wins over its pattern and lengths, and its
+    pattern over its lengths."""
+    keep = set(_STRUCTURAL)
+    if "enum" in node or "const" in node:
+        keep |= {"enum", "const"}
+    elif "anyOf" in node or "oneOf" in node:
+        keep |= {"anyOf", "oneOf"}
+    else:
+        if "format" in node:
+            return {k for k in ("pattern", "minLength", "maxLength") if k in node}
+        if "pattern" in node:
+            return {k for k in ("minLength", "maxLength") if k in node}
+        return set()
+    return {k for k in node if k not in keep}
 
 
 _JSON_TYPES = ("null", "boolean", "object", "array", "string", "integer", "number")
