@@ -73,7 +73,7 @@ def _strip(node: Any, drop: frozenset[str], dropped: set[str], *, one_of_to_any:
         return node
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in drop:
+        if key in drop or (key in ("const", "enum") and not _exact_as_double(value)):
             dropped.add(key)
             continue
         if key in SUBSCHEMA:
@@ -85,12 +85,16 @@ def _strip(node: Any, drop: frozenset[str], dropped: set[str], *, one_of_to_any:
             out[key] = [_strip(v, drop, dropped, one_of_to_any=one_of_to_any) for v in value]
         else:
             out[key] = value
-    if one_of_to_any and isinstance(out.get("oneOf"), list) and "anyOf" not in out:
+    if one_of_to_any and isinstance(out.get("oneOf"), list) and isinstance(out.get("allOf", []), list):
         # llguidance has no oneOf. As anyOf it is exact when at most one branch
         # can match any instance; otherwise "exactly one" goes unenforced.
         if not disjoint(out["oneOf"]):
             dropped.add("oneOf")
-        out["anyOf"] = out.pop("oneOf")
+        branches = out.pop("oneOf")
+        if "anyOf" not in out:
+            out["anyOf"] = branches
+        else:  # both on one node: the node's anyOf, and this one beside it
+            out["allOf"] = [*out.get("allOf", []), {"anyOf": branches}]
     return out
 
 
@@ -125,6 +129,21 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
         elif key in SUBSCHEMA_LISTS and isinstance(value, list):
             for sub in value:
                 _xgrammar_gaps(sub, gaps)
+
+
+def _exact_as_double(value: Any) -> bool:
+    """Whether every number in `value` survives a round trip through a double,
+    as both libraries read a schema's numbers: an integer past 2**53 does not
+    (their grammar would take its float neighbour instead)."""
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return abs(value) <= 2 ** 53
+    if isinstance(value, list):
+        return all(_exact_as_double(v) for v in value)
+    if isinstance(value, dict):
+        return all(_exact_as_double(v) for v in value.values())
+    return True
 
 
 def _xgr_ignored_siblings(node: dict) -> set[str]:

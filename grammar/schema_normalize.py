@@ -138,8 +138,8 @@ class _Normalizer:
     def _index(self, document: dict[str, Any], uri: str) -> None:
         """Record the resources and anchors of `document`, retrieved from `uri`."""
         stack: list[tuple[Any, dict[str, Any], str]] = [(document, document, uri)]
-        self.bases[id(document)] = _join(uri, str(document.get("$id", ""))) \
-            if isinstance(document.get("$id"), str) else uri
+        root_id = self._id_of(document)
+        self.bases[id(document)] = _join(uri, root_id) if root_id is not None else uri
         if self.bases[id(document)]:
             self.resources.setdefault(self.bases[id(document)], document)
         if uri:
@@ -148,8 +148,8 @@ class _Normalizer:
             item, resource, base = stack.pop()
             if not isinstance(item, dict):
                 continue
-            own_id = item.get("$id")
-            if item is not document and isinstance(own_id, str):
+            own_id = self._id_of(item)
+            if item is not document and own_id is not None:
                 if own_id.startswith("#"):  # draft-06/07: `$id: "#name"` is an anchor
                     self.anchors.setdefault(id(resource), {}).setdefault(own_id[1:], item)
                 else:
@@ -167,6 +167,13 @@ class _Normalizer:
             # Only subschemas: an `$id` or `$anchor` inside an annotation, a
             # `const` or a property named like a keyword is no resource.
             stack.extend((sub, resource, base) for sub in _subschemas(item))
+
+    def _id_of(self, item: dict[str, Any]) -> str | None:
+        """A node's `$id`, or under draft-04 and older its `id` (the keyword's old name)."""
+        for key in ("$id", "id") if self.old_draft else ("$id",):
+            if isinstance(item.get(key), str):
+                return str(item[key])
+        return None
 
     def _resolve(self, ref: str) -> tuple[str, Any, dict[str, Any]]:
         """The key of `ref` (unique across resources), the node it names, and
@@ -299,6 +306,8 @@ class _Normalizer:
             out = merge_all_of(out)
         if isinstance(out, dict) and not any(k in out for k in _APPLICATORS):
             _unevaluated_as_additional(out)
+        if isinstance(out, dict):
+            _whole_bounds(out)
         return out
 
     def _inline(self, ref: str, active: tuple[str, ...]) -> Any:
@@ -470,12 +479,35 @@ def _is_number(x: Any) -> bool:
 
 
 def _integral(value: Any) -> int | None:
-    """An integral JSON number as an int (1 and 1.0 alike); None otherwise."""
+    """An integral JSON number as an int (1 and 1.0 alike); None otherwise, and
+    for one past 2**53, which the libraries would read back as a float bound
+    (a range [n, n] then rejects n and accepts its float neighbours)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    if isinstance(value, float) and not (value.is_integer() and abs(value) <= 2 ** 53):
+    if isinstance(value, float) and not value.is_integer():
         return None
-    return int(value)
+    return int(value) if abs(value) <= 2 ** 53 else None
+
+
+def _whole_bounds(out: dict[str, Any]) -> None:
+    """An integer's fractional bounds rounded inward (`minimum: 1.5` is 2,
+    `exclusiveMaximum: 3.5` is `maximum: 3`): the same integers pass, and
+    xgrammar refuses a fractional bound on an integer."""
+    if out.get("type") != "integer":
+        return
+    rounded = {"minimum": lambda v: math.ceil(v), "maximum": lambda v: math.floor(v),
+               "exclusiveMinimum": lambda v: math.floor(v) + 1, "exclusiveMaximum": lambda v: math.ceil(v) - 1}
+    for key, whole in rounded.items():
+        value = out.get(key)
+        if not (isinstance(value, float) and math.isfinite(value) and not value.is_integer()):
+            continue
+        del out[key]
+        inclusive = key.removeprefix("exclusive").lower()  # minimum / maximum
+        n: float = int(whole(value))
+        have = out.get(inclusive)
+        if isinstance(have, int | float) and _is_number(have):
+            n = max(n, float(have)) if inclusive == "minimum" else min(n, float(have))
+        out[inclusive] = int(n) if float(n).is_integer() else n
 
 
 def _numbers_by_value(out: dict[str, Any]) -> None:

@@ -50,3 +50,31 @@ def test_auto_falling_back_to_xgrammar_reports_them_too(compiler: GrammarCompile
     # Pretty whitespace: auto prefers xgrammar.
     assert_no_silent_violation(compiler, {"type": "integer", "enum": [1, 2, 1.5]}, "1.5",
                                options=GrammarOptions(whitespace="pretty"))
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_an_integer_past_2_53_is_never_read_as_its_float_neighbour(compiler: GrammarCompiler, backend: str) -> None:
+    """`const: 12345678901234567890` became the float range [n, n]: both
+    libraries then refused n and took 12345678901234567000 (or ...168),
+    reporting nothing. The libraries read numbers as doubles: such a const is
+    left to the validator, and said so."""
+    matcher = compiler.compile(GrammarSpec("json_schema", '{"const": 12345678901234567890}'), backend=backend)
+    assert grammar_accepts(compiler, matcher, "12345678901234567890")
+    assert "const" in matcher.unenforced_keywords
+    assert not matcher.validator.validate_text("12345678901234567000").valid
+
+
+def test_fractional_bounds_on_an_integer_compile_with_xgrammar(compiler: GrammarCompiler) -> None:
+    """xgrammar refused them ("must be a whole number"); rounded inward, the same integers pass."""
+    matcher = compiler.compile(GrammarSpec.json_schema({"type": "integer", "minimum": 1.5, "exclusiveMaximum": 3.5}),
+                               backend="xgrammar")
+    assert [grammar_accepts(compiler, matcher, n) for n in ("1", "2", "3", "4")] == [False, True, True, False]
+
+
+def test_any_of_beside_one_of_compiles_with_llguidance(compiler: GrammarCompiler) -> None:
+    """oneOf became anyOf only on a node without one, so llguidance refused the schema."""
+    schema = {"anyOf": [{"type": "string"}, {"type": "integer"}],
+              "oneOf": [{"type": "integer", "minimum": 1}, {"type": "integer", "maximum": 5}]}
+    matcher = compiler.compile(GrammarSpec.json_schema(schema), backend="llguidance")
+    assert grammar_accepts(compiler, matcher, "7")
+    assert not grammar_accepts(compiler, matcher, '"s"')

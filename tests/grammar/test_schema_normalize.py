@@ -106,6 +106,13 @@ def test_an_integral_const_matches_by_value():
     # Not numbers, or not integral: literals as written.
     assert normalize_schema({"const": True}) == {"const": True}
     assert normalize_schema({"const": 0.5}) == {"const": 0.5}
+    # Past 2**53 a bound would be read as a double: the literal stays.
+    assert normalize_schema({"const": 12345678901234567890}) == {"const": 12345678901234567890}
+    # An integer's fractional bounds, rounded inward.
+    assert normalize_schema({"type": "integer", "minimum": 1.5, "exclusiveMaximum": 3.5}) == {
+        "type": "integer", "minimum": 2, "maximum": 3}
+    assert normalize_schema({"type": "integer", "exclusiveMinimum": 1.2, "minimum": 5}) == {
+        "type": "integer", "minimum": 5}
 
 
 def test_draft_04_07_spellings():
@@ -115,6 +122,10 @@ def test_draft_04_07_spellings():
         "dependentRequired": {"a": ["b"]}, "dependentSchemas": {"c": {"required": ["d"]}}}
     assert normalize_schema({"items": [{"type": "integer"}], "additionalItems": False}) == {
         "prefixItems": [{"type": "integer"}], "items": False}
+    # Draft-04's `id` names a resource or, as "#name", an anchor.
+    anchored = {"$schema": "http://json-schema.org/draft-04/schema#",
+                "definitions": {"a": {"id": "#foo", "type": "integer"}}, "properties": {"x": {"$ref": "#foo"}}}
+    assert normalize_schema(anchored) == {"properties": {"x": {"type": "integer"}}}
     # Before 2019-09 a $ref's siblings are ignored.
     old = {"$schema": "http://json-schema.org/draft-07/schema#",
            "definitions": {"i": {"type": "integer"}}, "$ref": "#/definitions/i", "maximum": 3}
