@@ -209,3 +209,19 @@ def xgrammar_misreads(pattern: str) -> str | None:
         if problem is not None:
             return f"{problem} at position {item.pos}"
     return None
+
+
+def json_pattern_misread(pattern: str, backend: str) -> str | None:
+    """The first construct of a JSON-schema `pattern` (ECMA-262, as the
+    validator reads it) that `backend` would read otherwise, or None:
+    xgrammar's misreads of the Rust syntax; for llguidance a class inside a
+    class or a set operator (`[[:alpha:]]`, `[a-z&&[^a]]`: Rust classes,
+    literal characters in ECMA) and look-around, which it refuses."""
+    if backend == "xgrammar":
+        return xgrammar_misreads(pattern)
+    for item in scan(pattern):
+        if item.kind == "class" and (item.nested or item.set_operator):
+            return f"a class inside a class or a set operator at position {item.pos}"
+        if item.kind == "open" and pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), item.pos):
+            return f"a look-around at position {item.pos}"
+    return None

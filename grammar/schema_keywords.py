@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .regex_syntax import json_pattern_misread
 from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
 
 # Keywords that never need enforcing (structure, not conditions).
@@ -61,28 +62,29 @@ def backend_view(schema: Any, backend: str) -> tuple[Any, tuple[str, ...]]:
     """
     unenforced: set[str] = set()
     if backend == "llguidance":
-        view = _strip(schema, _LLG_UNSUPPORTED, unenforced, one_of_to_any=True)
+        view = _strip(schema, _LLG_UNSUPPORTED, unenforced, backend, one_of_to_any=True)
     else:
-        view = _strip(schema, _XGR_DROPPED, unenforced, one_of_to_any=False)
+        view = _strip(schema, _XGR_DROPPED, unenforced, backend, one_of_to_any=False)
         _xgrammar_gaps(view, unenforced)
     return view, tuple(sorted(unenforced))
 
 
-def _strip(node: Any, drop: frozenset[str], dropped: set[str], *, one_of_to_any: bool) -> Any:
+def _strip(node: Any, drop: frozenset[str], dropped: set[str], backend: str, *, one_of_to_any: bool) -> Any:
     if not isinstance(node, dict):
         return node
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in drop or (key in ("const", "enum") and not _exact_as_double(value)):
+        if key in drop or (key in ("const", "enum") and not _exact_as_double(value)) \
+                or _misread_patterns(key, value, backend):
             dropped.add(key)
             continue
         if key in SUBSCHEMA:
-            out[key] = _strip(value, drop, dropped, one_of_to_any=one_of_to_any)
+            out[key] = _strip(value, drop, dropped, backend, one_of_to_any=one_of_to_any)
         elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: _strip(v, drop, dropped, one_of_to_any=one_of_to_any)
+            out[key] = {k: _strip(v, drop, dropped, backend, one_of_to_any=one_of_to_any)
                         for k, v in value.items()}
         elif key in SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_strip(v, drop, dropped, one_of_to_any=one_of_to_any) for v in value]
+            out[key] = [_strip(v, drop, dropped, backend, one_of_to_any=one_of_to_any) for v in value]
         else:
             out[key] = value
     if one_of_to_any and isinstance(out.get("oneOf"), list) and isinstance(out.get("allOf", []), list):
@@ -129,6 +131,17 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
         elif key in SUBSCHEMA_LISTS and isinstance(value, list):
             for sub in value:
                 _xgrammar_gaps(sub, gaps)
+
+
+def _misread_patterns(key: str, value: Any, backend: str) -> bool:
+    """Whether `backend` would read a regex of this `pattern` or
+    `patternProperties` otherwise than the validator (ECMA-262) does: it is
+    then left to the validator rather than enforced wrong."""
+    if key == "pattern" and isinstance(value, str):
+        return json_pattern_misread(value, backend) is not None
+    if key == "patternProperties" and isinstance(value, dict):
+        return any(json_pattern_misread(str(name), backend) is not None for name in value)
+    return False
 
 
 def _exact_as_double(value: Any) -> bool:

@@ -78,3 +78,21 @@ def test_any_of_beside_one_of_compiles_with_llguidance(compiler: GrammarCompiler
     matcher = compiler.compile(GrammarSpec.json_schema(schema), backend="llguidance")
     assert grammar_accepts(compiler, matcher, "7")
     assert not grammar_accepts(compiler, matcher, '"s"')
+
+
+@pytest.mark.parametrize(("pattern", "text", "backend"), [
+    ("^(?!a).*$", '"a"', "auto"),  # llguidance refused look-around; xgrammar dropped it silently
+    ("^(?=a)\\w+$", '"b"', "xgrammar"),
+    ("^\\A$", '"A"', "xgrammar"),  # read as the letter A
+    ("^\\z$", '"z"', "xgrammar"),
+    ("^[[:alpha:]]$", '"a"', "llguidance"),  # a Rust class; in ECMA-262 a class, then "]"
+    ("^[a-z&&[^a]]$", '"b"', "llguidance"),  # a set operator only Rust has
+])
+def test_a_pattern_a_library_reads_otherwise_is_left_to_the_validator(compiler: GrammarCompiler, pattern: str,
+                                                                     text: str, backend: str) -> None:
+    """The validator reads `pattern` as ECMA-262; where a library would read
+    it otherwise it is dropped from that library's grammar and reported."""
+    assert_no_silent_violation(compiler, {"type": "string", "pattern": pattern}, text, backend=backend)
+    if backend != "auto":
+        names = GrammarSpec.json_schema({"type": "object", "patternProperties": {pattern: {"type": "integer"}}})
+        assert "patternProperties" in compiler.compile(names, backend=backend).unenforced_keywords
