@@ -96,7 +96,24 @@ def normalize_schema(schema: Any, store: SchemaStore | None = None) -> Any:
     """
     if not isinstance(schema, dict):
         return schema
-    return _Normalizer(schema, store).run()
+    out = _Normalizer(schema, store).run()
+    # An object whose required name nothing admits accepts no instance. Both
+    # libraries then refuse `false`; llguidance sees it itself, but `auto`
+    # would fall back to xgrammar, which drops the name and compiles.
+    return False if isinstance(out, dict) and _no_object_fits(out) else out
+
+
+def _no_object_fits(node: dict[str, Any]) -> bool:
+    """Whether `node`, an object-only schema, requires a property it cannot
+    have (left out with additionalProperties false, or `false` itself)."""
+    required, props = node.get("required"), node.get("properties", {})
+    if node.get("type") != "object" or not isinstance(required, list) or not isinstance(props, dict):
+        return False
+    closed = node.get("additionalProperties") is False and "patternProperties" not in node \
+        and not any(k in node for k in ("anyOf", "oneOf", "allOf", "$ref", "if", "dependentSchemas",
+                                         "unevaluatedProperties"))
+    return any(props.get(name) is False or (closed and name not in props) for name in required
+               if isinstance(name, str))
 
 
 def _join(base: str, ref: str) -> str:

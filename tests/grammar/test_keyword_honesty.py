@@ -96,3 +96,18 @@ def test_a_pattern_a_library_reads_otherwise_is_left_to_the_validator(compiler: 
     if backend != "auto":
         names = GrammarSpec.json_schema({"type": "object", "patternProperties": {pattern: {"type": "integer"}}})
         assert "patternProperties" in compiler.compile(names, backend=backend).unenforced_keywords
+
+
+def test_an_object_that_must_have_a_property_it_cannot_have_is_refused(compiler: GrammarCompiler) -> None:
+    """llguidance saw it accepts nothing, auto fell back to xgrammar, which
+    left `required` unenforced: every output was INVALID, and strict took it."""
+    from grammar import GrammarError
+
+    for schema in ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"],
+                    "additionalProperties": False},
+                   {"type": "object", "properties": {"a": False}, "required": ["a"]}):
+        with pytest.raises(GrammarError, match="accept"):
+            compiler.compile(GrammarSpec.json_schema(schema))
+    # Open objects, or objects of no declared type, may have it.
+    assert compiler.compile(GrammarSpec.json_schema({"type": "object", "required": ["b"]}))
+    assert compiler.compile(GrammarSpec.json_schema({"properties": {"a": False}, "required": ["a"]}))
