@@ -341,8 +341,8 @@ class WorkerPool:
                 if fut in self._first_spawns:
                     first = first or fut
                 continue  # being spawned
-            if fut.exception() is not None:
-                return fut  # _acquire spawns another
+            if fut.cancelled() or fut.exception() is not None:
+                return fut  # _acquire spawns another (a spawn cancelled by close(): it is closed)
             worker = fut.result()
             if worker.proc.poll() is not None:
                 self._idle.remove(fut)
@@ -380,7 +380,7 @@ class WorkerPool:
 
 def _starting(fut: Future[WorkerProcess]) -> bool:
     """Whether `fut` is a worker still being spawned or one that has not said it is ready."""
-    return not fut.done() or (fut.exception() is None and not fut.result().ready)
+    return not fut.done() or (not fut.cancelled() and fut.exception() is None and not fut.result().ready)
 
 
 def _done(worker: WorkerProcess) -> Future[WorkerProcess]:

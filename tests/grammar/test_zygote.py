@@ -236,3 +236,15 @@ def test_a_worker_that_cannot_start_leaks_no_descriptors(monkeypatch: pytest.Mon
         with pytest.raises(OSError):
             _pool.WorkerProcess(b"", startup_timeout_s=1.0)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_spawn_cancelled_by_close_is_no_worker_starting() -> None:
+    """close() cancels spawns still queued; reading one's exception() raised
+    CancelledError out of the pool's wait for a worker instead of its closed error."""
+    from concurrent.futures import Future
+
+    from grammar import _pool
+
+    cancelled: Future = Future()
+    assert cancelled.cancel()
+    assert not _pool._starting(cancelled)
