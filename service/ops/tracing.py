@@ -55,18 +55,38 @@ def parse_traceparent(value: str | None, tracestate: str | None = None) -> Trace
     version, trace_id, parent_id, flags, rest = m.groups()
     if version == "ff" or (version == "00" and rest) or set(trace_id) == {"0"} or set(parent_id) == {"0"}:
         return None
-    return TraceParent(trace_id, parent_id, int(flags, 16), (tracestate or "").strip())
+    return TraceParent(trace_id, parent_id, int(flags, 16), _valid_tracestate(tracestate or ""))
+
+
+# A tracestate list member (W3C trace-context, section 3.3.1): key=value.
+_TRACESTATE_MEMBER = re.compile(
+    r"^(?:[a-z0-9][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]$")
+_TRACESTATE_MEMBERS = 32
+
+
+def _valid_tracestate(value: str) -> str:
+    """`value` if it is a well-formed tracestate, else "" (the spec lets a
+    receiver drop one it cannot parse; OpenTelemetry would log a warning per
+    call, echoing whatever the client sent)."""
+    members = [m.strip() for m in value.split(",") if m.strip()]
+    if len(members) > _TRACESTATE_MEMBERS or not all(_TRACESTATE_MEMBER.match(m) for m in members):
+        return ""
+    return ",".join(members)
 
 
 def trace_context(metadata: Sequence[tuple[str, Any]] | None) -> TraceParent | None:
     """The W3C trace context of a call's invocation metadata, if it has one."""
-    parent = state = None
+    parents: list[Any] = []
+    state = None
     for key, value in metadata or ():
         if key == TRACEPARENT:
-            parent = value
+            parents.append(value)
         elif key == TRACESTATE:
             state = value if state is None else f"{state},{value}"
-    return parse_traceparent(parent if isinstance(parent, str) else None, state)
+    if len(parents) != 1:  # none, or several: the spec reads several as invalid
+        return None
+    return parse_traceparent(parents[0] if isinstance(parents[0], str) else None, state)
 
 
 def check_otlp() -> None:
