@@ -359,6 +359,10 @@ class StencilServer:
                                + ((SPEECH_SERVICE,) if shared_speech else ())))
         if self.state.speech_loop is not None:
             out.append(Watched(self.state.speech_loop, (SPEECH_SERVICE,)))
+        if self.embedding.runtime is not None:
+            # On an embeddings-only server it is the server.
+            alone = (OVERALL_HEALTH,) if self.state.engine_loop is None else ()
+            out.append(Watched(self.embedding.runtime, (*alone, EMBEDDINGS_SERVICE)))
         return out
 
     def _start_speech(self, models: LoadedModels) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -78,6 +79,7 @@ class EmbeddingBatcher:
         self._cond = threading.Condition()
         self._closing = False
         self._forward_passes = 0
+        self._pass_started: float | None = None  # time.monotonic() of the pass in flight
         self._thread = threading.Thread(target=self._run, name="stencild-embed", daemon=True)
         self._thread.start()
 
@@ -89,6 +91,16 @@ class EmbeddingBatcher:
     @property
     def pending_tokens(self) -> int:
         return self._pending_tokens
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The worker thread (it waits for the device thread during a pass)."""
+        return self._thread
+
+    def stalled_for(self) -> float:
+        """Seconds the forward pass in flight has run (0 when none runs)."""
+        started = self._pass_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     # -- caller side ---------------------------------------------------------------
 
@@ -243,6 +255,7 @@ class EmbeddingBatcher:
             if taken is None:
                 return
             sequences = [s for job, a, b in taken for s in job.request.token_ids[a:b]]
+            self._pass_started = time.monotonic()
             try:
                 pooled = self.pipeline.forward(sequences)
                 self._forward_passes += 1
@@ -252,6 +265,8 @@ class EmbeddingBatcher:
                 else:
                     self._forward_each(taken)
                 continue
+            finally:
+                self._pass_started = None
             row = 0
             for job, a, b in taken:
                 rows, row = pooled[row:row + b - a], row + b - a

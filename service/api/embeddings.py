@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,15 @@ class EmbeddingRuntime:
     @property
     def forward_passes(self) -> int:
         return self.batcher.forward_passes
+
+    def stalled_for(self) -> float:
+        """Seconds the forward pass in flight has run (0 when none does): the watchdog's measure."""
+        return self.batcher.stalled_for()
+
+    @property
+    def threads(self) -> list[threading.Thread | None]:
+        """The threads a hung pass would be found in: the batcher's and the device thread."""
+        return [self.batcher.thread, self.executor.thread]
 
     def close(self) -> None:
         """Fail queued requests, wait for a pass in flight, stop an owned device thread.

@@ -6,7 +6,8 @@ step has completed for `timeout_s`, the services that engine serves turn
 NOT_SERVING, so load balancers and probes stop sending it traffic, and the log
 shows what the engine thread and the device thread are doing. When steps
 complete again, the services turn SERVING again (unless the server is
-draining by then).
+draining by then). The embedding model is watched the same way: a forward
+pass that runs past `timeout_s` turns its service NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -18,18 +19,30 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from service.engine_loop import EngineLoop
 from service.ops.health import NOT_SERVING, SERVING, HealthState
 
 log = logging.getLogger(__name__)
 
 
+class Stallable(Protocol):
+    """What the watchdog reads of a model's runner (an EngineLoop, an EmbeddingRuntime)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def stalled_for(self) -> float: ...
+
+    @property
+    def threads(self) -> list[threading.Thread | None]: ...
+
+
 @dataclass(frozen=True)
 class Watched:
-    """An engine loop and the health services that depend on it."""
+    """An engine loop (or the embedding model) and the health services that depend on it."""
 
-    loop: EngineLoop
+    loop: Stallable
     services: tuple[str, ...]
 
 

@@ -4,6 +4,7 @@ field, concurrent calls share forward passes, health and reflection list it."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -279,3 +280,40 @@ def test_vllm_protocol_embed(embed_server: ServerHandle, st_model: Any) -> None:
         stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=bad)), timeout=TIMEOUT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == [f"tokenized.input_ids[{len(bad) - 1}]"]
+
+
+def test_the_watchdog_reports_a_hung_embedding_pass(make_server: Callable[..., ServerHandle],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A pass that never returns left Embeddings SERVING: the watchdog only
+    watched engine loops. On an embeddings-only server it is the server."""
+    handle = make_server(generation=False, embedding=EmbeddingOptions(EmbeddingConfig()), watchdog_timeout_s=0.5)
+    runtime = handle.server.embedding.runtime
+    assert runtime is not None
+    pipeline = runtime.batcher.pipeline
+    release = threading.Event()
+    forward = pipeline.forward
+
+    def hung(sequences: Any) -> Any:
+        assert release.wait(TIMEOUT)
+        return forward(sequences)
+
+    pipeline.forward = hung  # type: ignore[method-assign]
+    health = health_pb2_grpc.HealthStub(handle.channel)
+
+    def status(service: str) -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT).status
+
+    caplog.set_level(logging.ERROR, logger="service.ops.watchdog")
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(embed, pb_grpc.EmbeddingsStub(handle.channel), ["stuck"])
+        deadline = time.monotonic() + TIMEOUT
+        while status(EMBEDDINGS) != NOT_SERVING:
+            assert time.monotonic() < deadline, "the watchdog never reported the hung pass"
+            time.sleep(0.05)
+        assert status("") == NOT_SERVING
+        assert "stencild-embed" in caplog.text
+        release.set()
+        assert len(call.result(TIMEOUT).embeddings) == 1
+    while status(EMBEDDINGS) != SERVING:
+        assert time.monotonic() < deadline, "the watchdog never reported the recovery"
+        time.sleep(0.05)
