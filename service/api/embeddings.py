@@ -33,7 +33,7 @@ from engine.embedding import (
 )
 from engine.errors import InvalidRequest
 from engine.executor import StepExecutor
-from service.api.generation import ServingState
+from service.api.generation import ServingState, counted_call
 from service.errors import (
     Reason,
     invalid_argument,
@@ -184,12 +184,12 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
             not_served_reason=Reason.NO_EMBEDDING_MODEL, loading="the embedding model is still loading", stopped="the embedding model is not running")
 
     @rpc_guard
+    @counted_call
     async def Embed(self, request: pb.EmbedRequest, context: Any) -> pb.EmbedResponse:
         runtime = self._require()
         normalize = request.normalize if request.HasField("normalize") else True
         dimensions = request.dimensions if request.HasField("dimensions") else None
         self._check_answer_fits(runtime, len(request.inputs), dimensions)
-        self.state.call_started()
         try:
             vectors, tokens = await runtime.batcher.embed(request.inputs, normalize, dimensions,
                                                           request.truncate)
@@ -205,8 +205,6 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
             if not runtime.alive:  # the device thread went away with a failed engine
                 raise unavailable("the embedding model is not running", Reason.ENGINE_STOPPED) from None
             raise
-        finally:
-            self.state.call_finished()
         # Large responses are built off the loop (tens of thousands of floats).
         build = _response if vectors.size < 65536 else _response_off_loop
         return await build(vectors, tokens, runtime.options.model_name)

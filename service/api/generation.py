@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,6 +16,7 @@ from service.api.schema_check import check_output, tool_calls, wants_validation
 from service.engine_loop import EngineFailed, EngineLoop, RequestStream
 from service.errors import (
     REQUEST_ID_METADATA,
+    Handler,
     Reason,
     current_request_id,
     failed_precondition,
@@ -172,6 +174,23 @@ class ServingState:
         await self._idle.wait()
 
 
+def counted_call(method: Handler) -> Handler:
+    """Count a servicer method's call in its ServingState's calls in flight
+    from its first line: a drain then waits for one still tokenizing or
+    compiling its constraint (which ends UNAVAILABLE once the drain began)
+    rather than stopping the server under it (CANCELLED)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.state.call_started()
+        try:
+            return await method(self, request, context)
+        finally:
+            self.state.call_finished()
+
+    return wrapper  # type: ignore[return-value]
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Generate, Tokenize, Detokenize, GetModelInfo and Abort over an EngineLoop."""
 
@@ -179,6 +198,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.state = state
 
     @rpc_guard
+    @counted_call
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         rid = convert.check_request_id(request.request_id)
         current_request_id.set(rid)  # failures from here on carry it
@@ -193,7 +213,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         assert self.state.constraints is not None
         stream = loop.submit_request(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint),
                                      prepared.reasoning)
-        self.state.call_started()
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             field = prepared.constraint.field if prepared.constraint is not None else None
@@ -227,7 +246,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # engine must stop working on it and free its pages now.
             if not stream.finished:
                 loop.abort(stream.request_id)
-            self.state.call_finished()
 
     @rpc_guard
     async def ValidateConstraint(self, request: pb.ValidateConstraintRequest,

@@ -24,7 +24,7 @@ import grpc
 from engine import EngineCore
 from engine.executor import StepExecutor
 from service.api.convert import check_request_id
-from service.api.generation import ServingState, next_outputs, run_maybe_off_loop
+from service.api.generation import ServingState, counted_call, next_outputs, run_maybe_off_loop
 from service.api.speech_convert import ChunkWriter, prepare_synthesize
 from service.engine_loop import EngineLoop
 from service.errors import REQUEST_ID_METADATA, Reason, current_request_id, rpc_guard, unavailable
@@ -84,6 +84,7 @@ class SpeechServicer(pb_grpc.SpeechServicer):
             stopped="the speech engine is not running")
 
     @rpc_guard
+    @counted_call
     async def Synthesize(self, request: pb.SynthesizeRequest, context: grpc.aio.ServicerContext) -> None:
         rid = check_request_id(request.request_id)
         current_request_id.set(rid)  # failures from here on carry it
@@ -94,7 +95,6 @@ class SpeechServicer(pb_grpc.SpeechServicer):
         if self.state.draining:  # the drain began while the text was tokenized
             raise unavailable("the server is shutting down", Reason.DRAINING)
         stream = loop.submit(prepared.context)
-        self.state.call_started()
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             assert engine.audio is not None and engine.speech_layout is not None
@@ -111,4 +111,3 @@ class SpeechServicer(pb_grpc.SpeechServicer):
             # engine must stop working on it and free its pages now.
             if not stream.finished:
                 loop.abort(prepared.context.request_id)
-            self.state.call_finished()

@@ -28,7 +28,7 @@ import numpy as np
 from engine import EngineCore
 from service.api import convert
 from service.api.embeddings import EmbeddingRuntime, EmbeddingSlot
-from service.api.generation import ServingState, next_outputs, run_maybe_off_loop
+from service.api.generation import ServingState, counted_call, next_outputs, run_maybe_off_loop
 from service.engine_loop import RequestStream
 from service.errors import (
     REQUEST_ID_METADATA,
@@ -85,6 +85,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     # -- Generate ---------------------------------------------------------------
     @rpc_guard
+    @counted_call
     async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         rid = convert.check_request_id(request.request_id)
         current_request_id.set(rid)
@@ -112,7 +113,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             pumps.append(asyncio.ensure_future(self._pump(seq, field, merged)))
 
         start(0)
-        self.state.call_started()
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             running = 1
@@ -154,7 +154,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             for seq in sequences:
                 if not seq.stream.finished:
                     loop.abort(seq.engine_id)
-            self.state.call_finished()
 
     @staticmethod
     async def _pump(seq: _Sequence, field: str | None, merged: asyncio.Queue[tuple[int, Any]]) -> None:
@@ -186,6 +185,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     # -- Embed ------------------------------------------------------------------
     @rpc_guard
+    @counted_call
     async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext) -> vpb.EmbedResponse:
         """The embedding model's vector of the input's text.
 
@@ -216,7 +216,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         from engine.embedding import BatcherClosed, BatcherOverloaded
         from engine.errors import InvalidRequest
 
-        self.state.call_started()
         try:
             vectors, tokens = await runtime.batcher.embed([text], True, None, False)
         except InvalidRequest as err:
@@ -231,8 +230,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             if not runtime.alive:  # the device thread went away with a failed engine
                 raise unavailable("the embedding model is not running", Reason.ENGINE_STOPPED) from None
             raise
-        finally:
-            self.state.call_finished()
         values = [float(v) for v in vectors[0]]
         return vpb.EmbedResponse(embedding=values, prompt_tokens=tokens, embedding_dim=len(values))
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -68,6 +71,37 @@ def test_health_not_serving_until_loaded_then_serving_then_drain(make_server) ->
         assert err.code() == grpc.StatusCode.UNAVAILABLE
     msgs = list(call)
     assert msgs[-1].complete.finish_reason == Finish.LENGTH, "the stream in flight finished"
+    stopped.result(TIMEOUT)
+
+
+def test_a_drain_waits_for_a_call_still_compiling_its_constraint(make_server) -> None:  # type: ignore[no-untyped-def]
+    """A call counted only once its request reached the engine: a drain that
+    began while it compiled stopped the server under it after a second
+    (CANCELLED). Now the drain waits, and the call ends UNAVAILABLE."""
+    server = make_server()
+    state = server.server.state
+    compiling, release = threading.Event(), threading.Event()
+    compile_constraint = state.compile_constraint
+
+    async def slow_compile(*args):  # type: ignore[no-untyped-def]
+        compiling.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return await compile_constraint(*args)
+
+    state.compile_constraint = slow_compile
+    req = greedy("compile me", max_new_tokens=4)
+    req.constraint.regex = "[a-z]+"
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(lambda: list(server.stub.Generate(req, timeout=TIMEOUT)))
+        assert compiling.wait(TIMEOUT)
+        stopped = server.drain(grace_s=30.0)
+        time.sleep(1.5)  # the server used to stop within a second here
+        assert not stopped.done(), "the drain did not wait for the call"
+        release.set()
+        with pytest.raises(grpc.RpcError) as err:
+            call.result(TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     stopped.result(TIMEOUT)
 
 
