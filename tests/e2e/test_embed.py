@@ -270,7 +270,9 @@ def test_vllm_protocol_embed(embed_server: ServerHandle, st_model: Any) -> None:
     by_text = stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(original_text=text)), timeout=TIMEOUT)
     assert by_text.embedding_dim == len(by_text.embedding) == 384
     np.testing.assert_allclose(by_text.embedding, reference(st_model, [text])[0], atol=1e-5)
-    engine = embed_server.server.state.engine_loop.engine
+    loop = embed_server.server.state.engine_loop
+    assert loop is not None
+    engine = loop.engine
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     by_ids = stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=ids)), timeout=TIMEOUT)
     decoded = engine.tokenizer.decode(ids, skip_special_tokens=True)

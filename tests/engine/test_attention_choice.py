@@ -5,6 +5,7 @@ each choice with its probes injected, the real probe of the Triton kernels
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -163,7 +164,8 @@ def test_config_checks() -> None:
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         EngineConfig(model="x", device="cuda", gpu_memory_utilization=1.5)
     # Refused before any weight is loaded (the scheduler refused them after).
-    for name, value in (("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("num_steps", -1)):
+    limits: dict[str, Any] = {"max_num_seqs": 0, "max_num_batched_tokens": 0, "num_steps": -1}
+    for name, value in limits.items():
         with pytest.raises(ValueError, match=name):
             EngineConfig(model="x", overlap=False, **{name: value})
 

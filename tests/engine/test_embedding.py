@@ -437,7 +437,7 @@ def test_a_cancel_while_tokenizing_off_the_loop_drops_the_request(pipeline: Embe
             if len(texts[0]) > 1000:
                 submitted.set()
 
-    batcher._submit = recording  # type: ignore[method-assign]
+    batcher._submit = recording  # type: ignore[method-assign, assignment]
 
     async def main() -> None:
         first = asyncio.ensure_future(batcher.embed(["first"]))

@@ -23,6 +23,7 @@ def grammar_accepts(compiler: GrammarCompiler, matcher: Any, text: str) -> bool:
 def assert_no_silent_violation(compiler: GrammarCompiler, schema: Any, text: str, backend: str = "auto",
                                options: GrammarOptions | None = None) -> None:
     matcher = compiler.compile(GrammarSpec.json_schema(schema, options), backend=backend)
+    assert matcher.validator is not None
     verdict = matcher.validator.validate_text(text)
     assert verdict.checked and not verdict.valid, "premise: the text is invalid"
     if grammar_accepts(compiler, matcher, text):
@@ -61,7 +62,7 @@ def test_an_integer_past_2_53_is_never_read_as_its_float_neighbour(compiler: Gra
     matcher = compiler.compile(GrammarSpec("json_schema", '{"const": 12345678901234567890}'), backend=backend)
     assert grammar_accepts(compiler, matcher, "12345678901234567890")
     assert "const" in matcher.unenforced_keywords
-    assert not matcher.validator.validate_text("12345678901234567000").valid
+    assert matcher.validator is not None and not matcher.validator.validate_text("12345678901234567000").valid
 
 
 def test_fractional_bounds_on_an_integer_compile_with_xgrammar(compiler: GrammarCompiler) -> None:
