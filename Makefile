@@ -8,10 +8,16 @@ TORCH  := torch==2.13.0
 DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 ifeq ($(DEVICE),cuda)
 # PyPI's Linux wheels of torch are its CUDA builds (CUDA libraries and Triton
-# inside); asked of PyPI itself, so a local CPU-only index cannot shadow them.
+# inside); asked of PyPI alone, with pip's own configuration off, so a local
+# CPU-only wheel directory or index (find-links, extra-index-url) cannot
+# shadow them (2.13.0+cpu would satisfy the pin and sort above it).
 TORCH_INSTALL := $(TORCH) --index-url https://pypi.org/simple
+TORCH_ENV := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_EXTRA_INDEX_URL=
 else
-TORCH_INSTALL := $(TORCH)
+# The CPU build, from PyTorch's own index (2.13.0+cpu sorts above PyPI's
+# 2.13.0, which is the CUDA build: gigabytes of CUDA libraries).
+TORCH_INSTALL := $(TORCH) --extra-index-url https://download.pytorch.org/whl/cpu
+TORCH_ENV :=
 endif
 
 .PHONY: setup serve test bench bench-serve lint protos clean
@@ -24,7 +30,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@echo "installing $(TORCH) for $(DEVICE)"
-	$(PIP) install -q $(TORCH_INSTALL)
+	$(TORCH_ENV) $(PIP) install -q $(TORCH_INSTALL)
+	@$(PY) -c "import sys, torch; sys.exit('$(DEVICE)' == 'cuda' and not torch.version.cuda and 'installed a torch without CUDA')"
 	$(PIP) install -q -e '.[dev]'
 	@# buf lints and compiles the protos for other languages (tests/service/test_protos.py);
 	@# from npm, optional: without it that test is skipped.

@@ -121,16 +121,22 @@ def test_dockerfile(name: str) -> None:
     assert steps[0][0] == "FROM" and "python:3.11" in steps[0][1]
     users = [arg for word, arg in steps if word == "USER"]
     assert users and users[-1] not in ("root", "0"), "runs as a non-root user"
-    entry = [arg for word, arg in steps if word == "ENTRYPOINT"][-1]
-    assert yaml.safe_load(entry) == ["stencild", "serve"]
+    entry = yaml.safe_load([arg for word, arg in steps if word == "ENTRYPOINT"][-1])
+    assert entry[:2] == ["stencild", "serve"]
     cmd = yaml.safe_load([arg for word, arg in steps if word == "CMD"][-1])
-    args = build_parser().parse_args(["serve", *cmd])
+    args = build_parser().parse_args(["serve", *entry[2:], *cmd])
+    # The serving flags survive arguments given to `docker run` (they replace CMD).
+    user = build_parser().parse_args(["serve", *entry[2:], "--model", "/models/m"])
+    assert (user.host, user.port, user.device) == ("0.0.0.0", args.port, args.device)
     exposed = {int(p) for word, arg in steps if word == "EXPOSE" for p in arg.split()}
     assert exposed == {args.port, args.metrics_port}
     if name == "Dockerfile.cuda":
         assert args.device == "cuda" and args.gpu_memory_utilization
         install = " ".join(arg for word, arg in steps if word == "RUN")
         assert "--index-url https://pypi.org/simple" in install, "the CUDA build of torch, from PyPI"
+    else:
+        install = " ".join(arg for word, arg in steps if word == "RUN")
+        assert "--extra-index-url https://download.pytorch.org/whl/cpu" in install, "torch's CPU build"
     # What `make setup` installs: the Makefile's torch pin first, then the project.
     makefile = (ROOT / "Makefile").read_text()
     pin = re.search(r"^TORCH\s*:=\s*(\S+)", makefile, re.M)
