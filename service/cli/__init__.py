@@ -25,7 +25,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
                        description="Write a preset checkpoint (random weights) as a HF directory.")
     p.add_argument("--preset", default="demo",
                    help="demo, demo-speech, bench, tiny-llama, tiny-llama-tied, tiny-mistral, tiny-qwen2, "
-                        "tiny-qwen3, or a SNAC decoder: demo-codec, tiny-codec")
+                        "tiny-qwen3, tiny-reasoning, or a SNAC decoder: demo-codec, tiny-codec")
     p.add_argument("dir", type=Path)
 
 

@@ -90,7 +90,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="require client certificates signed by this CA (mTLS)")
     t.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                    help="require 'authorization: Bearer KEY' on every RPC but health; one key per line: "
-                        "'KEY [NAME[:MAX_INFLIGHT]]' (default: $STENCILD_API_KEYS, comma-separated)")
+                        "'KEY [NAME[:MAX_INFLIGHT] [router]]' (default: $STENCILD_API_KEYS, comma-separated)")
     t.add_argument("--public-reflection", action="store_true",
                    help="serve reflection without an API key (it needs one otherwise)")
     t.add_argument("--no-vllm-protocol", action="store_true",
