@@ -15,8 +15,9 @@ TORCH_INSTALL := $(TORCH) --index-url https://pypi.org/simple
 TORCH_ENV := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_EXTRA_INDEX_URL=
 else
 # The CPU build, from PyTorch's own index (2.13.0+cpu sorts above PyPI's
-# 2.13.0, which is the CUDA build: gigabytes of CUDA libraries).
-TORCH_INSTALL := $(TORCH) --extra-index-url https://download.pytorch.org/whl/cpu
+# 2.13.0, which is the CUDA build: gigabytes of CUDA libraries); torch alone
+# there, its dependencies from PyPI in the next step.
+TORCH_INSTALL := --no-deps $(TORCH) --extra-index-url https://download.pytorch.org/whl/cpu
 TORCH_ENV :=
 endif
 
@@ -31,6 +32,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	@echo "installing $(TORCH) for $(DEVICE)"
 	$(TORCH_ENV) $(PIP) install -q $(TORCH_INSTALL)
+	$(PIP) install -q $(TORCH)
 	@$(PY) -c "import sys, torch; sys.exit('$(DEVICE)' == 'cuda' and not torch.version.cuda and 'installed a torch without CUDA')"
 	$(PIP) install -q -e '.[dev]'
 	@# buf lints and compiles the protos for other languages (tests/service/test_protos.py);

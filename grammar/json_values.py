@@ -7,7 +7,23 @@ checks compare `canonical` forms instead.
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
+
+
+def _finite(text: str) -> float:
+    return max(-sys.float_info.max, min(sys.float_info.max, float(text)))
+
+
+# An instance's numbers past a double's range are read as its largest value:
+# Python reads them as infinity, which is no JSON value (a validator sees null).
+INSTANCE_DECODER = json.JSONDecoder(parse_float=_finite)
+
+
+def parse_instance(text: str) -> Any:
+    """A model's JSON output as a value to validate (ValueError if it is not JSON)."""
+    return INSTANCE_DECODER.decode(text)
 
 
 def canonical(value: Any) -> Any:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import GrammarError
+from .json_values import INSTANCE_DECODER
 from .spec import GrammarSpec
 from .validation import SchemaValidator, ValidationResult
 
@@ -41,7 +42,8 @@ CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 MAX_WHITESPACE = 4
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
-_CALL = re.compile(re.escape(CALL_START) + r"\s*(.*?)\s*" + re.escape(CALL_END), re.DOTALL)
+_SPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = INSTANCE_DECODER
 
 
 @dataclass(frozen=True)
@@ -129,23 +131,37 @@ class CallReader:
         return found
 
     def parse(self, text: str) -> list[ToolCall]:
-        """Every whole call in `text`, in order (a call cut short is left out)."""
+        """Every whole call in `text`, in order (a call cut short is left out).
+
+        A call is read as JSON from its start marker, so an end marker inside
+        one of its strings does not cut it; its arguments are the model's own
+        text (a number too large for a double stays as written)."""
         calls = []
-        for match in _CALL.finditer(text):
-            body = match.group(1)
+        pos = 0
+        while (start := text.find(CALL_START, pos)) >= 0:
+            body = start + len(CALL_START)
             try:
-                value = json.loads(body)
+                value, members, after = _read_object(text, _skip_space(text, body))
+                end = _skip_space(text, after)
+                if not text.startswith(CALL_END, end):
+                    raise ValueError("expected the end of the call after its JSON")
             except (ValueError, RecursionError) as e:
+                # As the model wrote it: the call runs to the next end marker.
+                end = text.find(CALL_END, body)
+                if end < 0:
+                    break  # cut short
                 calls.append(ToolCall("", "", ValidationResult(
                     False, message=f"the call is not JSON: {str(e).splitlines()[0][:200]}", parsed=False)))
+                pos = end + len(CALL_END)
                 continue
+            pos = end + len(CALL_END)
             name = value.get("name") if isinstance(value, dict) else None
-            if not isinstance(name, str) or "arguments" not in value:
+            if not isinstance(name, str) or "arguments" not in members:
                 calls.append(ToolCall(name if isinstance(name, str) else "", "", ValidationResult(
                     False, message='a call is {"name": ..., "arguments": ...}')))
                 continue
             arguments = value["arguments"]
-            text_args = json.dumps(arguments, ensure_ascii=False)
+            text_args = members["arguments"]
             if name not in self.tools:
                 calls.append(ToolCall(name, text_args, ValidationResult(False, message=f"no tool is named {name!r}")))
                 continue
@@ -156,3 +172,27 @@ class CallReader:
                 result = validator.validate(arguments)
             calls.append(ToolCall(name, text_args, result))
         return calls
+
+
+def _skip_space(text: str, pos: int) -> int:
+    m = _SPACE.match(text, pos)
+    return m.end() if m is not None else pos
+
+
+def _read_object(text: str, pos: int) -> tuple[Any, dict[str, str], int]:
+    """The JSON value at `pos` (ValueError if none), the source text of each
+    member when it is an object, and where it ends."""
+    value, end = _DECODER.raw_decode(text, pos)
+    members: dict[str, str] = {}
+    if not isinstance(value, dict):
+        return value, members, end
+    i = _skip_space(text, pos + 1)  # past "{"
+    while text[i] != "}":
+        key, i = _DECODER.raw_decode(text, i)
+        i = _skip_space(text, _skip_space(text, i) + 1)  # past ":"
+        _, after = _DECODER.raw_decode(text, i)
+        members[key] = text[i:after]
+        i = _skip_space(text, after)
+        if text[i] == ",":
+            i = _skip_space(text, i + 1)
+    return value, members, end

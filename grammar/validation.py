@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import jsonschema_rs
 
+from .json_values import parse_instance
 from .schema_store import SchemaStore
 
 # Messages quote the instance; keep what goes into a status or a log short.
@@ -128,7 +129,7 @@ class SchemaValidator:
     def validate_text(self, text: str) -> ValidationResult:
         """Parse `text` as JSON and validate it; never raises."""
         try:
-            instance = json.loads(text)
+            instance = parse_instance(text)
         except (ValueError, RecursionError) as e:
             return ValidationResult(False, "", "", f"output is not JSON: {_short(str(e))}", parsed=False)
         return self.validate(instance)

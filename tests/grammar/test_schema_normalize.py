@@ -188,6 +188,10 @@ def test_validator_results():
     assert missing.keyword == "required" and missing.instance_path == ""
     broken = v.validate_text('{"tags":')
     assert not broken.valid and broken.keyword == "" and "not JSON" in broken.message
+    # A number past a double's range is a number (Python reads it as infinity,
+    # which the validator saw as null: "not of type number").
+    huge = SchemaValidator({"type": "number", "minimum": 0})
+    assert huge.validate_text("1e400").valid and not huge.validate_text("-1e400").valid
     with pytest.raises(ValueError):
         SchemaValidator({"$ref": "http://example.com/remote.json"})  # never fetched
 

@@ -153,3 +153,23 @@ def test_calls_are_read_back_and_their_arguments_validated():
     assert not calls[1].validation.valid and calls[1].validation.instance_path == "/unit"
     assert "no tool is named" in calls[2].validation.message
     assert not calls[3].validation.parsed
+
+
+def test_a_call_is_read_as_json_not_up_to_the_first_end_marker(compiler):
+    """An end marker inside a string of the arguments (the grammar allows it)
+    cut the call there, reported as not JSON; a number too large for a double
+    came back as Infinity (no JSON) and failed {"type": "number"}. The
+    arguments are now the model's own text."""
+    write = Tool("write_file", {"type": "object", "properties": {"path": {"type": "string"},
+                                                                 "content": {"type": "string"}}})
+    big = Tool("f", {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
+    text = ('<tool_call>\n{"name": "write_file", "arguments": {"path": "a.xml", "content": "<a></tool_call></a>"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "f", "arguments": {"x": 1e400}}\n</tool_call>')
+    for tools in ([write, big],):
+        matcher = compiler.compile(call_constraint(tools, "required"), backend="xgrammar")
+        ids = compiler.tokenizer_data.encode(text)
+        assert matcher.accept_tokens(ids) == len(ids) and matcher.can_terminate()
+    first, second = CallReader([write, big]).parse(text)
+    assert first.name == "write_file" and first.validation.valid
+    assert json.loads(first.arguments)["content"] == "<a></tool_call></a>"
+    assert second.arguments == '{"x": 1e400}' and second.validation.valid
