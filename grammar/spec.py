@@ -176,6 +176,8 @@ class GrammarSpec:
                 tag = json.dumps(tag, ensure_ascii=False)
             except (TypeError, ValueError) as e:
                 raise GrammarError(f"structural tag is not serialisable: {e}") from None
+            except RecursionError:
+                raise GrammarError("structural tag is nested too deeply") from None
         return cls("structural_tag", tag)
 
     @property

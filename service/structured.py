@@ -178,7 +178,7 @@ def tools_spec(req: pb.GenerateRequest) -> ToolsSpec | None:
         try:
             tools.append(Tool(t.name, parameters, t.description))
         except GrammarError as e:
-            field = f"tools[{i}].name" if "name" in str(e) else f"tools[{i}].parameters"
+            field = f"tools[{i}].name" if str(e).startswith("tool name") else f"tools[{i}].parameters"
             raise invalid_argument(field, str(e)) from None
     tc = req.tool_choice
     choice = _MODES.get(tc.mode)

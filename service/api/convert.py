@@ -145,12 +145,31 @@ def template_kwargs(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat
         raise invalid_argument(f"{field}.template_kwargs", f"not JSON: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(kwargs, dict):
         raise invalid_argument(f"{field}.template_kwargs", "must be a JSON object")
+    if _deeper_than(kwargs, MAX_TEMPLATE_KWARGS_DEPTH):
+        raise invalid_argument(f"{field}.template_kwargs", f"nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels")
     # apply_chat_template's own parameters, and the names its renderer passes the template itself.
     own = set(inspect.signature(tokenizer.hf.apply_chat_template).parameters) | _RENDERER_NAMES
     reserved = sorted(set(kwargs) & own)
     if reserved:
         raise invalid_argument(f"{field}.template_kwargs", f"{reserved[0]!r} is not a template variable")
     return kwargs
+
+
+# Template variables are settings (enable_thinking, a date): a few levels at
+# most. transformers walks them recursively before rendering.
+MAX_TEMPLATE_KWARGS_DEPTH = 32
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether a JSON value nests lists/objects more than `limit` levels (iteratively)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat",
@@ -173,6 +192,9 @@ def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat",
                                              add_generation_prompt=add_prompt, tools=tools, template_kwargs=kwargs)
     except jinja2.TemplateError as err:
         raise invalid_argument(f"{field}.messages", f"the chat template rejected them: {err}") from None
+    except RecursionError:  # template variables (or tools) nested past what the renderer walks
+        raise invalid_argument(f"{field}.template_kwargs" if kwargs else "tools",
+                               "nested too deeply for the chat template") from None
     except TypeError as err:  # a variable the renderer sets too
         if not kwargs:
             raise

@@ -277,7 +277,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         loop = self.state.require_engine()
-        return convert.detokenize(request, loop.engine.tokenizer, loop.engine.vocab_size)
+        # A token is a couple of bytes asked for and up to hundreds of bytes of
+        # text: a long request is decoded off the loop, and its answer checked.
+        response = await run_maybe_off_loop(request.ByteSize(), convert.detokenize, request, loop.engine.tokenizer,
+                                            loop.engine.vocab_size)
+        self.state.check_fits(response, "token_ids", "send fewer ids")
+        return response
 
     @rpc_guard
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

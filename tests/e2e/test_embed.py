@@ -256,6 +256,17 @@ def test_answers_over_the_message_limit_are_refused_by_name(make_server: Callabl
     err = _error(lambda: handle.stub.Tokenize(tokenize, timeout=TIMEOUT))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [f for f, _ in bad_request_violations(err.trailing_metadata())] == ["text"]
+    # So does Detokenize (a couple of bytes a token in, up to hundreds out: it
+    # ended in gRPC's bare RESOURCE_EXHAUSTED, after the work).
+    loop = handle.server.state.engine_loop
+    assert loop is not None
+    tok = loop.engine.tokenizer
+    longest = max(range(loop.engine.vocab_size), key=lambda i: len(tok.decode([i], skip_special_tokens=True)))
+    ids = [longest] * (64 * 1024 // len(tok.decode([longest], skip_special_tokens=True)) + 1)
+    err = _error(lambda: handle.stub.Detokenize(generate_pb2.DetokenizeRequest(token_ids=ids), timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and error_reason(err.trailing_metadata()) == \
+        "RESPONSE_TOO_LARGE"
+    assert [f for f, _ in bad_request_violations(err.trailing_metadata())] == ["token_ids"]
 
 
 def test_vllm_protocol_embed(embed_server: ServerHandle, st_model: Any) -> None:

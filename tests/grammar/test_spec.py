@@ -93,3 +93,15 @@ def test_clean_message_strips_library_internals():
     assert "\n" not in msg and "|" not in msg and "unclosed group" in msg
     assert not msg.startswith("at 1(8)")
     assert len(clean_message("x" * 5000)) <= 300
+
+
+def test_a_structural_tag_nested_past_the_recursion_limit_is_a_grammar_error() -> None:
+    """A tool's parameters that json.loads read (a little under its limit)
+    went past it once wrapped in the tag: RecursionError, answered INTERNAL."""
+    from grammar import GrammarError
+
+    schema: dict = {}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        GrammarSpec.structural_tag({"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}})
