@@ -71,14 +71,33 @@ def normalize(source: str) -> dict[str, Any]:
     """The structural tag in xgrammar's spelling (`{"type", "format"}`)."""
     tag = parse(source)
     if "format" in tag:
-        return {"type": "structural_tag", "format": tag["format"]}
-    return {"type": "structural_tag", "format": {
-        "type": "triggered_tags",
-        "triggers": list(tag["triggers"]),
-        "tags": [{"type": "tag", "begin": s["begin"], "end": s["end"],
-                  "content": {"type": "json_schema", "json_schema": s["schema"]}}
-                 for s in tag["structures"]],
-    }}
+        fmt = tag["format"]
+    else:
+        fmt = {"type": "triggered_tags", "triggers": list(tag["triggers"]),
+               "tags": [{"type": "tag", "begin": s["begin"], "end": s["end"],
+                         "content": {"type": "json_schema", "json_schema": s["schema"]}}
+                        for s in tag["structures"]]}
+    _check_tag_list(fmt)
+    return {"type": "structural_tag", "format": fmt}
+
+
+def _check_tag_list(fmt: Any) -> None:
+    """GrammarError for a list of tags the libraries would read apart: one
+    trigger the prefix of another (xgrammar refuses it; in llguidance the
+    shorter always fires first, so the other tags are never reached), or two
+    tags with one begin (which tag's schema a text follows is then unknown:
+    the output's check reads the first's)."""
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("tags"), list):
+        return
+    triggers = [t for t in fmt.get("triggers") or [] if isinstance(t, str)]
+    for a in triggers:
+        for b in triggers:
+            if a is not b and b.startswith(a):
+                raise _error(f"trigger {a!r} is the start of trigger {b!r}: give each tag one trigger")
+    begins = [t.get("begin") for t in fmt["tags"] if isinstance(t, dict) and isinstance(t.get("begin"), str)]
+    repeated = next((b for i, b in enumerate(begins) if b in begins[:i]), None)
+    if repeated is not None:
+        raise _error(f"two tags begin {repeated!r}: give each tag a begin of its own")
 
 
 def to_lark(tag: dict[str, Any]) -> str:

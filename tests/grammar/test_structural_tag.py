@@ -173,3 +173,18 @@ def test_a_call_is_read_as_json_not_up_to_the_first_end_marker(compiler):
     assert first.name == "write_file" and first.validation.valid
     assert json.loads(first.arguments)["content"] == "<a></tool_call></a>"
     assert second.arguments == '{"x": 1e400}' and second.validation.valid
+
+
+@pytest.mark.parametrize("tag, problem", [
+    # llguidance's "<f" always fired first, so <fun=...> could never be written
+    # (xgrammar refused it, and auto fell back to llguidance).
+    ({"structures": [{"begin": "<f=a>", "schema": {}, "end": "</f>"},
+                     {"begin": "<fun=b>", "schema": {}, "end": "</f>"}], "triggers": ["<fun", "<f"]}, "start of"),
+    # Which schema a text follows was unknown; the output's check took the first's.
+    ({"structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"},
+                     {"begin": "<f>", "schema": {"type": "string"}, "end": "</f>"}], "triggers": ["<f"]}, "two tags"),
+])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_tags_the_libraries_would_read_apart_are_refused(compiler, tag, problem, backend):
+    with pytest.raises(GrammarError, match=problem):
+        compiler.compile(GrammarSpec.structural_tag({"type": "structural_tag", **tag}), backend=backend)
