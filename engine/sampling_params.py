@@ -11,6 +11,9 @@ from .errors import InvalidRequest
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Stop token ids are looked up on every generated token (and again for
+# min_new_tokens' block): a few dozen is a lot; millions cost every request.
+MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRING_LENGTH = 256
 # Temperatures below this sample greedily (vLLM's rule): dividing logits by a
 # tiny temperature overflows them to infinities.
@@ -107,6 +110,8 @@ class SamplingParams:
                 bad("stop", "stop strings must not be empty")
             if len(s) > MAX_STOP_STRING_LENGTH:
                 bad("stop", f"stop strings must be at most {MAX_STOP_STRING_LENGTH} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "token ids must be >= 0")
         for name in ("logprobs", "prompt_logprobs"):

@@ -81,6 +81,8 @@ INVALID = {
     "too many stop strings": (_set("stopping.stop", [f"s{i}" for i in range(17)]), "stopping.stop"),
     "empty stop string": (_set("stopping.stop", [""]), "stopping.stop"),
     "stop token outside vocab": (_set("stopping.stop_token_ids", [10**6]), "stopping.stop_token_ids"),
+    # Scanned on every token: 4M copies of one id cost 27 ms a token of every step.
+    "too many stop token ids": (_set("stopping.stop_token_ids", [5] * 1025), "stopping.stop_token_ids"),
     "logprobs above 20": (_set("response.logprobs", 21), "response.logprobs"),
     "prompt_logprobs above 20": (_set("response.prompt_logprobs", 50), "response.prompt_logprobs"),
     "request id too long": (_set("request_id", "x" * 300), "request_id"),
