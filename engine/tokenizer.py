@@ -124,12 +124,15 @@ class IncrementalDecoder:
 
     def _window_start(self, ids: list[int], end: int) -> tuple[int, str]:
         """A start for a window ending at `end` whose decode does not begin
-        inside a character (the shortest with CONTEXT_TOKENS or more), and its text."""
+        inside a character and is not empty (the shortest with CONTEXT_TOKENS
+        or more), and its text. An empty one holds only skipped special
+        tokens: a SentencePiece decoder would then strip the leading space of
+        the next word, as the first visible one."""
         k = self.CONTEXT_TOKENS
         while True:
             start = max(0, end - k)
             text = self._decode(ids[start:end])
-            if start == 0 or not text.startswith(REPLACEMENT) or k >= self.MAX_CONTEXT:
+            if start == 0 or (text and not text.startswith(REPLACEMENT)) or k >= self.MAX_CONTEXT:
                 return start, text
             k *= 2
 
@@ -183,6 +186,6 @@ class IncrementalDecoder:
     def _slide(self, text: str) -> None:
         """Keep the last few tokens, where their own decode is the end of `text`."""
         start, tail = self._window_start(self._ids, len(self._ids))
-        if start > 0 and text.endswith(tail) and not tail.startswith(REPLACEMENT):
+        if start > 0 and tail and text.endswith(tail) and not tail.startswith(REPLACEMENT):
             self._ids = self._ids[start:]
             self._seen = self._clean = tail
