@@ -32,6 +32,7 @@ from .errors import GrammarError, accepts_nothing, clean_message
 from .matcher import Matcher
 from .productive import RECURSIVE_KINDS, check_completable
 from .regex_syntax import xgrammar_misreads, xgrammar_pattern
+from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
 from .spec import KIND_LABELS
 from .tokenizer import PerTokenizer
 from .xgr_classes import scalar_classes
@@ -263,8 +264,49 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     if spec.kind == "structural_tag":
         assert isinstance(spec.source, str)
         # Formats naming tokens need the vocabulary: compile_native compiles those.
-        return _scalar(xgr.Grammar.from_structural_tag(json.dumps(structural_tag.normalize(spec.source))))
+        return _scalar(xgr.Grammar.from_structural_tag(_tag_json(spec.source)))
     raise GrammarError(f"{spec.kind} is not supported by xgrammar", backend=BACKEND)
+
+
+def _tag_json(source: str) -> str:
+    """A structural tag as xgrammar compiles it, its JSON-schema contents read
+    as JSON Schema reads them: xgrammar's structural tags compile schemas in
+    its strict mode, where an object allows only the properties it lists and
+    an array nothing past its prefixItems (valid tool arguments with an
+    optional extra key were refused)."""
+    return json.dumps(_open_contents(structural_tag.normalize(source)))
+
+
+def _open_contents(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_open_contents(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return {**node, "json_schema": _open_schema(node["json_schema"])}
+    return {k: _open_contents(v) for k, v in node.items()}
+
+
+def _open_schema(schema: Any) -> Any:
+    """`schema` with JSON Schema's defaults spelled out where strict mode would differ."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SUBSCHEMA:
+        if key in out:
+            out[key] = _open_schema(out[key])
+    for key in SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _open_schema(v) for k, v in out[key].items()}
+    for key in SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_open_schema(v) for v in out[key]]
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = True
+    if isinstance(out.get("prefixItems"), list) and "items" not in out and "unevaluatedItems" not in out:
+        out["items"] = True
+    return out
 
 
 def compile_native(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -280,7 +322,7 @@ def compile_native(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Comp
             if "tokenizer_info" not in str(e):
                 raise
             # A structural tag that names tokens: compiled with the vocabulary.
-            compiled = compiler.compile_structural_tag(json.dumps(structural_tag.normalize(str(spec.source))))
+            compiled = compiler.compile_structural_tag(_tag_json(str(spec.source)))
         else:
             if spec.kind in RECURSIVE_KINDS:
                 check_completable(str(grammar), KIND_LABELS[spec.kind], BACKEND, dead_ends=True)

@@ -188,3 +188,22 @@ def test_a_call_is_read_as_json_not_up_to_the_first_end_marker(compiler):
 def test_tags_the_libraries_would_read_apart_are_refused(compiler, tag, problem, backend):
     with pytest.raises(GrammarError, match=problem):
         compiler.compile(GrammarSpec.structural_tag({"type": "structural_tag", **tag}), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_tag_contents_are_read_as_json_schema_reads_them(compiler, backend):
+    """xgrammar's structural tags compile their schemas in its strict mode: a
+    tool's arguments with a key its schema does not list (and allows), or an
+    array past its prefixItems, were refused token by token."""
+    weather = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                   "required": ["city"]})
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+    if backend == "xgrammar":  # llguidance takes no tags_with_separator
+        assert _accepts(compiler, call_constraint([weather], "required"), call, backend)
+    tag = GrammarSpec.structural_tag({"structures": [{"begin": "<f>", "schema": {"type": "array", "prefixItems": [
+        {"type": "integer"}]}, "end": "</f>"}], "triggers": ["<f"]})
+    assert _accepts(compiler, tag, "x <f>[1, 2]</f>", backend)
+    closed = GrammarSpec.structural_tag({"structures": [{"begin": "<f>", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}, "end": "</f>"}],
+        "triggers": ["<f"]})
+    assert not _accepts(compiler, closed, 'x <f>{"a": 1, "b": 2}</f>', backend)
