@@ -24,8 +24,26 @@ from dataclasses import dataclass
 from typing import Any
 
 _WHITESPACE = b" \t\r\n"
-# Bytes a bare JSON scalar (number, true, false, null) is made of.
-_SCALAR = frozenset(b"0123456789+-.eEtruefalsn")
+_LITERALS = (b"true", b"false", b"null")
+_DIGITS = frozenset(b"0123456789")
+# A JSON number, as a state machine: state -> (byte class, next state). A
+# byte with no move ends the number before it (so an `end` such as "-->"
+# right after "2" is not read into it).
+_NUMBER: dict[str, tuple[tuple[frozenset[int], str], ...]] = {
+    "start": ((frozenset(b"-"), "sign"), (frozenset(b"0"), "zero"), (frozenset(b"123456789"), "int")),
+    "sign": ((frozenset(b"0"), "zero"), (frozenset(b"123456789"), "int")),
+    "zero": ((frozenset(b"."), "dot"), (frozenset(b"eE"), "exp")),
+    "int": ((_DIGITS, "int"), (frozenset(b"."), "dot"), (frozenset(b"eE"), "exp")),
+    "dot": ((_DIGITS, "frac"),),
+    "frac": ((_DIGITS, "frac"), (frozenset(b"eE"), "exp")),
+    "exp": ((frozenset(b"+-"), "exp_sign"), (_DIGITS, "exp_digits")),
+    "exp_sign": ((_DIGITS, "exp_digits"),),
+    "exp_digits": ((_DIGITS, "exp_digits"),),
+}
+
+
+def _number_move(state: str, byte: int) -> str | None:
+    return next((to for bytes_, to in _NUMBER[state] if byte in bytes_), None)
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,8 @@ class _JsonExtent:
     def __init__(self) -> None:
         self.depth = 0
         self.in_string = self.escaped = self.started = self.scalar = False
+        self._scalar = bytearray()  # a bare literal so far
+        self._number: str | None = None  # a bare number's state
 
     def step(self, byte: int) -> int:
         """MORE: `byte` is in the value, which goes on; DONE_WITH: it ends the
@@ -120,7 +140,7 @@ class _JsonExtent:
                 return self.DONE_WITH if self.depth == 0 else self.MORE
             return self.MORE
         if self.scalar:
-            return self.MORE if byte in _SCALAR else self.DONE_BEFORE
+            return self.MORE if self._continues(byte) else self.DONE_BEFORE
         if not self.started and byte in _WHITESPACE:
             return self.MORE
         self.started = True
@@ -134,7 +154,19 @@ class _JsonExtent:
                 return self.DONE_WITH
         elif self.depth == 0:
             self.scalar = True
+            self._scalar.append(byte)
+            self._number = _number_move("start", byte)
         return self.MORE
+
+    def _continues(self, byte: int) -> bool:
+        """Whether `byte` continues the bare number or literal (true, false, null)."""
+        if self._number is not None:
+            moved = _number_move(self._number, byte)
+            if moved is not None:
+                self._number = moved
+            return moved is not None
+        self._scalar.append(byte)
+        return any(lit.startswith(self._scalar) for lit in _LITERALS)
 
 
 class TagScanner:

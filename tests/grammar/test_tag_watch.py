@@ -155,3 +155,20 @@ def test_the_output_verdict_checks_each_tag_content_against_its_whole_schema():
 
 
 _CALL = '<tool_call>\n{{"name": "f", "arguments": {}}}\n</tool_call>'
+
+
+def test_a_bare_number_ends_where_a_number_cannot_go_on() -> None:
+    """Any of "0-9+-.eE" continued a bare number, so the end "-->" right after
+    "2" was read into it: the valid output's verdict was "not JSON", the next
+    tag was never found, and a valid value was resampled."""
+    source = json.dumps({"structures": [{"begin": "<!--n ", "schema": {"type": "integer", "not": {"const": 1}},
+                                         "end": "-->"}], "triggers": ["<!--n"]})
+    text = "a <!--n 2--> b <!--n -3.5e+2--> c <!--n true-->"
+    shapes = shapes_of(structural_tag.normalize(source))
+    assert shapes is not None
+    assert contents(shapes, text) == [(0, "2"), (0, "-3.5e+2"), (0, "true")]
+    verdict = OutputCheck(GrammarSpec("structural_tag", source)).validate_text("a <!--n 2--> b <!--n 3-->")
+    assert verdict.valid, verdict
+    watch = TagPlan(source, "xgrammar").watch()
+    assert watch is not None
+    assert not any(watch.feed(bytes([b])) for b in b"a <!--n 2--> b <!--n 3-->") and watch.finish() is None
