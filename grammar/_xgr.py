@@ -32,7 +32,7 @@ from .errors import GrammarError, accepts_nothing, clean_message
 from .matcher import Matcher
 from .productive import RECURSIVE_KINDS, check_completable
 from .regex_syntax import xgrammar_misreads, xgrammar_pattern
-from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
+from .schema_normalize import map_subschemas
 from .spec import KIND_LABELS
 from .tokenizer import PerTokenizer
 from .xgr_classes import scalar_classes
@@ -291,16 +291,7 @@ def _open_schema(schema: Any) -> Any:
     """`schema` with JSON Schema's defaults spelled out where strict mode would differ."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in SUBSCHEMA:
-        if key in out:
-            out[key] = _open_schema(out[key])
-    for key in SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: _open_schema(v) for k, v in out[key].items()}
-    for key in SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_open_schema(v) for v in out[key]]
+    out = map_subschemas(schema, _open_schema)
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out \
             and "unevaluatedProperties" not in out:
         out["additionalProperties"] = True

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from .regex_syntax import json_pattern_misread
-from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
+from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, map_subschemas
 
 # Keywords that never need enforcing (structure, not conditions).
 _STRUCTURAL = frozenset({"$defs", "definitions", "$ref", "$schema", "$id", "$anchor"})
@@ -72,21 +72,14 @@ def backend_view(schema: Any, backend: str) -> tuple[Any, tuple[str, ...]]:
 def _strip(node: Any, drop: frozenset[str], dropped: set[str], backend: str, *, one_of_to_any: bool) -> Any:
     if not isinstance(node, dict):
         return node
-    out: dict[str, Any] = {}
+    kept: dict[str, Any] = {}
     for key, value in node.items():
         if key in drop or (key in ("const", "enum") and not _exact_as_double(value)) \
                 or _misread_patterns(key, value, backend):
             dropped.add(key)
-            continue
-        if key in SUBSCHEMA:
-            out[key] = _strip(value, drop, dropped, backend, one_of_to_any=one_of_to_any)
-        elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: _strip(v, drop, dropped, backend, one_of_to_any=one_of_to_any)
-                        for k, v in value.items()}
-        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_strip(v, drop, dropped, backend, one_of_to_any=one_of_to_any) for v in value]
         else:
-            out[key] = value
+            kept[key] = value
+    out = map_subschemas(kept, lambda sub: _strip(sub, drop, dropped, backend, one_of_to_any=one_of_to_any))
     if one_of_to_any and isinstance(out.get("oneOf"), list) and isinstance(out.get("allOf", []), list):
         # llguidance has no oneOf. As anyOf it is exact when at most one branch
         # can match any instance; otherwise "exactly one" goes unenforced.

@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urldefrag, urljoin
 
@@ -392,6 +393,22 @@ def _unevaluated_as_additional(out: dict[str, Any]) -> None:
         out["additionalProperties"] = out.pop("unevaluatedProperties")
     if "unevaluatedItems" in out and "items" not in out and "contains" not in out:
         out["items"] = out.pop("unevaluatedItems")
+
+
+def map_subschemas(schema: dict[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """A copy of `schema` with each subschema directly inside it (in keyword
+    positions) replaced by `fn(subschema)`; other values kept."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in SUBSCHEMA:
+            out[key] = fn(value)
+        elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: fn(v) for k, v in value.items()}
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [fn(v) for v in value]
+        else:
+            out[key] = value
+    return out
 
 
 def _subschemas(schema: dict[str, Any]) -> list[Any]:

@@ -43,7 +43,6 @@ CALL_END = "</tool_call>"
 MAX_WHITESPACE = 4
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _SPACE = re.compile(r"[ \t\n\r]*")
-_DECODER = INSTANCE_DECODER
 
 
 @dataclass(frozen=True)
@@ -182,15 +181,15 @@ def _skip_space(text: str, pos: int) -> int:
 def _read_object(text: str, pos: int) -> tuple[Any, dict[str, str], int]:
     """The JSON value at `pos` (ValueError if none), the source text of each
     member when it is an object, and where it ends."""
-    value, end = _DECODER.raw_decode(text, pos)
+    value, end = INSTANCE_DECODER.raw_decode(text, pos)
     members: dict[str, str] = {}
     if not isinstance(value, dict):
         return value, members, end
     i = _skip_space(text, pos + 1)  # past "{"
     while text[i] != "}":
-        key, i = _DECODER.raw_decode(text, i)
+        key, i = INSTANCE_DECODER.raw_decode(text, i)
         i = _skip_space(text, _skip_space(text, i) + 1)  # past ":"
-        _, after = _DECODER.raw_decode(text, i)
+        _, after = INSTANCE_DECODER.raw_decode(text, i)
         members[key] = text[i:after]
         i = _skip_space(text, after)
         if text[i] == ",":
