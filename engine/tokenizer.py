@@ -19,9 +19,14 @@ class Tokenizer:
             if not (root / name).exists():
                 raise CheckpointError(f"checkpoint is missing {name} (looked in {root})")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from transformers import AutoTokenizer
+        from transformers import PreTrainedTokenizerFast
 
-        self.hf: Any = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        # tokenizer.json as written, not the class tokenizer_config.json names:
+        # transformers 5 rebuilds a named class's normalizer and pre-tokenizer
+        # (a Llama-2 checkpoint's "<s>[INST]" then loses the space marker before "["), while
+        # routers tokenize with the file itself. Special tokens, the chat
+        # template and add_bos_token/add_eos_token still come from the config.
+        self.hf: Any = PreTrainedTokenizerFast.from_pretrained(str(root), local_files_only=True)
         if not getattr(self.hf, "is_fast", False):
             raise CheckpointError("a fast tokenizer (tokenizer.json) is required")
         self.backend = self.hf.backend_tokenizer

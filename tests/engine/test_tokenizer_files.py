@@ -1,0 +1,65 @@
+"""The engine tokenizes as the checkpoint's tokenizer.json says, whatever
+class tokenizer_config.json names: a router tokenizes with that file, and the
+two must agree on every id."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, normalizers, processors, trainers
+
+from engine.presets import ARCHITECTURE_PRESETS, ensure_preset
+from engine.tokenizer import Tokenizer
+
+TEXTS = ["Hello world", "<s>[INST] What is the capital? [/INST]", " leading space  x",
+         "H\u00e9llo 123 \u00fcn\u00ef", "the lazy dog</s>"]
+
+
+def _llama2_style(out: Path) -> Path:
+    """A Llama-2-style checkpoint's tokenizer files: SentencePiece BPE with
+    the legacy normalizer (a space marker prepended, spaces replaced), BOS
+    added by the post-processor, and the config naming LlamaTokenizer."""
+    corpus = ["Hello world, this is a test. [INST] What is the capital? [/INST] Paris."] * 20
+    tok = RustTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    out.mkdir()
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "legacy": False, "chat_template": "{{ bos_token }}{% for m in messages %}"
+                                                "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% endfor %}"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    return out
+
+
+def _same_as_file(root: Path) -> None:
+    raw = RustTokenizer.from_file(str(root / "tokenizer.json"))
+    ours = Tokenizer(root)
+    for text in TEXTS:
+        want = raw.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False) == want, text
+        assert ours.encode(text) == raw.encode(text).ids, text
+
+
+def test_a_llama2_style_tokenizer_encodes_as_its_file(tmp_path):
+    root = _llama2_style(tmp_path / "llama2")
+    _same_as_file(root)
+    # The chat template's "<s>[INST]" keeps the space marker before "[".
+    ids = Tokenizer(root).apply_chat_template([{"role": "user", "content": "What is the capital?"}])
+    raw = RustTokenizer.from_file(str(root / "tokenizer.json"))
+    assert ids == raw.encode("<s>[INST] What is the capital? [/INST]", add_special_tokens=False).ids
+    assert raw.id_to_token(ids[1]).startswith("\u2581")
+    assert Tokenizer(root).eos_token_id == raw.token_to_id("</s>")
+
+
+@pytest.mark.parametrize("preset", ARCHITECTURE_PRESETS)
+def test_every_preset_encodes_as_its_file(preset):
+    _same_as_file(ensure_preset(preset))
