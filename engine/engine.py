@@ -121,7 +121,9 @@ class EngineCore:
             shape=HeadShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size))
         # The model's pointwise kernels follow the attention's probe: Triton's where it runs.
         ops, self.ops_choice = model_ops(device, dtype, triton=self.attention_choice.name == "triton")
-        self.model = LlamaFamilyModel(mc, source, device, dtype, ops, small_batch_gemm=config.cpu_small_batch_gemm)
+        model = LlamaFamilyModel(mc, source, device, dtype, ops, small_batch_gemm=config.cpu_small_batch_gemm,
+                                 max_positions=config.max_model_len)
+        self.model = model
         source.close()
         # Batch-1 matrix-vector products: cuBLAS, or our Triton kernel per weight
         # shape where timing it here finds it faster (with the Triton pointwise kernels).
@@ -145,6 +147,7 @@ class EngineCore:
                         num_pages * config.page_size, max_len)
             max_len = num_pages * config.page_size
         self.max_model_len = max_len
+        model.keep_positions(max_len)
         graph_mode = graphs_mode(config.cuda_graphs, device)
         graph_batch = config.max_num_seqs
         if graph_mode is not None and not self.attention_choice.graph_capturable:

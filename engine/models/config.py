@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,14 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing a file or holds something we cannot run."""
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters (`rope_type` default or llama3)."""
+    """Rotary embedding parameters: plain, or scaled as transformers' `rope_type`
+    linear, dynamic (plain up to the checkpoint's positions, all we serve),
+    llama3 or yarn."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -29,10 +35,44 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp between interpolated and kept frequencies, and the scale
+    # of cos/sin (None: from factor, mscale and mscale_all_dim, as transformers does).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "llama3"):
-            raise CheckpointError(f"unsupported rope_type {self.rope_type!r} (supported: default, llama3)")
+        if self.rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"unsupported rope_type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        if self.rope_type != "default" and not self.factor > 0:
+            raise CheckpointError(f"rope scaling factor must be positive, got {self.factor}")
+
+    @property
+    def magnitude(self) -> float:
+        """What cos and sin are scaled by (yarn's attention factor; 1 otherwise)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def scale(mscale: float) -> float:
+            return 1.0 if self.factor <= 1 else 0.1 * mscale * math.log(self.factor) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return scale(self.mscale) / scale(self.mscale_all_dim)
+        return scale(1.0)
+
+    def positions(self, max_position_embeddings: int) -> int:
+        """The context the scaled model is meant for, as vLLM derives it: linear
+        stretches the checkpoint's positions, yarn its original ones."""
+        if self.rope_type == "linear":
+            return int(max_position_embeddings * self.factor)
+        if self.rope_type == "yarn":
+            return max(max_position_embeddings, int(self.original_max_position_embeddings * self.factor))
+        return max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -99,11 +139,35 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
-    known = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-    kwargs = {k: params[k] for k in known if k in params}
     if rope_type == "default":
-        kwargs = {}
+        return RopeConfig(theta=theta)
+    # As transformers reads it: the pretraining length defaults to the checkpoint's.
+    params.setdefault("original_max_position_embeddings",
+                      cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+    floats = {"factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+              "attention_factor", "mscale", "mscale_all_dim"}
+    kwargs: dict[str, Any] = {k: float(params[k]) for k in floats if params.get(k) is not None}
+    kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    if "truncate" in params:
+        kwargs["truncate"] = bool(params["truncate"])
     return RopeConfig(theta=theta, rope_type=rope_type, **kwargs)
+
+
+def _sliding_window(cfg: dict[str, Any], family: str, num_layers: int) -> int | None:
+    """The window of the checkpoint's sliding-window layers (None: every layer
+    attends to the whole context), read as transformers reads it."""
+    window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
+    if not window:
+        return None
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None  # Qwen's window is off unless asked for
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if family in ("qwen2", "qwen3"):
+        # Then only the layers from max_window_layers on slide.
+        return int(window) if int(cfg.get("max_window_layers", num_layers)) < num_layers else None
+    return int(window)
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -123,12 +187,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    num_layers = int(cfg["num_hidden_layers"])
+    rope = _rope_config(cfg)
+    max_pos = rope.positions(int(cfg.get("max_position_embeddings", 2048)))
     # Sliding-window attention is not implemented; a window shorter than the
     # context would change the model, so cap the usable context at the window.
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    window = _sliding_window(cfg, family, num_layers)
     if window:
-        max_pos = min(max_pos, int(window))
+        max_pos = min(max_pos, window)
 
     eos = _as_ids(cfg.get("eos_token_id"))
     gen_path = root / "generation_config.json"
@@ -142,13 +208,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
-        rope=_rope_config(cfg),
+        rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama-style configs say so explicitly.
         attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),

@@ -45,7 +45,8 @@ class LlamaFamilyModel:
     """
 
     def __init__(self, config: ModelConfig, source: WeightSource, device: torch.device,
-                 dtype: torch.dtype, ops: ModuleType | None = None, small_batch_gemm: bool = True):
+                 dtype: torch.dtype, ops: ModuleType | None = None, small_batch_gemm: bool = True,
+                 max_positions: int | None = None):
         if config.extra.get("hidden_act", "silu") not in ("silu", "swish"):
             raise CheckpointError(f"unsupported hidden_act {config.extra['hidden_act']!r} (need silu)")
         self.config = config
@@ -99,12 +100,25 @@ class LlamaFamilyModel:
                 layer.k_norm = load(p + "self_attn.k_norm.weight")[perm].contiguous().to(device)
             self.layers.append(layer)
         self.final_norm = load("model.norm.weight").to(device)
-        if config.tie_word_embeddings or "lm_head.weight" not in source:
+        # Tied, the head is the embedding (a stored lm_head.weight is ignored, as
+        # vLLM does); untied, it must be there: a config and weights that disagree.
+        if config.tie_word_embeddings:
             self.lm_head = linear(self.embed)
-        else:
+        elif "lm_head.weight" in source:
             self.lm_head = linear(load("lm_head.weight").to(device))
-        self.rotations = rotation_table(config.rope, config.head_dim,
-                                        config.max_position_embeddings).to(device)
+        else:
+            raise CheckpointError("checkpoint has no lm_head.weight, and its config says "
+                                  "tie_word_embeddings is false")
+        self.rotations = torch.empty(0)
+        self.rotation_pairs: torch.Tensor | None = None
+        self.keep_positions(min(max_positions or config.max_position_embeddings, config.max_position_embeddings))
+
+    def keep_positions(self, count: int) -> None:
+        """Rotations for positions 0..count-1 only (the context served), not
+        the checkpoint's whole range (a million positions: 500 MiB)."""
+        if count == self.rotations.shape[0]:
+            return
+        self.rotations = rotation_table(self.config.rope, self.config.head_dim, count).to(self.device)
         # The kernels of `ops` read the same table as (cos, sin) float pairs.
         self.rotation_pairs = torch.view_as_real(self.rotations).flatten(1) if self.ops is not None else None
 

@@ -17,11 +17,15 @@ from .config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Per-pair frequencies, with llama3 frequency scaling when configured."""
+    """Per-pair frequencies, scaled as the checkpoint's `rope_type` says."""
     # float32 throughout, as transformers computes it, so angles agree bit for bit.
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type == "yarn":
+        return _yarn(rope, head_dim)
     if rope.rope_type != "llama3":
-        return inv
+        return inv  # default, and dynamic below the checkpoint's positions
     low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
     high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -36,11 +40,33 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(mid, blended, scaled)
 
 
+def _yarn(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """YaRN: pairs that turn fewer than `beta_slow` times over the pretraining
+    length are interpolated by `factor`, those turning more than `beta_fast`
+    times kept, and a linear ramp between them."""
+    def pair_turning(turns: float) -> float:
+        # The pair index at which a frequency turns `turns` times over the original length.
+        return head_dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi)) \
+            / (2 * math.log(rope.theta))
+
+    low, high = pair_turning(rope.beta_fast), pair_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a step, not a division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the pair's own frequency, 0: interpolated
+    wavelengths = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return (1.0 / (rope.factor * wavelengths)) * (1 - kept) + (1.0 / wavelengths) * kept
+
+
 def rotation_table(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
-    """Complex unit rotations `[max_positions, head_dim // 2]` (complex64)."""
+    """Rotations `[max_positions, head_dim // 2]` (complex64): unit ones, or
+    of yarn's magnitude, which scales the attention scores by its square."""
     inv = inverse_frequencies(rope, head_dim)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.polar(torch.full_like(angles, rope.magnitude), angles)
 
 
 def interleave_permutation(head_dim: int) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""Config variants real checkpoints use, read as transformers reads them:
+rotary scaling (linear, dynamic, llama3, yarn; old and new config forms),
+sliding windows (which only cap the context we serve), and an untied head
+that must be in the weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.models.config import CheckpointError, load_model_config
+from engine.presets import ensure_preset
+
+from .reference import engine_logits, prompts
+
+
+def checkpoint(preset: str, overrides: dict[str, Any], out: Path) -> tuple[Path, torch.nn.Module]:
+    """`preset`'s architecture with `overrides` in its config, random weights, saved to `out`."""
+    import transformers
+
+    source = ensure_preset(preset)
+    config = json.loads((source / "config.json").read_text())
+    arch = config["architectures"][0]
+    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict({**config, **overrides})
+    torch.manual_seed(5)
+    model = getattr(transformers, arch)(cfg).float().eval()
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, out / name)
+    return out, model
+
+
+def _rope(theta: float, **scaling: Any) -> dict[str, Any]:
+    return {"rope_parameters": {"rope_theta": theta, **scaling}}
+
+
+ROPES = {
+    "linear": ("tiny-llama", _rope(10000.0, rope_type="linear", factor=4.0)),
+    "dynamic": ("tiny-llama", _rope(10000.0, rope_type="dynamic", factor=2.0)),
+    "llama3-default-original": ("tiny-llama", _rope(500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                    high_freq_factor=4.0)),
+    # Qwen2.5's long-context block, with the pretraining length shorter than the prompts.
+    "yarn": ("tiny-qwen2", _rope(1000000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+    "yarn-attention-factor": ("tiny-qwen3", _rope(10000.0, rope_type="yarn", factor=8.0, attention_factor=1.3,
+                                                  beta_fast=16.0, original_max_position_embeddings=32)),
+    "yarn-mscale": ("tiny-llama", _rope(10000.0, rope_type="yarn", factor=4.0, mscale=0.8, mscale_all_dim=0.5,
+                                        original_max_position_embeddings=24)),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPES))
+def test_scaled_rotary_embeddings_match_transformers(tmp_path, case: str) -> None:
+    preset, overrides = ROPES[case]
+    path, model = checkpoint(preset, overrides, tmp_path / case)
+    tokens = prompts(2)[1]
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    llm = LLM(str(path), kv_cache_gib=0.05)
+    try:
+        got = engine_logits(llm, tokens, [20, 33, 1, 1, 5])
+    finally:
+        llm.close()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_old_rope_scaling_form_reads_the_same(tmp_path) -> None:
+    path, _ = checkpoint("tiny-qwen2", ROPES["yarn"][1], tmp_path / "new")
+    new = load_model_config(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg["rope_theta"] = 1000000.0
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).rope == new.rope
+
+
+def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
+    def positions(overrides: dict[str, Any]) -> int:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        shutil.copytree(ensure_preset("tiny-llama"), d)
+        cfg = {**json.loads((d / "config.json").read_text()), "max_position_embeddings": 4096, **overrides}
+        (d / "config.json").write_text(json.dumps(cfg))
+        return load_model_config(d).max_position_embeddings
+
+    assert positions(_rope(1e4, rope_type="linear", factor=4.0)) == 16384
+    assert positions(_rope(1e4, rope_type="yarn", factor=4.0, original_max_position_embeddings=2048)) == 8192
+    assert positions(_rope(1e4, rope_type="dynamic", factor=2.0)) == 4096
+    with pytest.raises(CheckpointError, match="longrope"):
+        positions(_rope(1e4, rope_type="longrope", factor=2.0))
+
+
+@pytest.mark.parametrize(("preset", "overrides", "served"), [
+    # Qwen2/Qwen3: sliding only when asked for, and only on layers from max_window_layers on.
+    ("tiny-qwen2", {"sliding_window": 16}, None),
+    ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 2}, None),
+    ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1}, 16),
+    ("tiny-qwen3", {"sliding_window": 16, "use_sliding_window": False}, None),
+    ("tiny-qwen3", {"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}, None),
+    ("tiny-qwen3", {"sliding_window": 16, "use_sliding_window": True,
+                    "layer_types": ["full_attention", "sliding_attention"]}, 16),
+    ("tiny-mistral", {"sliding_window": 16}, 16),
+    ("tiny-mistral", {"sliding_window": None}, None),
+], ids=["qwen2-unset", "qwen2-no-sliding-layer", "qwen2-sliding-layer", "qwen3-off", "qwen3-layer-types-off",
+        "qwen3-layer-types", "mistral", "mistral-none"])
+def test_only_a_sliding_layer_caps_the_context(tmp_path, preset: str, overrides: dict[str, Any],
+                                               served: int | None) -> None:
+    import transformers
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset(preset), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("layer_types", None)  # as saved by transformers 5, from the preset's own settings
+    cfg.update(overrides)
+    (d / "config.json").write_text(json.dumps(cfg))
+    hf = getattr(transformers, cfg["architectures"][0].replace("ForCausalLM", "Config")).from_dict(cfg)
+    slides = hf.sliding_window is not None and (
+        preset == "tiny-mistral" or "sliding_attention" in (getattr(hf, "layer_types", None) or []))
+    assert slides == (served is not None)  # transformers agrees
+    assert load_model_config(d).max_position_embeddings == (served or cfg["max_position_embeddings"])
+
+
+def test_an_untied_config_without_a_head_is_refused(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-llama"), d)
+    weights = load_file(d / "model.safetensors")
+    if "lm_head.weight" in weights:
+        del weights["lm_head.weight"]
+        save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    assert not cfg.get("tie_word_embeddings")
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        LLM(str(d), kv_cache_gib=0.05)
+
+
+def test_the_rotation_table_covers_the_served_context_only(make_llm) -> None:
+    llm = make_llm("tiny-llama", max_model_len=64)
+    assert llm.engine.model.rotations.shape[0] == llm.engine.max_model_len == 64
