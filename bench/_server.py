@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,27 +20,40 @@ class ServerProcess:
     """`stencild serve <serve_args>` on a free port, for the duration of a benchmark
     (`module`: what `python -m` runs, taking the same arguments)."""
 
-    def __init__(self, serve_args: Sequence[str], module: str = "service.cli"):
+    live: set[ServerProcess] = set()  # started and not yet stopped (stop_all)
+
+    def __init__(self, serve_args: Sequence[str], module: str = "service.cli", start_timeout: float = 120.0):
         cmd = [sys.executable, "-m", module, "serve", "--port", "0", *serve_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
+        ServerProcess.live.add(self)
         self.port: int | None = None
+        self.tail: deque[str] = deque(maxlen=40)  # its last lines, for a server that fails to start
         found = threading.Event()
 
         def pump() -> None:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
+                self.tail.append(line)
                 if self.port is None and (m := re.search(r"listening on [^ ]+:(\d+)", line)):
                     self.port = int(m.group(1))
                     found.set()
-                elif "ERROR" in line or "Traceback" in line:
+                elif "error" in line.lower() or "Traceback" in line:
                     sys.stderr.write("[server] " + line)
 
         threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(120):
-            self.stop()
-            raise SystemExit("the server did not start")
+        # A server that exits (a bad flag, a crash at start-up) is reported at
+        # once, with its last lines, not after the whole wait.
+        deadline = time.monotonic() + start_timeout
+        while not found.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                exited = self.proc.poll()
+                self.stop()
+                time.sleep(0.2)  # the pump's last lines
+                why = f"exited with status {exited}" if exited is not None else \
+                    f"did not listen within {start_timeout:g} s"
+                raise SystemExit(f"the server {why}; its last lines:\n" + "".join(self.tail))
 
     def wait_serving(self, address: str, service: str = "", timeout: float = 300.0) -> None:
         """Block until health reports SERVING for `service` ("" = the whole server)."""
@@ -56,12 +70,21 @@ class ServerProcess:
                 time.sleep(0.2)
 
     def stop(self) -> None:
+        ServerProcess.live.discard(self)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+    @classmethod
+    def kill_all(cls) -> None:
+        """Kill every server still running (a benchmark cut short)."""
+        for server in list(cls.live):
+            cls.live.discard(server)
+            if server.proc.poll() is None:
+                server.proc.kill()
 
 
 def free_port() -> int:

@@ -57,6 +57,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -376,10 +377,11 @@ class Figure:
 
 
 def run_stencild(key: str, model_dir: Path, args: argparse.Namespace, bound: float, report: Report,
-                 info: dict[str, Any]) -> list[Figure]:
+                 info: dict[str, Any], saved: Callable[[list[Figure]], None] | None = None) -> list[Figure]:
     """Graphs on/off x overlap on/off x each batch; with graphs and overlap on,
     also the largest batch under BENCH_SCHEMA. A configuration that fails is
-    reported and the others still run."""
+    reported and the others still run; `saved` gets the figures so far after
+    each (the run's JSON is rewritten, should it be killed)."""
     figures: list[Figure] = []
     for graphs in ("auto", "off"):
         for overlap in (True, False):
@@ -388,6 +390,8 @@ def run_stencild(key: str, model_dir: Path, args: argparse.Namespace, bound: flo
                 continue
             figures += guarded(report, f"[{key}] stencild {mode}", _stencild_config, key, model_dir, graphs,
                                overlap, mode, args, bound, report, info) or []
+            if saved is not None:
+                saved(figures)
     if not args.default_mode_only:
         # The default mode with the model's pointwise steps as plain torch ops:
         # what the fused Triton kernels (engine/kernels/triton_ops.py) are worth,
@@ -583,6 +587,9 @@ def run_transformers(key: str, model_dir: Path, batches: list[int], args: argpar
     plain_forward = model.forward
     try:
         for mode, kwargs in modes:
+            if report.past_deadline():
+                report(f"  [{key}] transformers {mode} skipped: past the --budget-s deadline")
+                continue
             kwargs = dict(kwargs)
             if kwargs.pop("_compile_forward", False):
                 model.forward = torch.compile(plain_forward, mode="reduce-overhead", fullgraph=True)
@@ -742,8 +749,9 @@ def profile_grpc(key: str, server: Any, address: str, args: argparse.Namespace, 
                                        args.new_tokens))
             rounds += 1
         if proc.returncode != 0 or not out.exists():
-            err = proc.stderr.read().decode(errors="replace")[-300:] if proc.stderr else ""
-            report(f"  [{key}] py-spy failed ({proc.returncode}): {err}")
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            report(f"  [{key}] py-spy failed ({proc.returncode}): {err[:300]}")  # its start: the error, not a backtrace
+            report.raw(err)
             continue
         report(f"  [{key}] server profile, {'GIL holder only' if gil else 'running threads'} "
                f"({rounds} rounds of {conc} streams): {out.name}")
@@ -754,6 +762,12 @@ def profile_grpc(key: str, server: Any, address: str, args: argparse.Namespace, 
 # -- tests ------------------------------------------------------------------------------------
 
 
+# Each test's name as it runs and every failure's report, so a run stopped at its
+# time limit still says what passed, what failed and where it hung; a stuck
+# test fails alone (pytest-timeout; faulthandler dumps the stacks first).
+TEST_ARGS = ("-v", "-rfE", "-p", "no:cacheprovider", "-o", "timeout=150", "-o", "faulthandler_timeout=140")
+
+
 def run_tests(report: Report, cap_s: float | None = None) -> dict[str, Any]:
     """`pytest -q tests/cuda` with CUDA required, for at most `cap_s` seconds (and
     not past the --budget-s deadline); its last line and exit status."""
@@ -761,18 +775,18 @@ def run_tests(report: Report, cap_s: float | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     limits = [x for x in (report.seconds_left(), cap_s) if x is not None]
     try:
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cuda"],
+        res = subprocess.run([sys.executable, "-m", "pytest", *TEST_ARGS, "tests/cuda"],
                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False,
                              timeout=max(min(limits), 1.0) if limits else None)
     except subprocess.TimeoutExpired as e:
         out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
-        report.raw("---- pytest -q tests/cuda (stopped at its time limit) ----\n" + out)
+        report.raw("---- pytest tests/cuda (stopped at its time limit) ----\n" + out)
         summary = (f"stopped after {time.perf_counter() - start:.0f} s "
                    "(the --budget-s deadline or --tests-budget-s)")
         report(f"tests/cuda: {summary}")
         return {"summary": summary, "returncode": None}
     output = res.stdout + res.stderr
-    report.raw("---- pytest -q tests/cuda ----\n" + output + "---- end of pytest ----")
+    report.raw("---- pytest tests/cuda ----\n" + output + "---- end of pytest ----")
     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
     summary = lines[-1].strip() if lines else f"no output (exit status {res.returncode})"
     report(f"tests/cuda: {summary} (exit status {res.returncode}, {time.perf_counter() - start:.0f} s)")
@@ -915,6 +929,31 @@ def guarded(report: Report, what: str, fn: Callable[..., T], *fn_args: Any) -> T
         return None
 
 
+class HardStop(threading.Thread):
+    """A part started before the --budget-s deadline can run far past it (a
+    compile, a hung stream): `after_s` seconds from the start this writes the
+    tables and JSON of what was measured, kills any server still running and
+    ends the process, so a run under a caller's time limit still leaves them."""
+
+    def __init__(self, report: Report, after_s: float, write: Callable[[], None],
+                 exit: Callable[[int], Any] = os._exit):  # noqa: A002 - what it calls at the end
+        super().__init__(name="bench-hard-stop", daemon=True)
+        self.report, self.after_s, self.write, self.exit = report, after_s, write, exit
+
+    def run(self) -> None:
+        time.sleep(max(self.after_s, 0.0))
+        from bench._server import ServerProcess
+
+        self.report(f"\nhard stop: {self.after_s:.0f} s after the start a part is still running; "
+                    "writing what was measured and exiting")
+        with contextlib.suppress(Exception):
+            ServerProcess.kill_all()
+        try:
+            self.write()
+        finally:
+            self.exit(3)
+
+
 def default_out_dir() -> Path:
     cache = os.environ.get("STENCILD_CACHE")
     return Path(cache) / "gpu-bench" if cache else Path("/tmp/stencild-gpu-bench")
@@ -949,6 +988,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                    help="parts not started within SECONDS of the start are skipped (and pytest stopped there), "
                         "so a run under a time limit still writes its tables and JSON")
+    p.add_argument("--overrun-s", type=float, default=75.0, metavar="SECONDS",
+                   help="with --budget-s: a part still running this long past the deadline is cut short; "
+                        "the tables and JSON of what was measured are written and the run exits")
     p.add_argument("--default-mode-only", action="store_true",
                    help=f"stencild offline in its default mode only ({DEFAULT_MODE})")
     args = p.parse_args(argv)
@@ -994,6 +1036,12 @@ def main(argv: list[str] | None = None) -> int:
            f"batches {args.batches}; best of {args.repeat} after a warm-up; models {args.models}")
     results: dict[str, Any] = {"when": stamp, "device": info, "args": {k: str(v) if isinstance(v, Path) else v
                                                                        for k, v in vars(args).items()}}
+    figures: list[Figure] = []
+    models: dict[str, Any] = {}
+    partial: list[Figure] = []  # the model's stencild figures while its configurations run
+    if args.budget_s is not None:
+        HardStop(report, args.budget_s + args.overrun_s,
+                 lambda: summarize(figures + partial, args, report, {**results, "models": models}, stamp)).start()
     if args.with_tests:
         results["tests"] = run_tests(report, args.tests_budget_s)
 
@@ -1001,8 +1049,11 @@ def main(argv: list[str] | None = None) -> int:
     report(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (device-to-device, read + write, median of 10)")
     results["bandwidth_bytes_s"] = bandwidth
     results["grammar_mask"] = guarded(report, "grammar mask", grammar_mask, report)
-    figures: list[Figure] = []
-    models: dict[str, Any] = {}
+
+    def saved(so_far: list[Figure]) -> None:
+        partial[:] = so_far
+        write_json(figures + partial, args, results, models, stamp)
+
     for key in args.models:
         shape = SHAPES[key]
         report(f"\n## {shape.label}")
@@ -1021,7 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "bound_tok_s": bound}
         models[key] = info_m
         figures += guarded(report, f"[{key}] stencild offline", run_stencild,
-                           key, model_dir, args, bound, report, info_m) or []
+                           key, model_dir, args, bound, report, info_m, saved) or []
+        partial.clear()
         write_json(figures, args, results, models, stamp)  # what is measured so far, should the run be killed
         if args.profile_kernels:
             info_m["kernels_batch1"] = guarded(report, f"[{key}] kernel profile", profile_kernels, key, model_dir,

@@ -47,7 +47,9 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     per_step = gpu.bytes_per_decode_step(gpu.tensor_bytes(model_dir))
     bound = 1e9 / per_step
     info: dict = {}
-    figures = gpu.run_stencild("1.1b", model_dir, args, bound, report, info)
+    saves: list[int] = []
+    figures = gpu.run_stencild("1.1b", model_dir, args, bound, report, info, lambda so_far: saves.append(len(so_far)))
+    assert saves == [4]  # after each configuration: the JSON survives a run killed in the next
     assert [(f.mode, f.batch) for f in figures] == [
         (gpu.DEFAULT_MODE, 1), (gpu.DEFAULT_MODE, 4), (gpu.DEFAULT_MODE + ", JSON schema", 4),
         (gpu.DEFAULT_MODE + gpu.SAMPLED_MODE, 4)]
@@ -149,3 +151,27 @@ def test_the_grammar_mask_part_compares_the_two_paths(on_cpu, tmp_path):
     assert [r["mask"] for r in rows] == ["json", "random"]
     assert all(r["before_ms"] > 0 and r["now_ms"] > 0 for r in rows)
     assert "grammar mask, batch 4 over 300 tokens (json mask)" in (tmp_path / "gpu-test.log").read_text()
+
+
+def test_a_server_that_exits_at_start_up_is_reported_at_once_with_its_lines():
+    from bench._server import ServerProcess
+
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match="(?s)exited with status 2.*--no-such-flag"):
+        ServerProcess(["--no-such-flag"])
+    assert time.monotonic() - start < 60  # not the whole start-up wait
+    assert not ServerProcess.live
+
+
+def test_a_part_running_far_past_the_budget_is_cut_short_with_the_tables_written(tmp_path):
+    from bench._server import ServerProcess
+
+    report = gpu.Report(tmp_path / "gpu-stop.log", budget_s=0.0)
+    written, exits = [], []
+    server = ServerProcess(["--preset", "tiny-llama", "--no-embedding-model", "--no-speech-model"])
+    stop = gpu.HardStop(report, 0.0, lambda: written.append(True), exit=exits.append)
+    stop.run()  # what the thread does at its time
+    assert written == [True] and exits == [3]
+    assert server.proc.wait(30) is not None and not ServerProcess.live
+    assert "hard stop" in report.log_path.read_text()
+    assert gpu.parse_args([]).overrun_s == 75
