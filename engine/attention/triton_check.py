@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from .triton_kernels import paged_attention, write_kv
+from .triton_kernels import paged_attention, rotate_write_kv, write_kv
 
 # How far a kernel's output may stray from exact math on the same inputs in
 # `self_check`: loose (it looks for a broken kernel, not for rounding; the tests
@@ -26,10 +26,15 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
     sequences (partial last pages, pages out of order), then decode in one
     split and in two (with the merge), then prefill over it. Raises
     RuntimeError on a wrong result; a kernel that cannot compile for this
-    device raises whatever Triton raises."""
+    device raises whatever Triton raises. Then the rotary embedding with the
+    cache write (`rotate_write_kv`), which every layer of a step runs."""
     gen = torch.Generator().manual_seed(0)
     group, scale = num_heads // num_kv_heads, head_dim ** -0.5
-    seq_lens = [page_size + 2, 2 * page_size + 1]
+    # The longer sequence fills two decode splits: each takes at least a key
+    # block (up to 64 keys) of whole pages, so a shorter one would leave the
+    # second split empty and the merge of two unchecked.
+    pages_a_split = -(-64 // page_size)
+    seq_lens = [page_size + 2, 2 * pages_a_split * page_size + 1]
     num_pages = sum(-(-n // page_size) for n in seq_lens)
     order = torch.randperm(num_pages, generator=gen).tolist()
     tables = [[order.pop() for _ in range(-(-n // page_size))] for n in seq_lens]
@@ -64,6 +69,35 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
     compare([1, 1], "decode", num_splits=1)
     compare([1, 1], "split decode", num_splits=2)
     compare([3, 2], "prefill")
+    _check_rotate_write(device, dtype, num_heads, num_kv_heads, head_dim, gen)
+
+
+def _check_rotate_write(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                        head_dim: int, gen: torch.Generator) -> None:
+    """`rotate_write_kv` against float64 rotations: queries turned in place,
+    keys turned into their cache rows, values copied into theirs."""
+    tokens, positions = 3, 7
+    angles = torch.rand(positions, head_dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    turns = torch.polar(torch.full_like(angles, 0.9), angles)  # not unit: yarn scales them
+    pairs = torch.view_as_real(turns).flatten(1).float()
+    at = torch.tensor([5, 0, 6], dtype=torch.int64)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    flat = torch.zeros(4 * tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    rows = torch.tensor([4, 0, 8], dtype=torch.int64)
+    q_dev = q.to(device, copy=True)  # turned in place
+    rotate_write_kv(q_dev, k.to(device), v.to(device), pairs.to(device), at.to(device), flat, rows.to(device), 1, 2)
+
+    def turned(x: torch.Tensor) -> torch.Tensor:
+        c = torch.view_as_complex(x.double().reshape(*x.shape[:2], -1, 2).contiguous())
+        return torch.view_as_real(c * turns[at].to(torch.complex128)[:, None]).flatten(2)
+
+    flat = flat.cpu()
+    err = max(float((q_dev.cpu().double() - turned(q)).abs().max()),
+              float((flat[rows + 1].double() - turned(k)).abs().max()),
+              float((flat[rows + 2].double() - v.double()).abs().max()))
+    if not err <= _CHECK_ATOL[dtype] * 4:  # |x| up to ~4 here, rounded once
+        raise RuntimeError(f"rotate_write_kv differs from exact rotation by {err:.3g}")
 
 
 def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float) -> torch.Tensor:

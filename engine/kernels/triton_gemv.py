@@ -192,14 +192,34 @@ def time_shape(weight: torch.Tensor, bias: torch.Tensor | None, num_sms: int) ->
     return ShapeTiming((n, k), cublas, tuple(configs))
 
 
+def gated_problem(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> str | None:
+    """Why the gated form of `config` (the down projection with SiLU x up in
+    its kernel, `gemv(gated=True)`) cannot be taken on this weight, or None:
+    it must compile here and agree with the activation then the product."""
+    n, k = weight.shape
+    x = torch.randn(1, 2 * k, device=weight.device, dtype=weight.dtype)
+    want = F.linear(F.silu(x[:, :k]) * x[:, k:], weight, bias).float()
+    try:
+        got = gemv(x, weight, bias, config, gated=True).float()
+    except Exception as e:  # noqa: BLE001 - a kernel this GPU cannot compile is not taken
+        return f"{type(e).__name__}: {e}"
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()) + 1e-3):
+        return f"off by {float((got - want).abs().max()):.3g}"
+    return None
+
+
 def choose(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
-           timer: Callable[[torch.Tensor, torch.Tensor | None], ShapeTiming] | None = None
+           timer: Callable[[torch.Tensor, torch.Tensor | None], ShapeTiming] | None = None,
+           check: Callable[[torch.Tensor, torch.Tensor | None, GemvConfig], str | None] | None = None
            ) -> tuple[dict[tuple[int, int], GemvConfig], list[ShapeTiming]]:
     """Per distinct weight shape, the config to run batch 1 with (shapes left out
     keep cuBLAS), and the timings it was chosen from. `timer` times one shape
-    (default: `time_shape` on this CUDA device)."""
+    (default: `time_shape` on this CUDA device); `check` says why a chosen
+    config may not be taken after all (default there: `gated_problem`, since
+    the timing runs the plain form only, and a layer may run the gated one)."""
     if timer is None:
         num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        check = check or gated_problem
 
         def timer(w: torch.Tensor, b: torch.Tensor | None) -> ShapeTiming:
             return time_shape(w, b, num_sms)
@@ -211,7 +231,11 @@ def choose(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
     chosen: dict[tuple[int, int], GemvConfig] = {}
     for t in timings:
         cfg = pick(t)
-        if cfg is not None:
+        problem = None if cfg is None or check is None else check(*seen[t.shape], cfg)
+        if problem is not None:
+            log.warning("batch-1 GEMV: %dx%d keeps cuBLAS: the kernel's gated form failed (%s)",
+                        t.shape[0], t.shape[1], problem)
+        elif cfg is not None:
             chosen[t.shape] = cfg
     return chosen, timings
 

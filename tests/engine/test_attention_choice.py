@@ -94,8 +94,25 @@ def test_the_probe_turns_down_kernels_that_compute_wrong_results(monkeypatch) ->
     monkeypatch.setattr(triton_check, "paged_attention", nan_prefill)
     assert "prefill differs" in (probe_triton(CPU, torch.float32, shape) or "")
     monkeypatch.setattr(triton_check, "paged_attention", real)
+    monkeypatch.setattr(triton_check, "rotate_write_kv", lambda *args: None)
+    assert "rotate_write_kv differs from exact rotation" in (probe_triton(CPU, torch.float32, shape) or "")
     monkeypatch.setattr(triton_check, "write_kv", lambda *args: None)
     assert "write_kv stored keys or values in the wrong cache rows" in (probe_triton(CPU, torch.float32, shape) or "")
+
+
+def test_the_probe_fills_both_decode_splits_at_the_default_page_size(monkeypatch) -> None:
+    # A merge that kept only the first split's keys (a key block of 64, whole
+    # pages) must be caught at 16 tokens a page in 16-bit types, as it was not
+    # when every probed sequence fit in one split.
+    real = triton_check.paged_attention
+
+    def first_split_only(q, kv_blocks, layer, block_table, lens, *args, num_splits=None, **kwargs):
+        if num_splits == 2:
+            lens = lens.clamp(max=64)
+        return real(q, kv_blocks, layer, block_table, lens, *args, num_splits=num_splits, **kwargs)
+
+    monkeypatch.setattr(triton_check, "paged_attention", first_split_only)
+    assert "split decode differs" in (probe_triton(CPU, torch.bfloat16, HeadShape(4, 2, 32, 16)) or "")
 
 
 def test_an_engine_probes_triton_at_its_models_shape(monkeypatch) -> None:

@@ -104,6 +104,27 @@ def test_choose_times_each_distinct_shape_once_and_describes_the_choice():
     assert "96x32: triton 7.5 us (cuBLAS 10.0 us)" in line and "64x32: cuBLAS (cuBLAS 10.0 us)" in line
 
 
+def test_a_chosen_config_whose_gated_form_fails_keeps_cublas(monkeypatch):
+    # The timing runs the plain form only; the down projection runs the gated one.
+    weights = [(torch.randn(96, 32, dtype=torch.bfloat16), None), (torch.randn(64, 32, dtype=torch.bfloat16), None)]
+
+    def timer(w, b):
+        return _timing(tuple(w.shape), 10.0, 7.5)
+
+    assert tg.gated_problem(*weights[0], tg.GemvConfig(16, 256, 4)) is None  # the real kernel (interpreter)
+    chosen, _ = tg.choose(weights, timer, check=tg.gated_problem)
+    assert set(chosen) == {(96, 32), (64, 32)}
+    real = tg.gemv
+
+    def gated_broken(x, weight, bias, config, gated=False):
+        out = real(x, weight, bias, config, gated)
+        return out + 1.0 if gated and weight.shape[0] == 64 else out
+
+    monkeypatch.setattr(tg, "gemv", gated_broken)
+    chosen, _ = tg.choose(weights, timer, check=tg.gated_problem)
+    assert set(chosen) == {(96, 32)}
+
+
 def test_install_leaves_a_cpu_or_float32_model_on_the_library():
     layer = Linear(torch.randn(8, 8), prepack=False)
     assert tg.install([layer], torch.device("cpu"), torch.bfloat16).startswith("batch-1 GEMV: cuBLAS")
