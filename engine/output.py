@@ -189,10 +189,12 @@ class OutputStream:
         return None
 
     def _match_stop(self, before: int) -> StopStringMatch | None:
-        window_start = max(0, before - self.hold)
         best: tuple[int, str] | None = None
         for s in self.stops:
-            i = self.text.find(s, window_start)
+            # Only a match ending in the new text: each stop string looks back
+            # its own length less one (a window as long as the longest would
+            # find a short one written before min_new_tokens allowed it).
+            i = self.text.find(s, max(0, before - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

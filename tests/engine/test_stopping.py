@@ -82,6 +82,9 @@ def test_no_stop_string_before_min_new_tokens(script_llm):
     world = next(i for i, t in enumerate(texts) if "world" in t)
     out = run(llm, SamplingParams(temperature=0, stop=("Hello",), min_new_tokens=hello))
     assert out.finish_reason == "eos" and out.text == TEXT  # its only "Hello" came too early
+    # ... whatever longer stop strings share the request: each looks back its own length only.
+    out = run(llm, SamplingParams(temperature=0, stop=("Hello", "a much longer stop string"), min_new_tokens=hello))
+    assert out.finish_reason == "eos" and out.text == TEXT
     out = run(llm, SamplingParams(temperature=0, stop=("world", "test"), min_new_tokens=world - 1))
     assert out.finish_reason == "stop_string" and out.text == "Hello "
     out = run(llm, SamplingParams(temperature=0, stop=("world", "test"), min_new_tokens=world))
