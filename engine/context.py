@@ -330,7 +330,6 @@ class TextContext:
             raise ValueError("a prefix hit must leave at least one token to compute")
         self.start_idx += num_tokens
         self.active_idx = self.end_idx
-        self.sched.num_cached_prompt_tokens = min(self.start_idx, self.prompt_len)
 
     def mark_chunk_done(self) -> None:
         """next_tokens were computed but were not the last pending ones: no sample."""

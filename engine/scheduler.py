@@ -259,11 +259,15 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(ctx)
-            if lookup and self.kv.allocator.enable_prefix_caching:
-                self.prefix_cache_queries += queried
-                self.prefix_cache_hits += hit
             if ctx.output.times.scheduled is None:
+                # As vLLM: a request's cached prompt tokens (and the cache's
+                # hit rate) are those of its first admission; a preempted
+                # request finding its own pages again is no cache hit.
                 ctx.output.times.scheduled = time.monotonic()
+                ctx.sched.num_cached_prompt_tokens = min(hit, ctx.prompt_len)
+                if lookup and self.kv.allocator.enable_prefix_caching:
+                    self.prefix_cache_queries += queried
+                    self.prefix_cache_hits += hit
             ctx.set_chunk(n)
             scheduled.append(ctx)
             budget -= n

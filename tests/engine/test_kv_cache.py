@@ -129,6 +129,9 @@ def test_preemption_under_a_tiny_cache_keeps_greedy_output(make_llm):
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, res in zip(batch, results, strict=True):
         assert res.token_ids == hf_greedy("tiny-llama", prompt)
+    # Distinct prompts: a preempted request finding its own pages again is no cache hit (as vLLM counts).
+    assert [r.cached_prompt_tokens for r in results] == [0] * 8
+    assert llm.engine.scheduler.prefix_cache_hits == 0
 
 
 def test_request_larger_than_the_cache_fails_cleanly(make_llm):
