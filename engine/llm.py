@@ -153,14 +153,19 @@ class LLM:
                     matcher.prepare_checks()
         results: dict[str, CompletionOutput] = {}
         order: list[str] = []
+        contexts = []
+        # Every request is made (and checked) before any is added: a bad one
+        # leaves no others queued behind it.
         for prompt, p, matcher, option in zip(prompts, params, matchers, options, strict=True):
             ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else \
                 [int(t) for t in cast(Sequence[int], prompt)]
             ctx = self.engine.make_context(ids, p, matcher=matcher, resample=resample, reasoning=option)
-            self.engine.add_request(ctx)
-            out = CompletionOutput(ctx.request_id, ids, logprobs=[] if p.logprobs is not None else None)
-            results[ctx.request_id] = out
+            contexts.append(ctx)
+            results[ctx.request_id] = CompletionOutput(ctx.request_id, ids,
+                                                       logprobs=[] if p.logprobs is not None else None)
             order.append(ctx.request_id)
+        for ctx in contexts:
+            self.engine.add_request(ctx)
         self._run(results)
         outputs = [results[r] for r in order]
         failed = [o.request_id for o in outputs if o.finish_reason == "error" and o.error_cause is None]

@@ -104,3 +104,13 @@ def test_engine_rejects_bad_requests(make_llm):
     with pytest.raises(InvalidRequest, match="context"):
         eng.make_context([5] * 64, SamplingParams())
     assert torch.get_num_threads() >= 1
+
+
+def test_a_bad_prompt_in_a_batch_leaves_none_of_the_others_running(make_llm):
+    from engine import InvalidRequest
+
+    llm = make_llm("tiny-llama", max_model_len=64)
+    with pytest.raises(InvalidRequest):
+        llm.generate([[5, 6, 7], [8, 9], [5] * 95], SamplingParams(max_new_tokens=4))
+    assert not llm.engine.has_work()  # the two good ones were never queued
+    assert llm.engine.allocator.num_used == 0
