@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from .resample import Resampler
 
 FUTURE_TOKEN = -1
+# How far past a request's known tokens a forced position may lie: the
+# next position and those of the steps in flight (two with overlap).
+_PENDING_FORCED_SPAN = 8
 
 
 class GenerationStatus(enum.Enum):
@@ -275,7 +278,16 @@ class TextContext:
 
     @property
     def num_forced_tokens(self) -> int:
-        return len(self.grammar.forced_positions)
+        """Output tokens the grammar forced, of those known: a position forced
+        ahead of its token (the next one, or one in flight) counts once the
+        token is there, and never for a request that ends first."""
+        forced = self.grammar.forced_positions
+        if not forced:
+            return 0
+        end = self.num_final_tokens
+        # Only the few positions past the known tokens can be pending (at most
+        # the in-flight steps' and the next one): O(1), not a scan of the set.
+        return len(forced) - sum(1 for p in range(end, end + _PENDING_FORCED_SPAN) if p in forced)
 
     # -- the grammar and the thought ------------------------------------------
     @property

@@ -174,3 +174,31 @@ def test_mask_threads_change_no_token(make_llm, monkeypatch):
     monkeypatch.setattr(engine_module, "mask_threads_for",
                         lambda cores, device_type: cpu_features.mask_threads_for(cores, "cuda"))
     assert make_llm("demo").engine.structured.mask_threads == 4
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_forced_tokens_counts_only_tokens_that_were_output(make_llm, overlap: bool):
+    # With log-probabilities the position after a token is marked forced as the
+    # mask is filled; a request that ends there (a stop string, an abort) never
+    # outputs that token, and it is not counted.
+    llm = make_llm("tiny-llama", overlap=overlap)
+    eng = llm.engine
+    spec = GrammarSpec.regex(r"(cat|dog)-zebra-[0-9]")
+    free = llm.generate([[5000, 77, 99]], SamplingParams(temperature=0, max_new_tokens=20), constraint=spec)[0]
+    stop = free.text[:3]
+    ended = llm.generate([[5000, 77, 99]], SamplingParams(temperature=0, max_new_tokens=20, logprobs=0, stop=(stop,),
+                                                           include_stop_str_in_output=True), constraint=spec)[0]
+    assert ended.finish_reason == "stop_string"
+    assert ended.forced_tokens < len(ended.token_ids)  # its first token is the model's choice
+    ctx = eng.make_context([5000, 77, 99], SamplingParams(temperature=0, max_new_tokens=20, logprobs=0),
+                           matcher=eng.structured.compile(spec))
+    eng.add_request(ctx)
+    outs = []
+    while not any(o.token_ids for o in outs):
+        outs += eng.step()
+    eng.abort(ctx.request_id)
+    while eng.has_work():
+        outs += eng.step()
+    tokens = sum((o.token_ids for o in outs), [])
+    assert outs[-1].finish_reason == "cancelled"
+    assert outs[-1].forced_tokens <= len(tokens) - 1
