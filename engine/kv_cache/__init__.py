@@ -1,6 +1,6 @@
 """Paged KV cache: page tensor, ref-counted allocator with prefix caching, manager."""
 
-from .allocator import OutOfPages, PageAllocator, chain_hash
+from .allocator import OutOfPages, PageAllocator, chain_hash, wire_hash
 from .events import CacheCleared, KVEvent, PagesRemoved, PagesStored
 from .manager import KVCacheInputs, KVCacheManager, page_tensor_shape, pages_for_budget
 
@@ -14,6 +14,7 @@ __all__ = [
     "OutOfPages",
     "PageAllocator",
     "chain_hash",
+    "wire_hash",
     "page_tensor_shape",
     "pages_for_budget",
 ]

@@ -2,10 +2,13 @@
 
 A page holds `page_size` consecutive tokens of one sequence. Once every token
 of a page is final (computed and not a placeholder), the page can be published
-under a chained hash: hash(previous page's hash, this page's token ids). A later
-request whose prompt starts with the same tokens reuses the page instead of
-recomputing it. Token ids are stored with each published page and compared on a
-hit, so a hash collision can never hand out the wrong keys and values.
+under a chained hash: a 128-bit BLAKE2b digest of the previous page's hash and
+this page's token ids. A later request whose prompt starts with the same tokens
+reuses the page instead of recomputing it. The digest is what makes that safe:
+a page's keys and values depend on every token before it, and two prompts
+whose chains collided would share them (with Python's `hash`, a client could
+craft such a collision in minutes and poison another client's prefix). Token
+ids are stored with each published page and compared on a hit as well.
 
 Pages nobody references but that are published stay cached, ordered by last
 use; they are evicted (least recently used first) only when the free list is
@@ -19,7 +22,9 @@ step; like everything here, on the engine thread, with no lock held.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -28,10 +33,10 @@ import numpy as np
 from .events import CacheCleared, KVEvent, PagesRemoved, PagesStored
 
 log = logging.getLogger(__name__)
-# The parent of a sequence's first page. A constant, not None: hash(None)
-# differs from process to process, and a page must hash the same in every
+# The parent of a sequence's first page: a page must hash the same in every
 # engine of a fleet (a router's index compares them).
 _ROOT = 0
+_HASH_BYTES = 16
 
 
 class OutOfPages(RuntimeError):
@@ -39,12 +44,18 @@ class OutOfPages(RuntimeError):
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full page given its parent page's hash (None for the first page).
+    """Hash of a full page given its parent page's hash (None for the first
+    page): a 128-bit BLAKE2b digest, the same in every process and machine."""
+    digest = hashlib.blake2b(digest_size=_HASH_BYTES)
+    digest.update((_ROOT if parent is None else parent).to_bytes(_HASH_BYTES, "little"))
+    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return int.from_bytes(digest.digest(), "little")
 
-    Deterministic: the same tokens hash the same in every process (ints and
-    tuples of ints are not salted by PYTHONHASHSEED).
-    """
-    return hash((_ROOT if parent is None else parent, tokens))
+
+def wire_hash(page_hash: int) -> int:
+    """A page hash as a router's index takes it (vLLM's protocol: int64): its
+    top 63 bits. Only routing reads these; a collision there costs a cache miss."""
+    return page_hash >> (8 * _HASH_BYTES - 63)
 
 
 class PageAllocator:

@@ -6,8 +6,9 @@ and routes a request to the engine that already holds most of it. These are
 the facts it needs, in the order they happened: a page is *stored* when it is
 published under its chained hash (it can now be reused), *removed* when it is
 evicted or flushed, and the cache is *cleared* when nothing is left in it.
-Hashes are the allocator's own (`chain_hash`), the same in every process for
-the same tokens.
+Hashes are the allocator's own (`chain_hash`, 128 bits), the same in every
+process for the same tokens; a protocol that carries 64-bit hashes sends
+`wire_hash` of them.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.kv_cache import CacheCleared, KVEvent, PagesRemoved, PagesStored
+from engine.kv_cache import CacheCleared, KVEvent, PagesRemoved, PagesStored, wire_hash
 from service.engine_loop import EngineLoop
 from service.gen.vllm import common_pb2 as cpb
 
@@ -53,10 +53,11 @@ class SubscriberGone(Exception):
 
 def _stored(ev: PagesStored, page_size: int) -> cpb.KvCacheEvent:
     stored = cpb.KvBlocksStored(tier=_TIER, locality=_LOCAL,
-                                blocks=[cpb.KvBlock(block_hash=h, token_ids=list(toks), block_size=page_size)
+                                blocks=[cpb.KvBlock(block_hash=wire_hash(h), token_ids=list(toks),
+                                                    block_size=page_size)
                                         for h, toks in zip(ev.hashes, ev.tokens, strict=True)])
     if ev.parent is not None:
-        stored.parent_block_hash = ev.parent
+        stored.parent_block_hash = wire_hash(ev.parent)
     return cpb.KvCacheEvent(stored=stored)
 
 
@@ -67,7 +68,7 @@ def to_proto(events: list[KVEvent], page_size: int) -> list[cpb.KvCacheEvent]:
         if isinstance(ev, PagesStored):
             out.append(_stored(ev, page_size))
         elif isinstance(ev, PagesRemoved):
-            out.append(cpb.KvCacheEvent(removed=cpb.KvBlocksRemoved(block_hashes=list(ev.hashes),
+            out.append(cpb.KvCacheEvent(removed=cpb.KvBlocksRemoved(block_hashes=[wire_hash(h) for h in ev.hashes],
                                                                     tier=_TIER, locality=_LOCAL)))
         elif isinstance(ev, CacheCleared):
             out.append(cpb.KvCacheEvent(cleared=cpb.KvCacheCleared()))

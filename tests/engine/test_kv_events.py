@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from engine import SamplingParams
-from engine.kv_cache import CacheCleared, PageAllocator, PagesRemoved, PagesStored, chain_hash
+from engine.kv_cache import CacheCleared, PageAllocator, PagesRemoved, PagesStored, chain_hash, wire_hash
 
 from ..conftest import REPO_ROOT
 
@@ -38,6 +38,18 @@ def test_chain_hash_is_the_same_in_every_process():
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            cwd=REPO_ROOT).stdout
     assert other == f"{chain_hash(chain_hash(None, (1, 2)), (3, 4))}\n"
+
+
+def test_chain_hash_is_a_digest_not_pythons_hash():
+    # Python's int hash is modulo 2**61 - 1 and its tuple hash unkeyed and
+    # linear: chains a client could make collide, poisoning another's prefix.
+    parent = chain_hash(None, (1, 2))
+    assert chain_hash(parent, (3, 4)) != chain_hash(parent + 2**61 - 1, (3, 4))
+    assert chain_hash(None, (1, 2)) != chain_hash(None, (2, 1))
+    hashes = [chain_hash(None, (i, j)) for i in range(40) for j in range(40)]
+    assert len(set(hashes)) == len(hashes) and all(0 <= h < 2**128 for h in hashes)
+    wires = [wire_hash(h) for h in hashes]  # what routers get: non-negative int64
+    assert all(0 <= w < 2**63 for w in wires) and len(set(wires)) == len(wires)
 
 
 def test_events_only_while_listened_to_and_coalesced_by_chain():

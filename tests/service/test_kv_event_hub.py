@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from engine import EngineConfig, EngineCore, SamplingParams
+from engine.kv_cache import wire_hash
 from service.engine_loop import EngineLoop, RequestStream
 from service.gen.vllm import common_pb2 as cpb
 from service.vllm_protocol.kv_events import KvEventHub
@@ -108,7 +109,8 @@ def test_subscribers_joining_mid_run_see_every_batch_after_their_snapshot(preset
                 # the last batch: checked between steps, with the stream still on.
                 def now(engine: EngineCore) -> tuple[int, dict[int, list[int]]]:
                     engine.allocator.flush_events()
-                    return hub.sequence, {p.hashes[0]: list(p.tokens[0]) for p in engine.allocator.snapshot()}
+                    return hub.sequence, {wire_hash(p.hashes[0]): list(p.tokens[0])
+                                          for p in engine.allocator.snapshot()}
 
                 last, actual = await loop.call(now)
                 while numbers[-1] < last:
