@@ -78,6 +78,12 @@ class EngineChild:
                 timer.daemon = True
                 timer.start()
                 cmd = ("stop",)
+            except Exception as exc:  # noqa: BLE001 - a command it cannot unpickle: the link is broken
+                # Said to the server, which fails every stream and stops (a
+                # dead reader would leave them, and every later one, waiting).
+                log.exception("a command from the server could not be read")
+                self.failed(exc)
+                cmd = ("stop",)
             if not self.handle(cmd):
                 return
 
@@ -156,10 +162,13 @@ class EngineChild:
 
         def answer(done: concurrent.futures.Future[Any]) -> None:
             exc = done.exception()
-            if exc is not None:
-                self.outbox.send(("result", call_id, False, portable_error(exc)))
-            else:
-                self.outbox.send(("result", call_id, True, done.result()))
+            try:
+                if exc is not None:
+                    self.outbox.send(("result", call_id, False, portable_error(exc)))
+                else:
+                    self.outbox.send(("result", call_id, True, done.result()))
+            except Exception as send_exc:  # noqa: BLE001 - an answer that cannot be pickled is an error answer
+                self.outbox.send(("result", call_id, False, portable_error(send_exc)))
 
         future.add_done_callback(answer)
         self.driver.put(("call", fn, future))
@@ -243,7 +252,12 @@ def main(read_fd: int, write_fd: int) -> None:
     """Entry point of the engine process."""
     from service.ops.request_log import configure_logging
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The server stops this process through the pipe, and a server that dies
+    # is noticed (the pipe, the orphan watch): a signal to the whole process
+    # group (a terminal's ^C, systemd's stop, `kill -TERM -PGID`) is the
+    # server's to act on, and it drains with this process still running.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     inbox = Connection(read_fd, writable=False)
     outbox = SendEnd(write_fd)  # a send that fails: the server is gone, and this process ends with it
     try:

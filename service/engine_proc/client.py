@@ -268,6 +268,12 @@ class ProcessLink:
                 if not self._stopping:
                     failure = EngineFailed("the engine process exited")
                 break
+            except Exception as exc:  # noqa: BLE001 - a message this side cannot unpickle: the link is broken
+                log.exception("a message from the engine process could not be read")
+                failure = exc
+                with contextlib.suppress(OSError):
+                    self.process.proc.kill()  # nothing will read what it sends
+                break
             self._heard = time.monotonic()
             try:
                 failure = self._handle(sink, msg)

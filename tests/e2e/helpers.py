@@ -10,8 +10,10 @@ steps, so what they see is consistent.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -83,6 +85,20 @@ def slow_forward() -> None:
         return forward(self, *args, **kwargs)
 
     LlamaFamilyModel.forward = slow  # type: ignore[method-assign]
+
+
+def unpicklable_answer(engine: EngineCore) -> Any:
+    """An engine call whose answer cannot be pickled back to the server."""
+    return threading.Lock()
+
+
+def answer_only_the_engine_process_can_read(engine: EngineCore) -> Any:
+    """An engine call whose answer is of a class only the engine process has
+    (the server cannot unpickle it)."""
+    module = types.ModuleType("stencild_engine_process_only")
+    exec("class Thing:\n    pass\n", module.__dict__)  # noqa: S102 - a fixed class body
+    sys.modules[module.__name__] = module
+    return module.Thing()
 
 
 def process_factory(preset: str = "tiny-llama", setup: tuple[str, ...] = (),

@@ -22,7 +22,16 @@ from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.telemetry import TelemetryConfig
 
 from ..conftest import process_running
-from .helpers import TIMEOUT, ServerHandle, engine_factory, generate, greedy, process_factory
+from .helpers import (
+    TIMEOUT,
+    ServerHandle,
+    answer_only_the_engine_process_can_read,
+    engine_factory,
+    generate,
+    greedy,
+    process_factory,
+    unpicklable_answer,
+)
 from .metrics_helpers import scrape
 
 
@@ -242,3 +251,66 @@ def test_stopping_closes_the_servers_own_compile_workers(make_server: Callable[.
     while any(process_running(pid) for pid in workers):
         assert time.monotonic() < deadline, "a compile worker outlived the server"
         time.sleep(0.05)
+
+
+def test_a_call_answer_that_cannot_be_pickled_is_an_error_not_a_hang(process_server: ServerHandle) -> None:
+    loop = process_server.server.engine_loop
+    assert loop is not None
+    with pytest.raises(TypeError, match="pickle"):
+        process_server.runner.run(loop.call(unpicklable_answer), timeout=TIMEOUT)
+    assert _answer(process_server, greedy("still serving", max_new_tokens=3))[3] == 3
+
+
+def _fails_the_server(handle: ServerHandle) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while handle.server.health.status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "the server kept serving with its link to the engine broken"
+        time.sleep(0.05)
+    assert handle.server.engine_failure is not None
+    handle.runner.run(handle.server.wait_stopped())
+
+
+def test_a_message_the_server_cannot_read_fails_the_link_not_its_reader(
+        make_server: Callable[..., ServerHandle]) -> None:
+    # The server's reader thread used to die on it: streams in flight hung, and health said SERVING.
+    handle = make_server(process_factory(setup=("tests.e2e.helpers:slow_forward",)))
+    loop = handle.server.engine_loop
+    assert loop is not None
+    stream = handle.stub.Generate(greedy("in flight", max_new_tokens=400), timeout=TIMEOUT)
+    next(stream)
+    with contextlib.suppress(Exception):
+        handle.runner.run(loop.call(answer_only_the_engine_process_can_read), timeout=TIMEOUT)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+    _fails_the_server(handle)
+
+
+def test_a_command_the_engine_process_cannot_read_fails_the_link_not_its_reader(
+        make_server: Callable[..., ServerHandle], tmp_path, monkeypatch) -> None:
+    # A function of a module only the server can import: its reader thread used
+    # to die, and every later request waited for ever with health SERVING.
+    (tmp_path / "stencild_server_only.py").write_text("def pages(engine):\n    return 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import stencild_server_only  # type: ignore[import-not-found]
+
+    handle = make_server(process_factory())
+    loop = handle.server.engine_loop
+    assert loop is not None
+    with contextlib.suppress(Exception):
+        handle.runner.run(loop.call(stencild_server_only.pages), timeout=TIMEOUT)
+    _fails_the_server(handle)
+
+
+def test_a_signal_to_the_process_group_is_the_servers_to_act_on(process_server: ServerHandle) -> None:
+    # systemd's stop, `kill -TERM -PGID` and a terminal's hang-up reach the
+    # engine process too; the server drains on SIGTERM with it still running.
+    engine = process_server.engine
+    assert isinstance(engine, RemoteEngine)
+    stream = process_server.stub.Generate(greedy("signalled", max_new_tokens=16), timeout=TIMEOUT)
+    next(stream)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        os.kill(engine.process.pid, sig)
+    assert list(stream)[-1].HasField("complete")
+    assert process_running(engine.process.pid)
+    assert _answer(process_server, greedy("still serving", max_new_tokens=3))[3] == 3
