@@ -68,14 +68,15 @@ class StructuredOutput:
             return self._compiler
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None,
-                      given: CompiledExport | None = None) -> Future[Matcher]:
+                      given: CompiledExport | None = None, tenant: str = "") -> Future[Matcher]:
         """A future matcher for `spec`; fails with GrammarError.
 
         Thread-safe; a cache hit is already done. `backend` overrides the
         engine's default ("auto", "xgrammar" or "llguidance"); `given` is the
-        server's compile of it, loaded rather than compiled again.
+        server's compile of it, loaded rather than compiled again; `tenant`
+        whom it is for, in the compiler's fair queue.
         """
-        return self.compiler.compile_async(spec, backend, given=given)
+        return self.compiler.compile_async(spec, backend, tenant, given=given)
 
     def compile(self, spec: GrammarSpec, backend: str | None = None) -> Matcher:
         return self.compiler.compile(spec, backend)

@@ -281,7 +281,7 @@ class ConstraintCompiler:
             raise resource_exhausted(f"{err}; retry later", Reason.COMPILE_QUEUE_FULL) from None
         except GrammarError as err:
             note_compile(kind, err.backend, start, _outcome(err), cached)
-            raise _compile_error(err, constraint.field) from None
+            raise compile_error(err, constraint.field) from None
         note_compile(kind, getattr(matcher, "backend", None), start, "compiled", cached)
         if self.resamples(constraint) and not matcher.checks_ready:
             # The value checks' set-up, once per schema (seconds for one of
@@ -306,13 +306,14 @@ class ConstraintCompiler:
 
 def _outcome(err: GrammarError) -> str:
     """A failed compile's outcome for the metrics: what the library said, or
-    `busy`/`unavailable` when no worker ever compiled it (_compile_error)."""
+    `busy`/`unavailable` when no worker ever compiled it (compile_error)."""
     if err.backend is None and err.reason in ("timeout", "crashed"):
         return "busy" if err.reason == "timeout" else "unavailable"
     return err.reason
 
 
-def _compile_error(err: GrammarError, field: str) -> ServiceError:
+def compile_error(err: GrammarError, field: str) -> ServiceError:
+    """A compile's failure as the status a client gets (`field`: the constraint's)."""
     # A compile that crashed its worker is the spec's doing (and is cached as
     # such); a compiler that is closed or cannot start a worker is the server's.
     if err.reason == "crashed" and err.backend is None:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine import GenerationStatus, RequestOutput
-from grammar import Matcher
+from grammar import GrammarError, Matcher
 from service.api import convert
 from service.api.schema_check import check_output, tool_calls, wants_validation
 from service.engine_loop import EngineFailed, EngineLoop, RequestStream
@@ -28,7 +28,7 @@ from service.errors import (
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from service.security.auth import scoped_request_id
-from service.structured import ConstraintCompiler, ConstraintSpec, constraint_spec
+from service.structured import ConstraintCompiler, ConstraintSpec, compile_error, constraint_spec
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Requests larger than this are tokenized on a worker thread, so one long prompt
@@ -56,6 +56,10 @@ async def next_outputs(stream: RequestStream, constraint_field: str | None = Non
         outputs = await stream.next_outputs()
     except EngineFailed:
         raise internal("the engine failed while running this request; see the server log") from None
+    except GrammarError as err:
+        # An engine process compiles a constraint again when the server's
+        # compile did not come with the request (or would not load there).
+        raise compile_error(err, constraint_field or "constraint") from None
     final = outputs[-1] if outputs[-1].finished else None
     if final is not None and final.status is GenerationStatus.ERROR:
         if final.error_cause == "constraint" and constraint_field is not None:

@@ -121,7 +121,7 @@ class EngineChild:
         with self._lock:
             self._compiling[sub.request_id] = False
         try:
-            future = self.engine.structured.compile_async(spec, backend, given)
+            future = self.engine.structured.compile_async(spec, backend, given, tenant=sub.tenant)
         except Exception as exc:  # noqa: BLE001 - a compile that cannot start fails this request
             self._compiled_failed(sub.request_id, exc)
             return

@@ -39,6 +39,7 @@ from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 
 from ..engine_loop import STOP_TIMEOUT_S, DriverSink, EngineFailed, Recipe
+from ..structured import caller_tenant
 from .wire import EngineFacts, EngineProcessSpec, SendQueue, Submission, ThreadCpu, mirror_times
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class ProcessLink:
             export, matcher.export = matcher.export, None
         self.send(("add", Submission(ctx.request_id, spec.prompt, spec.params, spec.max_length, spec.seed,
                                      (matcher.spec, matcher.backend) if matcher is not None else None,
-                                     recipe.resample, recipe.reasoning, export)))
+                                     recipe.resample, recipe.reasoning, export, caller_tenant())))
 
     def send(self, command: tuple[Any, ...]) -> None:
         if command[0] == "stop":

@@ -94,6 +94,9 @@ class Submission:
     resample: bool = True
     reasoning: ReasoningOptions | None = None
     compiled: CompiledExport | None = None
+    # Whom a compile in the engine process is for (the server's fair queue's
+    # tenant): one client's compiles there must not queue another's behind them.
+    tenant: str = ""
 
     @property
     def spec(self) -> RequestSpec:

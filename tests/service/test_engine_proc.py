@@ -4,13 +4,17 @@ and what crosses the pipe pickling as itself."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import dataclasses
 import pickle
 import threading
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import numpy as np
+import pytest
 
 from engine import RequestOutput, SamplingParams
 from engine.context import GenerationStatus, TextContext, TokenLogprobs
@@ -36,11 +40,13 @@ class _Structured:
 
     def __init__(self) -> None:
         self.pending: list[concurrent.futures.Future[Any]] = []
+        self.tenants: list[str] = []
 
     def compile_async(self, spec: GrammarSpec, backend: str | None = None,
-                      given: Any = None) -> concurrent.futures.Future[Any]:
+                      given: Any = None, tenant: str = "") -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self.pending.append(future)
+        self.tenants.append(tenant)
         return future
 
 
@@ -129,6 +135,31 @@ def test_a_constraint_that_fails_to_compile_fails_its_request_alone() -> None:
     [(kind, rid, exc)] = outbox.sent
     assert (kind, rid) == ("reject", "bad") and "timed out" in str(exc)
     assert [cmd[1].request_id for cmd in _commands(child)] == ["good"]
+
+
+def test_a_compile_in_the_engine_process_is_for_the_requests_client() -> None:
+    # The compiler's fair queue: one client's compiles must not hold up another's.
+    child, _, structured = _child()
+    for rid, tenant in (("a", "key:alice"), ("b", "key:bob")):
+        sub = _submission(rid, grammar=True)
+        child.handle(("add", dataclasses.replace(sub, tenant=tenant)))
+    assert structured.tenants == ["key:alice", "key:bob"]
+
+
+def test_a_compile_error_from_the_engine_process_is_the_clients_status() -> None:
+    # Not INTERNAL: the same status an in-process compile's failure gives.
+    from service.api.generation import next_outputs
+    from service.errors import ServiceError
+
+    class Rejected:
+        shutdown_reason = None
+
+        async def next_outputs(self) -> list[Any]:
+            raise GrammarError("grammar compile timed out after 10 s", reason="timeout", backend="xgrammar")
+
+    with pytest.raises(ServiceError) as err:
+        asyncio.run(next_outputs(Rejected(), "constraint.json_schema"))  # type: ignore[arg-type]
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "timed out" in err.value.message
 
 
 def test_a_step_message_carries_times_only_when_they_change() -> None:
