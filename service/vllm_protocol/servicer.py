@@ -117,11 +117,20 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             running = 1
             others_started = len(prepared.specs) == 1
+            held: list[tuple[int, Any]] = []  # taken from the queue while merging, not yet handled
             while running:
-                i, item = await merged.get()
+                i, item = held.pop() if held else await merged.get()
                 if isinstance(item, BaseException):
                     raise item
                 outputs, final = item
+                # What this sequence delivered while the call waited (a paced
+                # stream's pause, a slow client) goes out in one message.
+                while final is None and not merged.empty():
+                    j, more = merged.get_nowait()
+                    if j != i or isinstance(more, BaseException):
+                        held.append((j, more))
+                        break
+                    outputs, final = outputs + more[0], more[1]
                 if not others_started:
                     # The first sequence's prompt is computed and its pages
                     # published: the others reuse them from the prefix cache.

@@ -54,3 +54,37 @@ def test_a_lone_stream_is_not_paced(paced: ServerHandle) -> None:
     [(_, ids, chunks)] = _streams(paced, 1)
     # 1 stream of a budget of 100 a second: 10 ms after each chunk, a step's worth.
     assert len(chunks) >= TOKENS // 3 and len(ids) == TOKENS
+
+
+def _vllm_streams(server: ServerHandle, n: int) -> list[tuple[list[int], int]]:
+    from service.gen.vllm import vllm_engine_pb2 as vpb
+    from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+
+    stub = vpb_grpc.VllmEngineStub(server.channel)
+
+    def one(i: int) -> tuple[list[int], int]:
+        req = vpb.GenerateRequest(request_id=f"paced-{i}", tokenized=vpb.TokenizedInput(input_ids=[7 + i, 8, 9]),
+                                  stream=True)
+        req.sampling_params.max_tokens = TOKENS
+        req.sampling_params.temperature = 0.0
+        req.sampling_params.ignore_eos = True
+        ids: list[int] = []
+        chunks = 0
+        for msg in stub.Generate(req, timeout=60):
+            if msg.HasField("chunk"):
+                chunks += 1
+                ids += list(msg.chunk.token_ids)
+        return ids, chunks
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_paced_vllm_streams_merge_their_tokens_too(paced: ServerHandle, unpaced: ServerHandle) -> None:
+    # vLLM's Generate moved each step's outputs onto its queue one by one
+    # while it paused, then sent them one message each, ever further behind.
+    slow = _vllm_streams(paced, 8)
+    fast = _vllm_streams(unpaced, 8)
+    assert [ids for ids, _ in slow] == [ids for ids, _ in fast]
+    assert all(len(ids) == TOKENS for ids, _ in slow)
+    assert sum(c for _, c in slow) < sum(c for _, c in fast) / 2
