@@ -1,8 +1,9 @@
 """Batched sampling on the device.
 
-Order per row (vLLM's): logit_bias -> penalties -> min_new_tokens EOS mask -> grammar
-mask (by the caller) -> greedy argmax, or temperature -> top-k -> top-p ->
-min-p -> a draw by inverse CDF. Log-probabilities are of the raw model output.
+Order per row (vLLM's, V1): logit_bias -> penalties -> min_new_tokens EOS mask ->
+grammar mask (by the caller) -> greedy argmax, or temperature -> min-p -> top-k
+(tokens tied with the k-th kept) -> top-p -> a draw by inverse CDF.
+Log-probabilities are of the raw model output.
 
 Hard masks hold whatever the model outputs: the model's logits are made finite
 first (NaN and -inf become a very low finite value, +inf a very high one), so
@@ -134,7 +135,8 @@ def build_sampling_batch(contexts: Sequence[TextContext], vocab_size: int, stagi
     )
     if not batch.all_greedy:
         if any(p.top_k > 0 for p in params):
-            batch.top_k = staging.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+            batch.top_k = staging.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+                                         torch.int64)
         if any(p.top_p < 1.0 for p in params):
             batch.top_p = staging.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], torch.float32)
         if any(p.min_p > 0.0 for p in params):
@@ -226,24 +228,27 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> None
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks. Returns new logits."""
+    """Temperature, then min-p, top-k and top-p as -inf masks (vLLM V1's
+    order: min-p on the whole distribution, the others on what it leaves).
+    Returns new logits."""
     out = logits / batch.temperature[:, None]
+    if batch.min_p is not None:
+        probs = out.softmax(dim=-1)
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        out = out.masked_fill(probs < threshold, float("-inf"))
     if batch.top_k is not None or batch.top_p is not None:
         sorted_logits, order = out.sort(dim=-1, descending=True)
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if batch.top_k is not None:
-            ranks = torch.arange(out.shape[-1], device=out.device)[None, :]
-            remove |= ranks >= batch.top_k[:, None]
+            # Below the k-th value: a token tied with it stays, as in vLLM.
+            kth = sorted_logits.gather(1, (batch.top_k[:, None] - 1).clamp(0, out.shape[-1] - 1))
+            remove |= sorted_logits < kth
         if batch.top_p is not None:
             probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
             remove |= mass_before >= batch.top_p[:, None]
         remove[:, 0] = False  # the most likely token always survives
         out = out.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-    if batch.min_p is not None:
-        probs = out.softmax(dim=-1)
-        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        out = out.masked_fill(probs < threshold, float("-inf"))
     return out
 
 

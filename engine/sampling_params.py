@@ -21,6 +21,8 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # vLLM bounds repetition_penalty only below (> 0); a huge value multiplies
 # negative logits to -inf and is no longer a penalty, so it is capped here.
 MAX_REPETITION_PENALTY = 10.0
+# top_k beyond any vocabulary: an int32 on the wire, as vLLM takes it.
+MAX_TOP_K = 2**31 - 1
 
 
 class InvalidSamplingParams(InvalidRequest):
@@ -81,8 +83,8 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad("top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be -1 (disabled), 0 (disabled) or positive up to {MAX_TOP_K}, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -65,6 +65,24 @@ def test_min_p_drops_tokens_below_fraction_of_max():
         assert support(out[0]) == expected
 
 
+def test_top_k_keeps_the_tokens_tied_with_the_kth():
+    # As vLLM's top-k (16-bit logits tie often): below the k-th value goes.
+    tied = torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
+    out = filter_logits(tied.clone(), batch_for(ctx(SamplingParams(top_k=2))))
+    assert support(out[0]) == {1, 3, 5}
+    out = filter_logits(LOGITS.clone(), batch_for(ctx(SamplingParams(top_k=2**31 - 1))))  # beyond the vocabulary
+    assert support(out[0]) == set(range(VOCAB))
+
+
+def test_min_p_applies_before_top_p_as_in_vllm():
+    # Probabilities .5, .25, .15, .1: min-p 0.25 drops .1 (below .125) first;
+    # top-p 0.76 over what is left (.5, .25, .15, renormalised) keeps two.
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, :4] = torch.tensor([0.5, 0.25, 0.15, 0.1]).log()
+    out = filter_logits(logits, batch_for(ctx(SamplingParams(min_p=0.25, top_p=0.76))))
+    assert support(out[0]) == {0, 1}
+
+
 def test_filters_apply_per_row_and_after_temperature():
     rows = [ctx(SamplingParams(top_k=2)), ctx(SamplingParams()), ctx(SamplingParams(top_p=0.5, temperature=0.5))]
     out = filter_logits(LOGITS.repeat(3, 1), batch_for(*rows))
@@ -179,7 +197,7 @@ INF, NAN = float("inf"), float("nan")
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2**63), ("min_p", 1.5),
     ("repetition_penalty", 0.0), ("frequency_penalty", 3.0), ("logprobs", 21), ("prompt_logprobs", -1),
     ("max_new_tokens", 0), ("stop", ("",)),
     # Non-finite and out-of-range values a hostile client sent.
