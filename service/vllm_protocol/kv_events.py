@@ -12,13 +12,16 @@ lock held while anything runs), which turns them into one
 no subscriber a step costs the event loop nothing: no wake-up, no protobuf.
 
 A router's cache-aware policy keeps an index of which worker holds which
-prefix. A new subscriber first gets the cache's current state as one snapshot
-batch (a `cleared` followed by every cached page, parents first, marked as a
-`KvSnapshotChunk`), numbered with the last sequence number sent, so the live
-batches that follow continue with no gap and no repeat: the snapshot is taken
-between steps (EngineLoop.kv_snapshot), and from there the subscriber's
-registration is posted to the event loop ahead of any later batch. The hub
-keeps no history, so a subscriber resuming from a cursor gets the snapshot too.
+prefix. A new subscriber first gets the cache's current state as a snapshot
+(a `cleared` followed by every cached page, parents first, in
+`KvSnapshotChunk`s of at most `SNAPSHOT_CHUNK_TOKENS` tokens, built off the
+event loop), its chunks numbered consecutively up to the last sequence number
+sent, so the live batches that follow continue with no gap and no repeat: the
+snapshot is taken between steps (EngineLoop.kv_snapshot), and from there the
+subscriber's registration is posted to the event loop ahead of any later
+batch. A subscriber resuming from a cursor (`start_sequence_number`) that the
+hub's bounded history of recent steps still covers gets the batches it missed
+instead, under their own numbers.
 
 A subscriber that does not keep up (its queue over `MAX_QUEUED` batches) is
 dropped: its stream ends, and the router resubscribes and resyncs from a fresh
@@ -32,6 +35,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +47,12 @@ from service.gen.vllm import common_pb2 as cpb
 log = logging.getLogger(__name__)
 
 MAX_QUEUED = 4096
+# A snapshot chunk's size, in tokens (about 4 bytes each on the wire): far
+# under a router's 4 MiB message limit, whatever the page size.
+SNAPSHOT_CHUNK_TOKENS = 1 << 18
+# The recent steps kept for subscribers resuming from a cursor, in pages stored
+# or removed (the batches themselves, not copies).
+HISTORY_PAGES = 1 << 16
 _TIER = cpb.KV_CACHE_TIER_DEVICE
 _LOCAL = cpb.KV_CACHE_LOCALITY_LOCAL
 
@@ -104,6 +114,10 @@ class KvEventHub:
         # while this is above zero. Both threads change it, under the lock.
         self._listening = 0
         self._lock = threading.Lock()
+        # The last steps' events, oldest first, at most HISTORY_PAGES pages
+        # (written on the listener's thread, read there by `register`).
+        self._history: deque[tuple[int, list[KVEvent]]] = deque()
+        self._history_pages = 0
 
     async def attach(self, engine_loop: EngineLoop) -> None:
         self._loop = asyncio.get_running_loop()
@@ -118,8 +132,25 @@ class KvEventHub:
     # -- engine thread ------------------------------------------------------
     def _on_events(self, events: list[KVEvent]) -> None:
         self.sequence += 1
+        self._remember(self.sequence, events)
         if self._listening:
             self._post(self._publish, self.sequence, events)
+
+    def _remember(self, number: int, events: list[KVEvent]) -> None:
+        self._history.append((number, events))
+        self._history_pages += _pages(events)
+        while self._history_pages > HISTORY_PAGES and len(self._history) > 1:
+            self._history_pages -= _pages(self._history.popleft()[1])
+
+    def _missed(self, cursor: int) -> list[tuple[int, list[KVEvent]]] | None:
+        """The batches after `cursor`, if the history still holds all of them."""
+        if not 0 < cursor <= self.sequence:
+            return None
+        if cursor == self.sequence:
+            return []
+        if not self._history or self._history[0][0] > cursor + 1:
+            return None
+        return [(n, ev) for n, ev in self._history if n > cursor]
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -147,17 +178,35 @@ class KvEventHub:
         if sub.active:
             self._subscribers.add(sub)
 
-    def _snapshot_batch(self, number: int, pages: list[PagesStored]) -> cpb.KvEventBatch:
-        events = [cpb.KvCacheEvent(cleared=cpb.KvCacheCleared()), *to_proto(list(pages), self.page_size)]
-        return cpb.KvEventBatch(sequence_number=number, timestamp=time.time(), events=events, dp_rank=0,
-                                snapshot=cpb.KvSnapshotChunk(index=0, count=1, blocks=len(pages)))
+    def snapshot_batches(self, number: int, pages: list[PagesStored]) -> list[cpb.KvEventBatch]:
+        """The state as of batch `number` in chunks numbered up to it (chunk 0
+        opens with `cleared`). Off the event loop: a large cache is seconds of work."""
+        per_chunk = max(1, SNAPSHOT_CHUNK_TOKENS // max(self.page_size, 1))
+        count = max(1, min(-(-len(pages) // per_chunk), number))  # numbers stay above 0
+        per_chunk = max(1, -(-len(pages) // count))
+        batches = []
+        for index in range(count):
+            events = to_proto(pages[index * per_chunk:(index + 1) * per_chunk], self.page_size)
+            if index == 0:
+                events.insert(0, cpb.KvCacheEvent(cleared=cpb.KvCacheCleared()))
+            batches.append(cpb.KvEventBatch(
+                sequence_number=number - count + 1 + index, timestamp=time.time(), events=events, dp_rank=0,
+                snapshot=cpb.KvSnapshotChunk(index=index, count=count, blocks=len(pages))))
+        return batches
 
-    async def subscribe(self) -> AsyncGenerator[cpb.KvEventBatch, None]:
-        """The current state (when there is one), then every batch from now on."""
+    def _replayed(self, missed: list[tuple[int, list[KVEvent]]]) -> list[cpb.KvEventBatch]:
+        return [cpb.KvEventBatch(sequence_number=n, timestamp=time.time(), events=to_proto(ev, self.page_size),
+                                 dp_rank=0) for n, ev in missed]
+
+    async def subscribe(self, cursor: int = 0) -> AsyncGenerator[cpb.KvEventBatch, None]:
+        """The current state (when there is one), then every batch from now on;
+        from `cursor` (the last batch a resuming subscriber has), the batches
+        since instead of the state, while the history holds them."""
         engine_loop = self._engine_loop
         assert engine_loop is not None, "attach the hub first"
         sub = _Subscriber()
         number = 0
+        missed: list[tuple[int, list[KVEvent]]] | None = None
 
         def register() -> None:
             # Between steps, on the listener's thread: the events recorded but
@@ -165,18 +214,25 @@ class KvEventHub:
             # so the snapshot is the state as of batch `self.sequence`; the
             # registration is posted before any later batch, so this
             # subscriber sees them all.
-            nonlocal number
+            nonlocal number, missed
             with self._lock:
                 if sub.active:  # else the stream ended while this call waited
                     self._listening += 1
                     sub.counted = True
             self._post(self._join, sub)
             number = self.sequence
+            missed = self._missed(cursor)
 
         try:
             pages = await engine_loop.kv_snapshot(register)
-            if number > 0 or pages:
-                yield self._snapshot_batch(number, pages)
+            if missed is not None:
+                first = await asyncio.to_thread(self._replayed, missed)
+            elif number > 0 or pages:
+                first = await asyncio.to_thread(self.snapshot_batches, number, pages)
+            else:
+                first = []
+            for batch in first:
+                yield batch
             while True:
                 batch = await sub.queue.get()
                 if batch is None:
@@ -192,3 +248,7 @@ class KvEventHub:
     @property
     def num_subscribers(self) -> int:
         return len(self._subscribers)
+
+
+def _pages(events: list[KVEvent]) -> int:
+    return sum(len(ev.hashes) for ev in events if isinstance(ev, PagesStored | PagesRemoved)) + 1

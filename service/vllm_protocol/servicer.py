@@ -310,7 +310,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             raise failed_precondition("prefix caching is off on this server (--no-prefix-caching)",
                                       Reason.NO_GENERATION_MODEL)
         await context.send_initial_metadata(())
-        events = self.kv_events.subscribe()
+        events = self.kv_events.subscribe(request.start_sequence_number)
         try:
             async for batch in events:
                 await context.write(batch)

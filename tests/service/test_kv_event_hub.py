@@ -125,3 +125,74 @@ def test_subscribers_joining_mid_run_see_every_batch_after_their_snapshot(preset
         assert hub._listening == 0
 
     _run(_engine(preset), body)
+
+
+def _actual(loop: EngineLoop, hub: KvEventHub) -> Any:
+    def now(engine: EngineCore) -> tuple[int, dict[int, list[int]]]:
+        engine.allocator.flush_events()
+        return hub.sequence, {wire_hash(p.hashes[0]): list(p.tokens[0]) for p in engine.allocator.snapshot()}
+
+    return loop.call(now)
+
+
+def test_a_large_snapshot_comes_in_numbered_chunks(preset, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # One message for the whole cache failed past the message limits (16 MiB
+    # here, 4 MiB in a router) and was built on the event loop.
+    from service.vllm_protocol import kv_events
+
+    monkeypatch.setattr(kv_events, "SNAPSHOT_CHUNK_TOKENS", 12)  # 3 pages of 4 tokens a chunk
+
+    async def body(loop: EngineLoop, hub: KvEventHub) -> None:
+        for i in range(3):
+            await _finish(_submit(loop, i))
+        last, actual = await _actual(loop, hub)
+        assert last >= len(actual) / 3  # enough numbers below it for 3-page chunks
+        sub = hub.subscribe()
+        first = await sub.__anext__()
+        chunks = [first] + [await sub.__anext__() for _ in range(first.snapshot.count - 1)]
+        assert first.snapshot.count > 2 and first.events[0].HasField("cleared")
+        assert [c.snapshot.index for c in chunks] == list(range(first.snapshot.count))
+        assert [c.sequence_number for c in chunks] == list(range(last - len(chunks) + 1, last + 1))
+        assert all(sum(len(e.stored.blocks) for e in c.events) <= 3 for c in chunks)
+        state: dict[int, list[int]] = {}
+        for c in chunks:
+            _apply(state, c)
+        assert state == actual and first.snapshot.blocks == len(actual)
+        await sub.aclose()
+
+    _run(_engine(preset), body)
+
+
+def test_a_subscriber_resuming_from_its_cursor_gets_what_it_missed(preset, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A router that reconnects with its cursor (start_sequence_number) takes a
+    # snapshot numbered past it for a gap; the batches it missed follow on.
+    from service.vllm_protocol import kv_events
+
+    async def body(loop: EngineLoop, hub: KvEventHub) -> None:
+        await _finish(_submit(loop, 0))
+        sub = hub.subscribe()
+        state: dict[int, list[int]] = {}
+        snapshot = await sub.__anext__()
+        _apply(state, snapshot)
+        cursor = snapshot.sequence_number
+        await sub.aclose()
+        await asyncio.gather(*(_finish(_submit(loop, i)) for i in range(1, 4)))  # missed
+        last, actual = await _actual(loop, hub)
+        assert last > cursor + 1
+        resumed = hub.subscribe(cursor)
+        numbers = []
+        while not numbers or numbers[-1] < last:
+            batch = await asyncio.wait_for(resumed.__anext__(), TIMEOUT)
+            assert not batch.HasField("snapshot")
+            numbers.append(batch.sequence_number)
+            _apply(state, batch)
+        assert numbers == list(range(cursor + 1, last + 1)) and state == actual
+        await resumed.aclose()
+        # A cursor the history no longer reaches back to gets the state instead.
+        monkeypatch.setattr(kv_events, "HISTORY_PAGES", 1)
+        await _finish(_submit(loop, 9))
+        old = hub.subscribe(cursor)
+        assert (await old.__anext__()).HasField("snapshot")
+        await old.aclose()
+
+    _run(_engine(preset), body)
