@@ -210,7 +210,8 @@ class StepMasks:
         try:
             ctx = contexts[0] if len(contexts) == 1 else None
             if ctx is not None and ctx.constrained and ctx.grammar.forced_next is None \
-                    and ctx.grammar.resampler is None and (ctx.grammar.gate is None or ctx.grammar.gate.answering):
+                    and ctx.grammar.resampler is None and (ctx.grammar.gate is None or ctx.grammar.gate.answering) \
+                    and not _stops_held_back(ctx):
                 # One constrained request sampling freely (a lone client): its
                 # row without the batch bookkeeping below, through a fill made
                 # once per request (for xgrammar a native call with no Python
@@ -233,6 +234,7 @@ class StepMasks:
             matchers: list[Matcher] = []
             also: list[tuple[int, int]] = []  # (row, token): the grammar's row plus this token
             blocked: list[tuple[int, frozenset[int]]] = []  # (row, tokens): any token but these
+            held: list[tuple[int, frozenset[int]]] = []  # (row, tokens): the grammar's row less these, if it can
             for i, ctx in enumerate(contexts):
                 if ctx is None:
                     continue
@@ -252,6 +254,9 @@ class StepMasks:
                     rows.append(i)
                     free.append(i)
                     matchers.append(ctx.matcher)
+                    stops = _stops_held_back(ctx)
+                    if stops:
+                        held.append((i, stops))
                     if gate is not None and gate.undecided:
                         also.append((i, gate.parser.start_id))
             if not rows:
@@ -277,6 +282,15 @@ class StepMasks:
                 for token in tokens:
                     if token < self.vocab_size:
                         words[i, token >> 5] &= ~np.uint32(1 << (token & 31))
+            for i, tokens in held:
+                # min_new_tokens, as vLLM has it: no stop token yet, unless the
+                # grammar allows nothing else (then the grammar's end wins).
+                row = words[i].copy()
+                for token in tokens:
+                    if token < self.vocab_size:
+                        words[i, token >> 5] &= ~np.uint32(1 << (token & 31))
+                if not words[i].any():
+                    words[i] = row
             _mask_resampled(contexts, bitmask, free)
             mask.set(bitmask, self._rows(rows))
             self.last_mask_seconds = time.perf_counter() - start
@@ -396,6 +410,18 @@ class StepMasks:
         return None, bool(forced)
 
 
+def _stops_held_back(ctx: TextContext) -> frozenset[int]:
+    """The stop tokens (stop ids, and EOS unless ignored) a constrained row may
+    not sample yet: its output has fewer than min_new_tokens tokens."""
+    params = ctx.sampling_params
+    if ctx.num_final_tokens - ctx.prompt_len >= params.min_new_tokens:
+        return frozenset()
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops |= ctx.eos_token_ids
+    return frozenset(stops)
+
+
 def _thought_row(ctx: TextContext) -> frozenset[int]:
     """The mask of a row whose thought is open, for the token it samples now
     (the request's first placeholder). A spent thinking budget forces the end
@@ -410,13 +436,7 @@ def _thought_row(ctx: TextContext) -> frozenset[int]:
         ctx.grammar.forced_next = gate.parser.end_id
         ctx.grammar.forced_positions.add(position)
         return frozenset()
-    params = ctx.sampling_params
-    if ctx.matcher is not None and position - ctx.prompt_len < params.min_new_tokens:
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= ctx.eos_token_ids
-        return frozenset(stops)
-    return frozenset()
+    return _stops_held_back(ctx) if ctx.matcher is not None else frozenset()
 
 
 def _grammar_verdict(matcher: Matcher) -> Verdict | None:

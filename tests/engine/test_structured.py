@@ -202,3 +202,24 @@ def test_forced_tokens_counts_only_tokens_that_were_output(make_llm, overlap: bo
     tokens = sum((o.token_ids for o in outs), [])
     assert outs[-1].finish_reason == "cancelled"
     assert outs[-1].forced_tokens <= len(tokens) - 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_min_new_tokens_holds_back_stop_tokens_a_grammar_would_allow(make_llm, overlap: bool):
+    # As vLLM: EOS and stop ids wait for min_new_tokens in a constrained
+    # output too, while its grammar allows another token.
+    llm = make_llm("tiny-llama", overlap=overlap)
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    spec = GrammarSpec.regex(r"[a-z ]*")
+    params = SamplingParams(temperature=0, min_new_tokens=10, max_new_tokens=20, logit_bias={eos: 100.0})
+    out = llm.generate([[5, 6, 7]], params, constraint=spec)[0]
+    assert len(out.token_ids) == 11 and out.finish_reason == "eos"
+    letter = llm.tokenizer.encode("a", add_special_tokens=False)[-1]
+    params = SamplingParams(temperature=0, min_new_tokens=10, max_new_tokens=20, logit_bias={letter: 100.0},
+                            stop_token_ids=(letter,))
+    out = llm.generate([[5, 6, 7]], params, constraint=spec)[0]
+    assert len(out.token_ids) == 11 and out.finish_reason == "stop_token"
+    # A grammar that must end now ends, min_new_tokens or not.
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, min_new_tokens=10, max_new_tokens=20),
+                       constraint=GrammarSpec.choice(["yes", "no"]))[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "eos"
