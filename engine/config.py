@@ -38,6 +38,10 @@ class EngineConfig(DeviceOptions):
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # "auto": a request's unset sampling values come from the checkpoint's
+    # generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty), as vLLM's default; "vllm": the engine's own defaults.
+    generation_config: str = "auto"
     num_steps: int = 1
     attention: str = "auto"
     cuda_graphs: str = "auto"
@@ -79,6 +83,8 @@ class EngineConfig(DeviceOptions):
             raise ValueError("attention must be auto, torch or triton")
         if self.cuda_graphs not in ("auto", "off", "emulate"):
             raise ValueError("cuda_graphs must be auto, off or emulate")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError("generation_config must be auto or vllm")
         if self.gpu_memory_utilization is not None:
             if not 0.0 < self.gpu_memory_utilization <= 1.0:
                 raise ValueError("gpu_memory_utilization must be in (0, 1]")

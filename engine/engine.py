@@ -29,7 +29,7 @@ from .pipeline import TextGenerationPipeline
 from .postprocess import Postprocessor
 from .reasoning import ReasoningOptions, ReasoningParser
 from .request_factory import RequestFactory
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, model_defaults
 from .scheduler import Scheduler, SchedulerConfig
 from .speech import (
     AudioGenerator,
@@ -99,6 +99,10 @@ class EngineCore:
         self.config = config
         self.model_config = load_model_config(config.model)
         self.tokenizer = Tokenizer(config.model)
+        self.sampling_defaults = model_defaults(config.generation_config, self.model_config.sampling_defaults)
+        if self.sampling_defaults:
+            log.info("sampling defaults from the checkpoint's generation_config.json: %s (a request's own "
+                     "values win; --generation-config vllm ignores them)", self.sampling_defaults)
         self._owns_executor = executor is None
         self.executor = executor or StepExecutor(config.torch_device)
         try:

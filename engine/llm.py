@@ -134,7 +134,8 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            # None: the model's own defaults (generation_config.json), as vLLM's LLM.
+            params = [params or SamplingParams(**self.engine.sampling_defaults)] * len(prompts)  # type: ignore[arg-type]
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         specs = list(constraint) if isinstance(constraint, list | tuple) else [constraint] * len(prompts)

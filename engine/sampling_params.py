@@ -141,3 +141,20 @@ class SamplingParams:
 
 
 _LOGIT_BIAS = [f.name for f in fields(SamplingParams)].index("logit_bias")
+
+
+def model_defaults(generation_config: str, values: Mapping[str, float]) -> dict[str, float]:
+    """The sampling values a request that leaves them unset takes: a
+    checkpoint's generation_config.json's (`values`) with --generation-config
+    auto, as vLLM's default, each kept only if a request could send it; none
+    with "vllm"."""
+    if generation_config == "vllm":
+        return {}
+    kept: dict[str, float] = {}
+    for name, value in values.items():
+        try:
+            SamplingParams(**{name: value})  # type: ignore[arg-type]
+        except (InvalidRequest, TypeError):
+            continue
+        kept[name] = value
+    return kept

@@ -97,6 +97,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     output_bias: bool = False  # on the attention's output projection
     mlp_bias: bool = False  # on the gate, up and down projections
+    # generation_config.json's sampling values (vLLM reads the same keys):
+    # what a request that leaves them unset samples with (--generation-config).
+    sampling_defaults: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +156,20 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=theta, rope_type=rope_type, **kwargs)
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _sampling_defaults(gen: dict[str, Any]) -> dict[str, float]:
+    """The sampling values generation_config.json sets (numbers only; a value
+    a request could not send is dropped when the engine checks them)."""
+    out: dict[str, float] = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = gen.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = int(value) if key == "top_k" else float(value)
+    return out
+
+
 def _sliding_window(cfg: dict[str, Any], family: str, num_layers: int) -> int | None:
     """The window of the checkpoint's sliding-window layers (None: every layer
     attends to the whole context), read as transformers reads it."""
@@ -198,9 +215,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
     eos = _as_ids(cfg.get("eos_token_id"))
     gen_path = root / "generation_config.json"
-    if gen_path.exists():
-        gen = read_json(gen_path)
-        eos += [t for t in _as_ids(gen.get("eos_token_id")) if t not in eos]
+    gen = read_json(gen_path) if gen_path.exists() else {}
+    eos += [t for t in _as_ids(gen.get("eos_token_id")) if t not in eos]
 
     return ModelConfig(
         architecture=arch,
@@ -225,5 +241,6 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # mlp_bias on all three MLP projections.
         output_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
         mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
+        sampling_defaults=_sampling_defaults(gen),
         extra={"hidden_act": cfg.get("hidden_act", "silu")},
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,10 +104,11 @@ def sampling_kwargs(s: pb.SamplingOptions) -> dict[str, object]:
     return kwargs
 
 
-def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams from the request; unset fields keep the engine's defaults."""
+def sampling_params(req: pb.GenerateRequest, defaults: Mapping[str, float] | None = None) -> SamplingParams:
+    """SamplingParams from the request; unset fields take `defaults` (the
+    model's, from its generation_config.json), else the engine's defaults."""
     st, r = req.stopping, req.response
-    kwargs = sampling_kwargs(req.sampling)
+    kwargs: dict[str, object] = {**(defaults or {}), **sampling_kwargs(req.sampling)}
     for msg, names in ((st, _STOPPING), (r, _RESPONSE)):
         for name in names:
             if msg.HasField(name):
@@ -253,7 +254,7 @@ def prepare_generate(req: pb.GenerateRequest, engine: EngineCore, request_id: st
     Everything is checked here, before any grammar is compiled, so a request
     that would fail anyway never occupies the compiler.
     """
-    params = sampling_params(req)
+    params = sampling_params(req, engine.sampling_defaults)
     tools = tools_spec(req)
     constraint: ConstraintSpec | None = tools.constraint if tools is not None else None
     if constraint is None:

@@ -59,6 +59,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--num-steps", type=int, default=1, help="decode steps per schedule")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty come "
+                        "from the checkpoint's generation_config.json (vLLM's default); vllm: ignore them")
     p.add_argument("--no-overlap", action="store_true",
                    help="do not overlap host work with the forward pass (engine overlap scheduling)")
     p.add_argument("--engine-process", action="store_true",
@@ -283,7 +286,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         device=args.device, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         num_steps=args.num_steps, attention=args.attention, **({"overlap": False} if args.no_overlap else {}),
-        **({"cuda_graphs": "off"} if args.enforce_eager else {}))
+        **({"cuda_graphs": "off"} if args.enforce_eager else {}),
+        **({"generation_config": args.generation_config} if args.generation_config != "auto" else {}))
     factory = None
     model_name = ""
     speech = None

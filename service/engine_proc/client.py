@@ -35,6 +35,7 @@ from engine.kv_cache import KVEvent, PagesStored
 from engine.models.config import load_model_config
 from engine.reasoning import ReasoningParser
 from engine.request_factory import RequestFactory
+from engine.sampling_params import model_defaults
 from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 
@@ -127,6 +128,7 @@ class RemoteEngine:
     def __init__(self, spec: EngineProcessSpec):
         self.config = spec.config
         self.model_config = load_model_config(spec.config.model)
+        self.sampling_defaults = model_defaults(spec.config.generation_config, self.model_config.sampling_defaults)
         self.tokenizer = Tokenizer(spec.config.model)
         self.process = EngineProcess(spec)
         try:

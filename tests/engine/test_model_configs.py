@@ -143,3 +143,32 @@ def test_an_untied_config_without_a_head_is_refused(tmp_path) -> None:
 def test_the_rotation_table_covers_the_served_context_only(make_llm) -> None:
     llm = make_llm("tiny-llama", max_model_len=64)
     assert llm.engine.model.rotations.shape[0] == llm.engine.max_model_len == 64
+
+
+def test_generation_config_sampling_values_are_a_requests_defaults(tmp_path) -> None:
+    from engine import SamplingParams
+
+    from .reference import hf_greedy
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-llama"), d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen.update({"temperature": 0.0, "top_p": 0.95, "top_k": 20, "repetition_penalty": -3.0, "do_sample": True})
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    assert load_model_config(d).sampling_defaults == {"temperature": 0.0, "top_p": 0.95, "top_k": 20,
+                                                      "repetition_penalty": -3.0}
+    llm = LLM(str(d), kv_cache_gib=0.05)
+    try:
+        # As vLLM: the values a request could send (a repetition penalty of -3 could not).
+        assert llm.engine.sampling_defaults == {"temperature": 0.0, "top_p": 0.95, "top_k": 20}
+        prompt = prompts(1)[0]
+        out = llm.generate([prompt])[0]  # no parameters: the model's, greedy here
+        assert out.token_ids == hf_greedy("tiny-llama", prompt, len(out.token_ids))
+        assert llm.generate([prompt], SamplingParams(max_new_tokens=3))[0].token_ids  # given ones win
+    finally:
+        llm.close()
+    plain = LLM(str(d), kv_cache_gib=0.05, generation_config="vllm")
+    try:
+        assert plain.engine.sampling_defaults == {}
+    finally:
+        plain.close()

@@ -171,3 +171,11 @@ def test_tokenize_offsets_in_code_points_or_utf8_bytes(engine: EngineCore) -> No
     with pytest.raises(ServiceError) as info:
         convert.tokenize(pb.TokenizeRequest(text=text, offsets_in_utf8_bytes=True), engine.tokenizer)
     assert info.value.violations[0][0] == "offsets_in_utf8_bytes"
+
+
+def test_unset_sampling_values_take_the_models_defaults() -> None:
+    req = pb.GenerateRequest(text="x")
+    req.sampling.top_k = 5
+    params = convert.sampling_params(req, {"temperature": 0.6, "top_p": 0.9, "top_k": 20})
+    assert (params.temperature, params.top_p, params.top_k) == (pytest.approx(0.6), pytest.approx(0.9), 5)
+    assert convert.sampling_params(pb.GenerateRequest(text="x")).temperature == 1.0
