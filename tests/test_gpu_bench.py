@@ -167,7 +167,8 @@ def test_a_part_running_far_past_the_budget_is_cut_short_with_the_tables_written
     from bench._server import ServerProcess
 
     report = gpu.Report(tmp_path / "gpu-stop.log", budget_s=0.0)
-    written, exits = [], []
+    written: list[bool] = []
+    exits: list[int] = []
     server = ServerProcess(["--preset", "tiny-llama", "--no-embedding-model", "--no-speech-model"])
     stop = gpu.HardStop(report, 0.0, lambda: written.append(True), exit=exits.append)
     stop.run()  # what the thread does at its time

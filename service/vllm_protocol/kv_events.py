@@ -186,7 +186,7 @@ class KvEventHub:
         per_chunk = max(1, -(-len(pages) // count))
         batches = []
         for index in range(count):
-            events = to_proto(pages[index * per_chunk:(index + 1) * per_chunk], self.page_size)
+            events = to_proto(list[KVEvent](pages[index * per_chunk:(index + 1) * per_chunk]), self.page_size)
             if index == 0:
                 events.insert(0, cpb.KvCacheEvent(cleared=cpb.KvCacheCleared()))
             batches.append(cpb.KvEventBatch(
@@ -234,10 +234,10 @@ class KvEventHub:
             for batch in first:
                 yield batch
             while True:
-                batch = await sub.queue.get()
-                if batch is None:
+                live = await sub.queue.get()
+                if live is None:
                     raise SubscriberGone("the subscriber fell behind")
-                yield batch
+                yield live
         finally:
             self._subscribers.discard(sub)
             with self._lock:

@@ -106,10 +106,10 @@ def test_the_probe_fills_both_decode_splits_at_the_default_page_size(monkeypatch
     # when every probed sequence fit in one split.
     real = triton_check.paged_attention
 
-    def first_split_only(q, kv_blocks, layer, block_table, lens, *args, num_splits=None, **kwargs):
-        if num_splits == 2:
+    def first_split_only(q, kv_blocks, layer, block_table, lens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("num_splits") == 2:
             lens = lens.clamp(max=64)
-        return real(q, kv_blocks, layer, block_table, lens, *args, num_splits=num_splits, **kwargs)
+        return real(q, kv_blocks, layer, block_table, lens, *args, **kwargs)
 
     monkeypatch.setattr(triton_check, "paged_attention", first_split_only)
     assert "split decode differs" in (probe_triton(CPU, torch.bfloat16, HeadShape(4, 2, 32, 16)) or "")

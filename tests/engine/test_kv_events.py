@@ -6,7 +6,14 @@ import subprocess
 import sys
 
 from engine import SamplingParams
-from engine.kv_cache import CacheCleared, PageAllocator, PagesRemoved, PagesStored, chain_hash, wire_hash
+from engine.kv_cache import (
+    CacheCleared,
+    PageAllocator,
+    PagesRemoved,
+    PagesStored,
+    chain_hash,
+    wire_hash,
+)
 
 from ..conftest import REPO_ROOT
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import jsonschema
 import pytest
@@ -193,13 +194,13 @@ def test_forced_tokens_counts_only_tokens_that_were_output(make_llm, overlap: bo
     ctx = eng.make_context([5000, 77, 99], SamplingParams(temperature=0, max_new_tokens=20, logprobs=0),
                            matcher=eng.structured.compile(spec))
     eng.add_request(ctx)
-    outs = []
+    outs: list[Any] = []
     while not any(o.token_ids for o in outs):
         outs += eng.step()
     eng.abort(ctx.request_id)
     while eng.has_work():
         outs += eng.step()
-    tokens = sum((o.token_ids for o in outs), [])
+    tokens: list[int] = sum((o.token_ids for o in outs), [])
     assert outs[-1].finish_reason == "cancelled"
     assert outs[-1].forced_tokens <= len(tokens) - 1
 

@@ -56,7 +56,7 @@ def test_a_llama2_style_tokenizer_encodes_as_its_file(tmp_path):
     ids = Tokenizer(root).apply_chat_template([{"role": "user", "content": "What is the capital?"}])
     raw = RustTokenizer.from_file(str(root / "tokenizer.json"))
     assert ids == raw.encode("<s>[INST] What is the capital? [/INST]", add_special_tokens=False).ids
-    assert raw.id_to_token(ids[1]).startswith("\u2581")
+    assert (raw.id_to_token(ids[1]) or "").startswith("\u2581")
     assert Tokenizer(root).eos_token_id == raw.token_to_id("</s>")
 
 

@@ -180,7 +180,7 @@ def test_a_subscriber_resuming_from_its_cursor_gets_what_it_missed(preset, monke
         last, actual = await _actual(loop, hub)
         assert last > cursor + 1
         resumed = hub.subscribe(cursor)
-        numbers = []
+        numbers: list[int] = []
         while not numbers or numbers[-1] < last:
             batch = await asyncio.wait_for(resumed.__anext__(), TIMEOUT)
             assert not batch.HasField("snapshot")
