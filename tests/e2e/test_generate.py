@@ -141,7 +141,15 @@ def test_seeded_sampling_is_reproducible(stub) -> None:
     req.sampling.top_p = 0.9
     req.sampling.seed = 1234
     req.stopping.max_new_tokens = 8
-    assert generate(stub, req)[1] == generate(stub, req)[1]
+    req.stopping.ignore_eos = True
+    first = generate(stub, req)[1]
+    assert generate(stub, req)[1] == first
+    # ... and the seed is what decides: other seeds draw other tokens.
+    others = set()
+    for seed in (1, 2, 3):
+        req.sampling.seed = seed
+        others.add(tuple(generate(stub, req)[1]))
+    assert others - {tuple(first)}
 
 
 @pytest.mark.slow

@@ -175,26 +175,34 @@ def test_aborts_mid_batch(make_llm) -> None:
     graphs, plain = _pair(make_llm, max_num_seqs=8)
     batch = _prompts(6, seed=3)
 
-    def run(llm: LLM) -> dict[str, list[int]]:
+    def run(llm: LLM) -> tuple[dict[str, list[int]], dict[str, str | None]]:
         eng = llm.engine
         contexts = [eng.make_context(p, GREEDY, request_id=f"r{i}") for i, p in enumerate(batch)]
         for ctx in contexts:
             eng.add_request(ctx)
         tokens: dict[str, list[int]] = {c.request_id: [] for c in contexts}
+        ends: dict[str, str | None] = {}
         for step in range(40):
             if step == 4:
-                eng.abort("r1")
+                assert eng.abort("r1")
             if step == 6:
-                eng.abort("r4")
+                assert eng.abort("r4")
             for out in eng.step():
                 tokens[out.request_id] += out.token_ids
+                if out.finished:
+                    ends[out.request_id] = out.finish_reason
             if not eng.has_work():
                 break
-        return tokens
+        return tokens, ends
 
-    got, want = run(graphs), run(plain)
+    assert graphs.engine.graphs is not None
+    (got, got_ends), (want, want_ends) = run(graphs), run(plain)
     for rid in ("r0", "r2", "r3", "r5"):
         assert got[rid] == want[rid] and len(got[rid]) == GREEDY.max_new_tokens
+    # The aborted ones ended there, with the tokens they had.
+    for rid in ("r1", "r4"):
+        assert got_ends[rid] == want_ends[rid] == "cancelled"
+        assert len(got[rid]) < GREEDY.max_new_tokens and got[rid] == want[rid][:len(got[rid])]
 
 
 def test_padded_rows_write_to_the_dummy_page_only(make_llm, monkeypatch) -> None:

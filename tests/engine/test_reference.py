@@ -29,9 +29,21 @@ def test_tiny_prefill_chunks(make_llm, arch):
     # A 7-token budget per step: long prompts are spread over many steps and
     # share steps with other requests' decode tokens.
     llm = make_llm(arch, max_num_batched_tokens=7)
+    scheduler = llm.engine.scheduler
+    schedule, sizes = scheduler.schedule, []
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = schedule(*args, **kwargs)
+        if out is not None:
+            sizes.append(sum(c.active_length for c in out.contexts))
+        return out
+
+    scheduler.schedule = recorded  # type: ignore[method-assign]
     batch = prompts(8)
     for prompt, res in zip(batch, llm.generate(batch, GREEDY), strict=True):
         assert res.token_ids == hf_greedy(arch, prompt)
+    assert sizes and max(sizes) <= 7  # the budget held every step
+    assert sum(sizes) >= sum(map(len, batch)) and sum(s == 7 for s in sizes) > sum(map(len, batch)) // 7 // 2
 
 
 @pytest.mark.parametrize("arch", ARCHS)

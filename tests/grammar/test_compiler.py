@@ -45,10 +45,12 @@ def test_cache_hit_is_immediate(compiler):
 
 def test_compile_async_runs_off_thread_and_dedupes(compiler):
     specs = [GrammarSpec.regex(f"id-{i}[a-z]{{2,5}}") for i in range(4)]
+    before = compiler.counts.run
     futures = [compiler.compile_async(s) for s in specs] + [compiler.compile_async(specs[0])]
     done, _ = wait(futures, timeout=30)
     assert len(done) == len(futures)
     matchers = [f.result() for f in futures]
+    assert compiler.counts.run - before == 4  # the repeated spec shared the first one's compile
     assert matchers[0] is not matchers[-1]  # one compile, two matchers
     tok = compiler.tokenizer_data
     assert matchers[2].accept_tokens(tok.encode("id-2abc")) == len(tok.encode("id-2abc"))

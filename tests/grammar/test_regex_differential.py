@@ -111,11 +111,18 @@ def test_xgrammar_refuses_what_it_reads_otherwise(compiler, pattern: str) -> Non
 
 
 def test_the_output_check_reads_rust_semantics() -> None:
+    compared = eligible = 0
     for pattern in PATTERNS:
         check = OutputCheck(GrammarSpec.regex(pattern))
         for text in ("abc", "ab", "a", "bcdf", "l]]]]", "\u4e00a", "AB", "caf\n", "aab", "\u03b1\u03b2", ""):
             expected = _rust_matches(pattern, text)
+            if expected is None:
+                continue  # the crate refuses the pattern
+            eligible += 1
             result = check.validate_text(text)
-            if expected is None or not result.checked:
-                continue
+            if not result.checked:
+                continue  # a pattern the checker cannot read (an anchor mid-pattern), said so
             assert result.valid == expected, (pattern, text, result)
+            compared += 1
+    # Most of what the crate reads, the check reads too: verdicts were compared.
+    assert compared >= 0.8 * eligible, (compared, eligible)

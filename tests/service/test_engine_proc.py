@@ -221,9 +221,12 @@ def test_an_engine_process_whose_server_died_exits() -> None:
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    watch = (f"import os, sys; sys.path.insert(0, {root!r}); "
+    # As the engine process runs it: a thread of its own, while the process
+    # goes on (here a long sleep: only the watch can end it in time).
+    watch = (f"import os, sys, threading, time; sys.path.insert(0, {root!r}); "
              "from service.engine_proc.child import _exit_when_orphaned; "
-             "print(os.getpid(), flush=True); _exit_when_orphaned(os.getppid(), 0.05)")
+             "threading.Thread(target=_exit_when_orphaned, args=(os.getppid(), 0.05), daemon=True).start(); "
+             "print(os.getpid(), flush=True); time.sleep(600)")
     parent = ("import subprocess, sys; "
               f"child = subprocess.Popen([sys.executable, '-c', {watch!r}], stdout=subprocess.PIPE); "
               "print(child.stdout.readline().decode().strip(), flush=True)")
