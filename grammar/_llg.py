@@ -15,6 +15,9 @@ tokenizer JSON (`build_tokenizer`).
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -39,7 +42,30 @@ BACKEND = "llguidance"
 def build_tokenizer(
     tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...] | list[int]
 ) -> llguidance.LLTokenizer:
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    return llguidance.LLTokenizer(_added_tokens_as_text(tokenizer_json), n_vocab=vocab_size,
+                                  eos_token=list(eos_token_ids))
+
+
+def _added_tokens_as_text(tokenizer_json: str) -> str:
+    """The tokenizer with its non-special added tokens (Qwen's `<tool_call>`,
+    `<think>`, ...) as ordinary vocabulary entries. llguidance reads every added
+    token as special: its masks allowed one where its text fits, and consuming
+    it then failed, ending the request. As vocabulary its text is just text
+    (xgrammar's reading); its masks keep to canonical tokenizations, so the
+    model spells such a text out there, which it then accepts."""
+    data = json.loads(tokenizer_json)
+    vocab = data.get("model", {}).get("vocab")
+    added = data.get("added_tokens") or []
+    # Printable ASCII reads the same in a byte-level or SentencePiece vocabulary.
+    plain = [t for t in added if not t.get("special", False)
+             and t.get("content") and all("!" <= ch <= "~" for ch in t["content"])]
+    if not isinstance(vocab, dict) or not plain:
+        return tokenizer_json  # a list vocabulary (Unigram), or nothing to move
+    for t in plain:
+        vocab.setdefault(t["content"], t["id"])
+    moved = {t["id"] for t in plain}
+    data["added_tokens"] = [t for t in added if t["id"] not in moved]
+    return json.dumps(data)
 
 
 _TOKENIZERS: PerTokenizer[llguidance.LLTokenizer] = PerTokenizer(
@@ -160,6 +186,50 @@ def _error(spec: GrammarSpec, raw: str) -> GrammarError:
     return GrammarError(
         f"cannot compile {KIND_LABELS[spec.kind]}: {msg}", reason=reason, backend=BACKEND
     )
+
+
+# A Lark token reference: `<[128010]>`, `<[128000-128255]>`, `<[^1,2]>`.
+_TOKEN_REF = re.compile(r"<\[\^?([0-9,\s-]+)\]>")
+
+
+@dataclass(frozen=True)
+class TokenFacts:
+    """What a grammar's token references are checked against: the ids the
+    tokenizer has (the model's vocabulary may be wider: padding), and the
+    stop tokens by id and by name."""
+
+    size: int
+    stop_ids: frozenset[int]
+    stop_names: tuple[str, ...]
+
+    @classmethod
+    def read(cls, tokenizer_json: str, eos_token_ids: tuple[int, ...] | list[int]) -> TokenFacts:
+        data = json.loads(tokenizer_json)
+        vocab = data.get("model", {}).get("vocab")
+        ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab or ()) - 1]
+        added = data.get("added_tokens") or []
+        ids += [t["id"] for t in added]
+        names = tuple(t["content"] for t in added if t["id"] in eos_token_ids and t.get("content", "").startswith("<"))
+        return cls(max(ids, default=-1) + 1, frozenset(eos_token_ids), names)
+
+
+def check_token_refs(spec: GrammarSpec, grammar: str, facts: TokenFacts) -> None:
+    """Refuse a Lark token reference llguidance cannot keep its word on: an id
+    past the tokenizer (the model's padding ids have no text; its mask would
+    allow them), or a stop token (its mask allows it where the grammar names
+    it, and then consuming it is the end, refused before the grammar is done)."""
+    def refuse(what: str) -> GrammarError:
+        return GrammarError(f"cannot compile {KIND_LABELS[spec.kind]}: {what}", backend=BACKEND, final=True)
+
+    for ref in _TOKEN_REF.finditer(grammar):
+        for n in map(int, re.findall(r"[0-9]+", ref.group(1))):
+            if n >= facts.size:
+                raise refuse(f"token id {n} is past the tokenizer's {facts.size} tokens")
+            if n in facts.stop_ids:
+                raise refuse(f"token id {n} is a stop token: the output ends where the grammar allows it")
+    for name in facts.stop_names:
+        if re.search(r'(?<!["\w])' + re.escape(name) + r'(?!["\w])', grammar):
+            raise refuse(f"{name} is a stop token: the output ends where the grammar allows it")
 
 
 def check(tokenizer: llguidance.LLTokenizer, spec: GrammarSpec, grammar: str) -> None:

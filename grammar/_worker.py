@@ -98,7 +98,8 @@ def thread_init(data: TokenizerData, schema_store: SchemaStore | None = None) ->
     from . import _llg, _xgr
 
     return {"xgr_info": _xgr.tokenizer_info(data), "llg_tokenizer": _llg.ll_tokenizer(data),
-            "schema_store": schema_store}
+            "schema_store": schema_store, "tokenizer_json": data.tokenizer_json,
+            "eos_token_ids": data.eos_token_ids}
 
 
 class CompileContext:
@@ -109,6 +110,7 @@ class CompileContext:
         self._serialize = serialize
         self._xgr_compiler: Any = None
         self._llg_tokenizer: Any = init.get("llg_tokenizer")
+        self._token_facts: Any = None  # _llg.TokenFacts, for Lark token references
 
     def prepare(self) -> None:
         """Build both libraries' tokenizer objects now, not in the first compile:
@@ -181,6 +183,10 @@ class CompileContext:
         if len(grammar) > max_bytes:
             raise GrammarError("grammar is too large", reason="too_large", backend="llguidance")
         _check_accepts_something(spec)
+        if "<" in grammar and spec.kind in ("lark", "ebnf"):
+            if self._token_facts is None:
+                self._token_facts = _llg.TokenFacts.read(self._init["tokenizer_json"], self._init["eos_token_ids"])
+            _llg.check_token_refs(spec, grammar, self._token_facts)
         _llg.check(tokenizer, spec, grammar)
         return {"grammar": grammar, "size": len(grammar)}
 

@@ -413,7 +413,13 @@ class XGrammarMatcher(Matcher):
     def forced_tokens(self, max_tokens: int | None = None) -> list[int]:
         if self._m.is_terminated():
             return []
-        text = self._m.find_jump_forward_string()
+        try:
+            text = self._m.find_jump_forward_string()
+        except UnicodeDecodeError:
+            # The forced bytes end inside a character ("é" | "è" share its
+            # first byte): the binding cannot return them. Nothing is forced;
+            # the mask lets the model write the character.
+            return []
         if not text:
             return []
         if max_tokens is not None:

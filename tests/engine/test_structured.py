@@ -224,3 +224,16 @@ def test_min_new_tokens_holds_back_stop_tokens_a_grammar_would_allow(make_llm, o
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, min_new_tokens=10, max_new_tokens=20),
                        constraint=GrammarSpec.choice(["yes", "no"]))[0]
     assert out.text in ("yes", "no") and out.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_that_dead_ends_fails_its_request_alone_as_the_grammars_fault(make_llm, overlap: bool):
+    # Compiles (its start accepts "a"), then allows no token at all: the row
+    # sampled token 0, which the matcher refused, a server fault.
+    llm = make_llm("tiny-llama", overlap=overlap)
+    spec = GrammarSpec.ebnf('root ::= "a" b\nb ::= [^\\x00-\\U0010FFFF]')
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    dead, alive = llm.generate(["hello", "world"], params, constraint=[spec, None])
+    assert dead.finish_reason == "error" and dead.error_cause == "constraint"
+    assert "allows no token" in (dead.error or "") and 0 not in dead.token_ids
+    assert alive.finish_reason == "length" and len(alive.token_ids) == 8

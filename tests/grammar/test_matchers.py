@@ -330,3 +330,67 @@ def test_xgrammar_bounded_strings_exclude_control_characters(compiler) -> None:
     matcher.fill_bitmask(bitmask, 0)
     control = {t for t in range(len(data.encoded_vocab)) if any(b < 0x20 for b in _xgr.token_bytes(data, t))}
     assert control and not allowed(bitmask) & control
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", [GrammarSpec.choice(["\u65e5\u672c", "\u65e5\u66dc"]),
+                                  GrammarSpec.ebnf('root ::= "x" ("\u00e9" | "\u00e8")')], ids=["cjk", "accents"])
+def test_a_forced_run_ending_inside_a_character_forces_what_is_whole(compiler, tokenizer, backend, spec):
+    # xgrammar's forced string stopped inside a character ("日本" | "日曜"
+    # share its first bytes) and its binding raised on decoding it.
+    matcher = compiler.compile(spec, backend=backend)
+    forced = matcher.forced_tokens()
+    assert matcher.accept_tokens(forced) == len(forced)
+    assert "\ufffd" not in tokenizer.decode(forced) or backend == "llguidance"  # llguidance forces bytes
+
+
+def test_llguidance_reads_non_special_added_tokens_as_text(tokenizer):
+    # Qwen's <tool_call> and </tool_call> are added tokens marked not special:
+    # llguidance allowed (and forced) them, then refused to consume them.
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from grammar import GrammarCompiler
+
+    from .conftest import TOKENIZER_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    tool_call, end = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    with GrammarCompiler(tok, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation="thread") as c:
+        for spec in (GrammarSpec.regex(r"<tool_call>\n[a-z]+\n</tool_call>"),
+                     GrammarSpec.lark('start: "<tool_call>" /[a-z]+/ "</tool_call>"')):
+            matcher = c.compile(spec, backend="llguidance")
+            bitmask = c.allocate_bitmask(1)
+            matcher.fill_bitmask(bitmask, 0)
+            # What the mask allows, the matcher takes (it may take more: the
+            # mask keeps to canonical tokenizations, which spell the tag out).
+            assert tool_call not in allowed(bitmask) or matcher.accept_token(tool_call)
+        matcher = c.compile(GrammarSpec.regex(r"ab</tool_call>"), backend="llguidance")
+        assert matcher.accept_tokens(tok.encode("a", add_special_tokens=False)) == 1
+        forced = matcher.forced_tokens()
+        assert forced and matcher.accept_tokens(forced) == len(forced)
+        assert matcher.accept_token(end) or matcher.can_terminate()
+
+
+@pytest.mark.parametrize("source", ['start: "a" <|im_end|>', 'start: "a" (<|end_of_text|> | "c")',
+                                    'start: "a" <[3]>'])
+def test_a_grammar_naming_a_stop_token_is_refused(compiler, source):
+    # llguidance's mask allowed (and forced) the stop token the grammar names,
+    # and consuming it was the end, refused before the grammar was complete:
+    # every such request failed as a server fault.
+    from grammar import GrammarError
+
+    with pytest.raises(GrammarError, match="is a stop token"):
+        compiler.compile(GrammarSpec.lark(source), backend="llguidance")
+    compiler.compile(GrammarSpec.lark('start: "a" "<|im_end|>x"'), backend="llguidance")  # as text, in quotes
+
+
+def test_a_token_reference_past_the_tokenizer_is_refused(compiler):
+    # The model's padding ids (8192..8319 here) have no text.
+    from grammar import GrammarError
+
+    for source in ('start: "a" <[8300]>', 'start: "a" <[8190-8200]>'):
+        with pytest.raises(GrammarError, match="past the tokenizer"):
+            compiler.compile(GrammarSpec.lark(source), backend="llguidance")
+    compiler.compile(GrammarSpec.lark('start: "a" <[8191]>'), backend="llguidance")
