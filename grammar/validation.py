@@ -143,7 +143,10 @@ class SchemaValidator:
         try:
             error = next(iter(validator.iter_errors(instance)), None)
         except Exception as e:  # noqa: BLE001 - a validator fault must not fail the request
-            return ValidationResult(False, "", "", f"validator failed: {_short(str(e))}")
+            # Not a verdict: the validator could not read the value (a lone
+            # surrogate escape, "\ud800", valid JSON it refuses), so NOT_CHECKED
+            # and nothing resampled or refused for it.
+            return ValidationResult(False, "", "", f"validator failed: {_short(str(e))}", checked=False)
         if error is None:
             return VALID
         keyword = next((str(p) for p in reversed(error.schema_path) if isinstance(p, str)), "")

@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .json_values import canonical
+from .json_values import canonical, parse_instance
 from .watch_plan import Nodes, WatchPlan
 
 if TYPE_CHECKING:
@@ -251,7 +251,8 @@ class ValueWatch:
         if not (frame.unique or checked):
             return None
         try:
-            return self._check_slot(frame, json.loads(raw.decode("utf-8")), checked)
+            # Read as the final verdict reads it (numbers past a double's range included).
+            return self._check_slot(frame, parse_instance(raw.decode("utf-8")), checked)
         except Exception:  # noqa: BLE001 - not JSON, too deep, odd to the validator: the final check says
             log.debug("a value could not be checked while generating", exc_info=True)
             return None

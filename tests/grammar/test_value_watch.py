@@ -195,3 +195,19 @@ def test_a_violation_more_items_could_mend_says_where_its_bracket_is():
     # `not` is not mended by more items: the whole value is resampled.
     found = _first_violation(schema, '{"q":[1]}', ("contains", "not"))
     assert found is not None and found.keyword == "not" and found.close is None
+
+
+def test_a_value_the_validator_cannot_read_is_not_checked_nor_resampled():
+    # "\ud800" is JSON (a lone surrogate escape) that the validator refuses to
+    # take: a verdict of INVALID would have resampled, or failed, a valid output.
+    schema = {"type": "string", "not": {"const": "x"}}
+    result = SchemaValidator(schema).validate_text('"\\ud800"')
+    assert not result.checked
+    assert _first_violation(schema, '"\\ud800"', ("not",)) is None
+
+
+def test_the_watch_reads_numbers_as_the_final_verdict_does():
+    # Past a double's range a number is its largest value for both (the watch
+    # read infinity, the verdict the largest double: the watch let pass what
+    # the verdict then refused).
+    assert _first_duplicate(INTS | {"items": {"type": "number"}}, "[1e400,1.7976931348623157e308]") is not None
