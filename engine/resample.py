@@ -169,7 +169,7 @@ class Resampler:
             if self._ban(ctx, keep, _origin(ctx) + keep, floor):
                 return Rollback(_origin(ctx) + keep, first.keyword)
         keep = bisect.bisect_right(self._ends, first.start)
-        if self._ban(ctx, keep, self._first_choice(ctx, keep, first.end), floor):
+        if self._ban(ctx, keep, self._first_choice(ctx, keep, first.start, first.end), floor):
             return Rollback(_origin(ctx) + keep, first.keyword)
         self.watch.give_up()  # the value stays; validation reports it
         return None
@@ -193,16 +193,27 @@ class Resampler:
         self.watch.truncate(self._ends[-1] if self._ends else 0)
         return True
 
-    def _first_choice(self, ctx: Output, keep: int, value_end: int) -> int | None:
-        """Position of the first token inside the value that the model chose (not forced)."""
+    def _first_choice(self, ctx: Output, keep: int, value_start: int, value_end: int) -> int | None:
+        """Position of the first token inside the value that the model chose (not
+        forced) and that says something of it: a token whose part of the value
+        is only layout (whitespace, a string's opening quote, or the separator
+        and quote a token like `","` brings from the item before) stays in the
+        ban's prefix, else the ban would fall on layout and the model write the
+        same value again. The first chosen token when the value has no other."""
+        layout = None
         for i in range(keep, len(self._ends)):
             start_byte = self._ends[i - 1] if i else 0
             if start_byte >= value_end:
-                return None
+                break
             pos = _origin(ctx) + i
-            if pos not in ctx.grammar.forced_positions:
+            if pos in ctx.grammar.forced_positions:
+                continue
+            piece = self._token_bytes(int(ctx.tokens[pos]))
+            inside = piece[max(0, value_start - start_byte):max(0, value_end - start_byte)]
+            if inside.strip(b' \t\r\n"'):
                 return pos
-        return None
+            layout = pos if layout is None else layout
+        return layout
 
     def mask(self, ctx: Output, row: torch.Tensor) -> None:
         """Clear the banned tokens for ctx's next sample from its bitmask row

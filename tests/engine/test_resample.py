@@ -279,3 +279,23 @@ def test_a_preemption_keeps_the_forced_token_in_flight(make_llm, tok, backend, l
     plain = run(preempt=False)
     assert tok.decode(plain).startswith(text)
     assert run(preempt=True) == plain
+
+
+@pytest.mark.parametrize(("text", "wanted", "whitespace"), [
+    ('["ab","ab"]', '["ab","cd"]', "compact"),  # the ban went on the opening quote
+    ('["ab", "ab"]', '["ab", "cd"]', "flexible"),  # ... on the space before it
+    ('["a","a"]', '["a","b"]', "compact"),  # `","` ends one item and opens the next
+])
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_the_ban_falls_on_what_the_value_says_not_its_layout(make_llm, tok, text, wanted, whitespace, backend):
+    from grammar import GrammarOptions
+
+    # The duplicate's content token gets the model's second choice, the wanted item.
+    ids = tok.encode(text, add_special_tokens=False)
+    last = max(i for i, t in enumerate(ids) if tok.decode([t]) == json.loads(text)[-1])
+    script = _script(tok, text, {last: [json.loads(wanted)[-1]]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), grammar_backend=backend)
+    schema = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=40),
+                       constraint=GrammarSpec.json_schema(json.dumps(schema), GrammarOptions(whitespace=whitespace)))[0]
+    assert out.text == wanted and out.schema_retries == 1 and out.finish_reason == "eos"
