@@ -162,11 +162,13 @@ class Resampler:
     def _roll_back(self, ctx: Output, first: Violation | None, floor: int) -> Rollback | None:
         if first is None:
             return None
+        value_at = _origin(ctx) + bisect.bisect_right(self._ends, first.start)
         if first.close is not None:
             # More properties or items could mend the value: first take back
-            # only its closing bracket, and ban it there.
+            # only its closing bracket, and ban it there. Its tries count for
+            # the value (the bracket moves on with each retry).
             keep = bisect.bisect_right(self._ends, first.close)
-            if self._ban(ctx, keep, _origin(ctx) + keep, floor):
+            if self._ban(ctx, keep, _origin(ctx) + keep, floor, value_at):
                 return Rollback(_origin(ctx) + keep, first.keyword)
         keep = bisect.bisect_right(self._ends, first.start)
         if self._ban(ctx, keep, self._first_choice(ctx, keep, first.start, first.end), floor):
@@ -174,20 +176,22 @@ class Resampler:
         self.watch.give_up()  # the value stays; validation reports it
         return None
 
-    def _ban(self, ctx: Output, keep: int, choice: int | None, floor: int) -> bool:
+    def _ban(self, ctx: Output, keep: int, choice: int | None, floor: int, value_at: int | None = None) -> bool:
         """Roll back to the watch's token `keep` and ban the token at `choice`
         (at or after it), if retries remain; whether it did. `floor` counts
-        generated tokens (sent to the client)."""
+        generated tokens (sent to the client); `value_at` is where the value's
+        tries are counted (default: the rollback's position)."""
         position = _origin(ctx) + keep
+        counted = position if value_at is None else value_at
         if (choice is None or choice in ctx.grammar.forced_positions or position - ctx.prompt_len < floor
-                or self.retries >= MAX_RETRIES or self._tries.get(position, 0) >= MAX_RETRIES_PER_VALUE):
+                or self.retries >= MAX_RETRIES or self._tries.get(counted, 0) >= MAX_RETRIES_PER_VALUE):
             return False
         # Bans and counts past this point described tokens that are going away.
         self._bans = {k: v for k, v in self._bans.items() if k[0] <= position}
         self._tries = {k: v for k, v in self._tries.items() if k <= position}
         prefix = tuple(int(t) for t in ctx.tokens[position:choice])
         self._bans.setdefault((position, prefix), set()).add(int(ctx.tokens[choice]))
-        self._tries[position] = self._tries.get(position, 0) + 1
+        self._tries[counted] = self._tries.get(counted, 0) + 1
         self.retries += 1
         del self._ends[keep:]
         self.watch.truncate(self._ends[-1] if self._ends else 0)

@@ -299,3 +299,21 @@ def test_the_ban_falls_on_what_the_value_says_not_its_layout(make_llm, tok, text
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=40),
                        constraint=GrammarSpec.json_schema(json.dumps(schema), GrammarOptions(whitespace=whitespace)))[0]
     assert out.text == wanted and out.schema_retries == 1 and out.finish_reason == "eos"
+
+
+def test_a_value_mended_at_its_closing_bracket_has_the_same_retries_as_any(make_llm, tok):
+    # dependentRequired asks for more: the closing brace is taken back, the
+    # model adds a property and closes again, further on each time. The tries
+    # were counted where the brace stood, so one value took every retry.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "dependentRequired": {"a": ["b"]}}
+    head, more = tok.encode('{"a":1', add_special_tokens=False), tok.encode(',"c":1', add_special_tokens=False)
+    [close] = tok.encode("}", add_special_tokens=False)
+    ids = head + more * 8 + [close]
+    script = {len(PROMPT) + i: [t] for i, t in enumerate(ids)}
+    for k in range(9):  # wherever a property ends, the model would rather close
+        script[len(PROMPT) + len(head) + k * len(more)] = [close, more[0]] if k < 8 else [close]
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), grammar_backend="llguidance")
+    out = _generate(llm, schema, max_new_tokens=80)
+    assert out.schema_retries == 3 and out.finish_reason == "eos"
+    assert out.text == '{"a":1' + ',"c":1' * 3 + "}"
