@@ -65,6 +65,15 @@ def _answer(server: ServerHandle, req: pb.GenerateRequest) -> tuple[str, list[in
             complete.usage.forced_tokens, complete.usage.schema_retries)
 
 
+def _fails_the_server(handle: ServerHandle) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while handle.server.health.status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "the server kept serving without a working engine"
+        time.sleep(0.05)
+    assert handle.server.engine_failure is not None
+    handle.runner.run(handle.server.wait_stopped())
+
+
 def test_an_engine_process_answers_as_the_in_process_engine(server: ServerHandle,
                                                              process_server: ServerHandle) -> None:
     for req in _requests():
@@ -167,12 +176,7 @@ def test_a_killed_engine_process_fails_its_calls_and_stops_the_server(
     os.kill(engine.process.pid, signal.SIGKILL)
     caller.join(TIMEOUT)
     assert errors and errors[0] in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
-    deadline = time.monotonic() + TIMEOUT
-    while handle.server.health.status() != health_pb2.HealthCheckResponse.NOT_SERVING:
-        assert time.monotonic() < deadline, "the server kept serving without its engine"
-        time.sleep(0.05)
-    assert handle.server.engine_failure is not None
-    handle.runner.run(handle.server.wait_stopped())
+    _fails_the_server(handle)
 
 
 @pytest.mark.parametrize("factory", [engine_factory(slow_s=0.2),
@@ -259,15 +263,6 @@ def test_a_call_answer_that_cannot_be_pickled_is_an_error_not_a_hang(process_ser
     with pytest.raises(TypeError, match="pickle"):
         process_server.runner.run(loop.call(unpicklable_answer), timeout=TIMEOUT)
     assert _answer(process_server, greedy("still serving", max_new_tokens=3))[3] == 3
-
-
-def _fails_the_server(handle: ServerHandle) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while handle.server.health.status() != health_pb2.HealthCheckResponse.NOT_SERVING:
-        assert time.monotonic() < deadline, "the server kept serving with its link to the engine broken"
-        time.sleep(0.05)
-    assert handle.server.engine_failure is not None
-    handle.runner.run(handle.server.wait_stopped())
 
 
 def test_a_message_the_server_cannot_read_fails_the_link_not_its_reader(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -109,3 +110,40 @@ def mixed_step(shapes: list[tuple[int, int]], page_size: int) -> tuple[list[SeqS
 
 def preset_path(name: str) -> Path:
     return ensure_preset(name)
+
+
+def variant_checkpoint(preset: str, overrides: dict, out: Path, seed: int = 5,
+                       init: Callable[[torch.nn.Module], None] | None = None) -> tuple[Path, torch.nn.Module]:
+    """`preset`'s architecture with `overrides` in its config, random weights
+    (then `init`), saved to `out` with the preset's tokenizer: the checkpoint
+    and the transformers model it holds."""
+    import json
+    import shutil
+
+    import transformers
+
+    source = ensure_preset(preset)
+    config = json.loads((source / "config.json").read_text())
+    arch = config["architectures"][0]
+    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict({**config, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).float().eval()
+    if init is not None:
+        init(model)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, out / name)
+    return out, model
+
+
+def assert_engine_matches(path: Path, model: torch.nn.Module) -> None:
+    """Our logits over a prompt (prefill chunks, then decode tokens) are the model's."""
+    tokens = prompts(2)[1]
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    llm = LLM(str(path), kv_cache_gib=0.05)
+    try:
+        got = engine_logits(llm, tokens, [20, 33, 1, 1, 5])
+    finally:
+        llm.close()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

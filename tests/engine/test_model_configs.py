@@ -7,33 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from engine import LLM
 from engine.models.config import CheckpointError, load_model_config
 from engine.presets import ensure_preset
 
-from .reference import engine_logits, prompts
-
-
-def checkpoint(preset: str, overrides: dict[str, Any], out: Path) -> tuple[Path, torch.nn.Module]:
-    """`preset`'s architecture with `overrides` in its config, random weights, saved to `out`."""
-    import transformers
-
-    source = ensure_preset(preset)
-    config = json.loads((source / "config.json").read_text())
-    arch = config["architectures"][0]
-    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict({**config, **overrides})
-    torch.manual_seed(5)
-    model = getattr(transformers, arch)(cfg).float().eval()
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(source / name, out / name)
-    return out, model
+from .reference import assert_engine_matches, prompts, variant_checkpoint
 
 
 def _rope(theta: float, **scaling: Any) -> dict[str, Any]:
@@ -57,20 +39,11 @@ ROPES = {
 @pytest.mark.parametrize("case", list(ROPES))
 def test_scaled_rotary_embeddings_match_transformers(tmp_path, case: str) -> None:
     preset, overrides = ROPES[case]
-    path, model = checkpoint(preset, overrides, tmp_path / case)
-    tokens = prompts(2)[1]
-    with torch.no_grad():
-        want = model(input_ids=torch.tensor([tokens])).logits[0].float()
-    llm = LLM(str(path), kv_cache_gib=0.05)
-    try:
-        got = engine_logits(llm, tokens, [20, 33, 1, 1, 5])
-    finally:
-        llm.close()
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_engine_matches(*variant_checkpoint(preset, overrides, tmp_path / case))
 
 
 def test_the_old_rope_scaling_form_reads_the_same(tmp_path) -> None:
-    path, _ = checkpoint("tiny-qwen2", ROPES["yarn"][1], tmp_path / "new")
+    path, _ = variant_checkpoint("tiny-qwen2", ROPES["yarn"][1], tmp_path / "new")
     new = load_model_config(path)
     cfg = json.loads((path / "config.json").read_text())
     cfg.pop("rope_parameters")
