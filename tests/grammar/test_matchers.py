@@ -356,7 +356,7 @@ def test_llguidance_reads_non_special_added_tokens_as_text(tokenizer):
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
-    tool_call, end = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    tool_call, end = (tok.get_vocab()[t] for t in ("<tool_call>", "</tool_call>"))
     with GrammarCompiler(tok, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation="thread") as c:
         for spec in (GrammarSpec.regex(r"<tool_call>\n[a-z]+\n</tool_call>"),
                      GrammarSpec.lark('start: "<tool_call>" /[a-z]+/ "</tool_call>"')):
