@@ -226,8 +226,6 @@ class StepMasks:
                     one.fill()
                 except Exception:  # noqa: BLE001 - terminated (xgrammar refuses) or failing
                     self._one_row_failed(one, mask)
-                if not self._words[0].any() and 0 not in mask.failed:
-                    mask.failed[0] = _DEAD_END
                 mask.set(one.bitmask, self._rows([0]))
                 self.last_mask_seconds = time.perf_counter() - start
                 return
@@ -279,10 +277,6 @@ class StepMasks:
                         words[i, token >> 5] = 1 << (token & 31)
             for i, token in also:
                 words[i, token >> 5] |= np.uint32(1 << (token & 31))
-            if free:
-                dead = np.flatnonzero(~words[free].any(axis=1))
-                for j in dead.tolist():
-                    mask.failed.setdefault(free[j], _DEAD_END)
             for i, tokens in blocked:
                 words[i] = np.uint32(0xFFFFFFFF)
                 for token in tokens:
@@ -416,9 +410,9 @@ class StepMasks:
         return None, bool(forced)
 
 
-# A row whose grammar allows no token at all: a dead end the compile could not
-# see (a grammar is checked to accept something from its start only). The
-# request fails, its grammar at fault, rather than sample a token it forbids.
+# A grammar that allows no token at all: a dead end the compile could not see
+# (a grammar is checked to accept something from its start only). The row's
+# empty mask left the sampler nothing to choose; the grammar is at fault.
 _DEAD_END = Failure("the grammar allows no token after this output: it cannot be completed",
                     cause="constraint")
 
@@ -473,6 +467,8 @@ def _rejected(matcher: Matcher, token: int) -> Failure:
     reason = matcher.rejection_reason(token)
     if reason:
         return Failure(f"the grammar library refused token {token}: {reason}", cause="constraint")
+    if not matcher.allows_any():  # asked only here: a mask check every step costs the hot path
+        return _DEAD_END
     return Failure(f"token {token} was rejected by the grammar")
 
 

@@ -142,6 +142,13 @@ class Matcher(ABC):
         or None when it gives none: the token simply does not fit the grammar."""
         return None
 
+    def allows_any(self) -> bool:
+        """Whether any token may come next (False: a dead end). Fills a mask
+        of its own: for the rare path after a rejection, not every step."""
+        bitmask = torch.zeros((1, self._tok.bitmask_words), dtype=torch.int32)
+        self.fill_bitmask(bitmask, 0)
+        return bool(bitmask.any())
+
     @abstractmethod
     def is_terminated(self) -> bool:
         """True once a stop token has been accepted."""

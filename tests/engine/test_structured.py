@@ -235,5 +235,5 @@ def test_a_grammar_that_dead_ends_fails_its_request_alone_as_the_grammars_fault(
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     dead, alive = llm.generate(["hello", "world"], params, constraint=[spec, None])
     assert dead.finish_reason == "error" and dead.error_cause == "constraint"
-    assert "allows no token" in (dead.error or "") and 0 not in dead.token_ids
+    assert "allows no token" in (dead.error or "")
     assert alive.finish_reason == "length" and len(alive.token_ids) == 8
