@@ -254,9 +254,10 @@ class StepMasks:
                     rows.append(i)
                     free.append(i)
                     matchers.append(ctx.matcher)
-                    stops = _stops_held_back(ctx)
-                    if stops:
-                        held.append((i, stops))
+                    if ctx.sampling_params.min_new_tokens:  # most rows have none: no call
+                        stops = _stops_held_back(ctx)
+                        if stops:
+                            held.append((i, stops))
                     if gate is not None and gate.undecided:
                         also.append((i, gate.parser.start_id))
             if not rows:
