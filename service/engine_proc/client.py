@@ -271,20 +271,14 @@ class ProcessLink:
                 if not self._stopping:
                     failure = EngineFailed("the engine process exited")
                 break
-            except Exception as exc:  # noqa: BLE001 - a message this side cannot unpickle: the link is broken
-                log.exception("a message from the engine process could not be read")
-                failure = exc
-                with contextlib.suppress(OSError):
-                    self.process.proc.kill()  # nothing will read what it sends
+            except Exception as exc:  # noqa: BLE001 - one this side cannot unpickle
+                failure = self._broken(exc, "(could not be unpickled)")
                 break
             self._heard = time.monotonic()
             try:
                 failure = self._handle(sink, msg)
             except Exception as exc:  # noqa: BLE001 - a bug here must fail the streams, not strand them
-                log.exception("reading the engine process's message %r failed", msg[0])
-                failure = exc
-                with contextlib.suppress(OSError):
-                    self.process.proc.kill()  # nothing will read what it sends
+                failure = self._broken(exc, msg[0])
         self._gone = True
         while self._calls:  # popitem: the event loop may still add or fail one meanwhile
             try:
@@ -296,6 +290,14 @@ class ProcessLink:
         if failure is not None:
             log.error("the engine process failed: %s", failure)
             sink.failed(failure)
+
+    def _broken(self, exc: Exception, kind: str) -> Exception:
+        """A message the link cannot read: logged, and the process killed
+        (nothing will read what it sends); the failure the streams end with."""
+        log.exception("reading the engine process's message %r failed", kind, exc_info=exc)
+        with contextlib.suppress(OSError):
+            self.process.proc.kill()
+        return exc
 
     def _handle(self, sink: DriverSink, msg: tuple[Any, ...]) -> BaseException | None:
         """Act on one message from the engine process; the failure it reports, if any."""

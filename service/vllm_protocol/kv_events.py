@@ -164,8 +164,7 @@ class KvEventHub:
     def _publish(self, number: int, events: list[KVEvent]) -> None:
         if not self._subscribers:
             return
-        batch = cpb.KvEventBatch(sequence_number=number, timestamp=time.time(),
-                                 events=to_proto(events, self.page_size), dp_rank=0)
+        batch = self._batch(number, events)
         for sub in list(self._subscribers):
             if sub.queue.qsize() >= MAX_QUEUED:
                 self._subscribers.discard(sub)
@@ -178,7 +177,12 @@ class KvEventHub:
         if sub.active:
             self._subscribers.add(sub)
 
-    def snapshot_batches(self, number: int, pages: list[PagesStored]) -> list[cpb.KvEventBatch]:
+    def _batch(self, number: int, events: list[KVEvent]) -> cpb.KvEventBatch:
+        """One step's events as the protocol's numbered batch."""
+        return cpb.KvEventBatch(sequence_number=number, timestamp=time.time(),
+                                events=to_proto(events, self.page_size), dp_rank=0)
+
+    def _snapshot_batches(self, number: int, pages: list[PagesStored]) -> list[cpb.KvEventBatch]:
         """The state as of batch `number` in chunks numbered up to it (chunk 0
         opens with `cleared`). Off the event loop: a large cache is seconds of work."""
         per_chunk = max(1, SNAPSHOT_CHUNK_TOKENS // max(self.page_size, 1))
@@ -195,8 +199,7 @@ class KvEventHub:
         return batches
 
     def _replayed(self, missed: list[tuple[int, list[KVEvent]]]) -> list[cpb.KvEventBatch]:
-        return [cpb.KvEventBatch(sequence_number=n, timestamp=time.time(), events=to_proto(ev, self.page_size),
-                                 dp_rank=0) for n, ev in missed]
+        return [self._batch(n, ev) for n, ev in missed]
 
     async def subscribe(self, cursor: int = 0) -> AsyncGenerator[cpb.KvEventBatch, None]:
         """The current state (when there is one), then every batch from now on;
@@ -228,7 +231,7 @@ class KvEventHub:
             if missed is not None:
                 first = await asyncio.to_thread(self._replayed, missed)
             elif number > 0 or pages:
-                first = await asyncio.to_thread(self.snapshot_batches, number, pages)
+                first = await asyncio.to_thread(self._snapshot_batches, number, pages)
             else:
                 first = []
             for batch in first:
