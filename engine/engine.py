@@ -99,10 +99,12 @@ class EngineCore:
         self.config = config
         self.model_config = load_model_config(config.model)
         self.tokenizer = Tokenizer(config.model)
-        self.sampling_defaults = model_defaults(config.generation_config, self.model_config.sampling_defaults)
-        if self.sampling_defaults:
-            log.info("sampling defaults from the checkpoint's generation_config.json: %s (a request's own "
-                     "values win; --generation-config vllm ignores them)", self.sampling_defaults)
+        self.sampling_defaults, self.default_max_new_tokens = model_defaults(
+            config.generation_config, self.model_config.sampling_defaults)
+        if self.sampling_defaults or self.default_max_new_tokens:
+            log.info("defaults from the checkpoint's generation_config.json: %s, max_new_tokens %s (a request's "
+                     "own values win; --generation-config vllm ignores them)", self.sampling_defaults,
+                     self.default_max_new_tokens)
         self._owns_executor = executor is None
         self.executor = executor or StepExecutor(config.torch_device)
         try:

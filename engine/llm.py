@@ -16,7 +16,7 @@ from .engine import EngineCore
 from .errors import RequestFailed
 from .output import RequestOutput
 from .reasoning import ReasoningOptions
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, default_length
 
 
 @dataclass
@@ -133,6 +133,7 @@ class LLM:
         """
         if isinstance(prompts, str):
             prompts = [prompts]
+        model_params = params is None
         if params is None or isinstance(params, SamplingParams):
             # None: the model's own defaults (generation_config.json), as vLLM's LLM.
             params = [params or SamplingParams(**self.engine.sampling_defaults)] * len(prompts)  # type: ignore[arg-type]
@@ -160,6 +161,8 @@ class LLM:
         for prompt, p, matcher, option in zip(prompts, params, matchers, options, strict=True):
             ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else \
                 [int(t) for t in cast(Sequence[int], prompt)]
+            if model_params:
+                p = default_length(p, self.engine.default_max_new_tokens, len(ids), self.engine.max_model_len)
             ctx = self.engine.make_context(ids, p, matcher=matcher, resample=resample, reasoning=option)
             contexts.append(ctx)
             results[ctx.request_id] = CompletionOutput(ctx.request_id, ids,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 
 from .errors import InvalidRequest
@@ -143,13 +143,14 @@ class SamplingParams:
 _LOGIT_BIAS = [f.name for f in fields(SamplingParams)].index("logit_bias")
 
 
-def model_defaults(generation_config: str, values: Mapping[str, float]) -> dict[str, float]:
-    """The sampling values a request that leaves them unset takes: a
-    checkpoint's generation_config.json's (`values`) with --generation-config
-    auto, as vLLM's default, each kept only if a request could send it; none
-    with "vllm"."""
+def model_defaults(generation_config: str, values: Mapping[str, float]) -> tuple[dict[str, float], int | None]:
+    """What a request that leaves them unset takes: a checkpoint's
+    generation_config.json's values (`values`) with --generation-config auto,
+    as vLLM's default, each kept only if a request could send it; none with
+    "vllm". Returns the sampling values and the default max_new_tokens apart:
+    the latter is capped by each prompt's room (`default_length`)."""
     if generation_config == "vllm":
-        return {}
+        return {}, None
     kept: dict[str, float] = {}
     for name, value in values.items():
         try:
@@ -157,4 +158,15 @@ def model_defaults(generation_config: str, values: Mapping[str, float]) -> dict[
         except (InvalidRequest, TypeError):
             continue
         kept[name] = value
-    return kept
+    max_new = kept.pop("max_new_tokens", None)
+    return kept, None if max_new is None else int(max_new)
+
+
+def default_length(params: SamplingParams, default: int | None, prompt_len: int,
+                   max_model_len: int) -> SamplingParams:
+    """`params` with the model's default max_new_tokens when it sets none,
+    cut to the room the prompt leaves (as vLLM does: a default never makes a
+    request too long; the prompt's own check still refuses one with no room)."""
+    if default is None or params.max_new_tokens is not None or prompt_len >= max_model_len:
+        return params
+    return replace(params, max_new_tokens=min(default, max_model_len - prompt_len))

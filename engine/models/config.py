@@ -156,7 +156,8 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=theta, rope_type=rope_type, **kwargs)
 
 
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+_INT_DEFAULTS = ("top_k", "max_new_tokens")
 
 
 def _sampling_defaults(gen: dict[str, Any]) -> dict[str, float]:
@@ -166,7 +167,7 @@ def _sampling_defaults(gen: dict[str, Any]) -> dict[str, float]:
     for key in SAMPLING_DEFAULT_KEYS:
         value = gen.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
-            out[key] = int(value) if key == "top_k" else float(value)
+            out[key] = int(value) if key in _INT_DEFAULTS else float(value)
     return out
 
 
@@ -187,6 +188,23 @@ def _sliding_window(cfg: dict[str, Any], family: str, num_layers: int) -> int | 
     return int(window)
 
 
+def _required(cfg: dict[str, Any], key: str) -> int:
+    """A config.json number every supported architecture has."""
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise CheckpointError(f"config.json needs a positive number for {key!r}, got {value!r}")
+    return int(value)
+
+
+def _full_rotary(cfg: dict[str, Any]) -> None:
+    """Refuse a rotation of part of each head: these architectures rotate all
+    of it, and a partial one would serve a different model."""
+    params = cfg.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if factor is not None and float(factor) != 1.0:
+        raise CheckpointError(f"partial_rotary_factor {factor} is not supported (only 1.0)")
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse config.json (+ generation_config.json) of an HF checkpoint directory."""
     root = Path(model_dir)
@@ -201,10 +219,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
-    num_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
+    num_heads = _required(cfg, "num_attention_heads")
+    hidden = _required(cfg, "hidden_size")
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-    num_layers = int(cfg["num_hidden_layers"])
+    num_layers = _required(cfg, "num_hidden_layers")
+    _full_rotary(cfg)
     rope = _rope_config(cfg)
     max_pos = rope.positions(int(cfg.get("max_position_embeddings", 2048)))
     # Sliding-window attention is not implemented; a window shorter than the
@@ -221,9 +240,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return ModelConfig(
         architecture=arch,
         family=family,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_required(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=_required(cfg, "intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),

@@ -21,7 +21,7 @@ from engine import EngineCore, InvalidRequest, RequestOutput, SamplingParams
 from engine.context import TokenLogprobs
 from engine.reasoning import ReasoningOptions
 from engine.requests import RequestSpec, check_token_ids
-from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, default_length
 from engine.tokenizer import Tokenizer
 from service.errors import Reason, ServiceError, failed_precondition, invalid_argument
 from service.gen.stencil.v1 import generate_pb2 as pb
@@ -261,6 +261,7 @@ def prepare_generate(req: pb.GenerateRequest, engine: EngineCore, request_id: st
         constraint = constraint_spec(req)
     reasoning = reasoning_options(req, engine)
     ids, input_field = prompt_ids(req, engine.tokenizer, tools.template_entries if tools is not None else None)
+    params = default_length(params, engine.default_max_new_tokens, len(ids), engine.max_model_len)
     try:
         spec = engine.requests.check(ids, params, request_id)
     except InvalidRequest as err:

@@ -128,7 +128,8 @@ class RemoteEngine:
     def __init__(self, spec: EngineProcessSpec):
         self.config = spec.config
         self.model_config = load_model_config(spec.config.model)
-        self.sampling_defaults = model_defaults(spec.config.generation_config, self.model_config.sampling_defaults)
+        self.sampling_defaults, self.default_max_new_tokens = model_defaults(
+            spec.config.generation_config, self.model_config.sampling_defaults)
         self.tokenizer = Tokenizer(spec.config.model)
         self.process = EngineProcess(spec)
         try:

@@ -145,3 +145,58 @@ def test_generation_config_sampling_values_are_a_requests_defaults(tmp_path) -> 
         assert plain.engine.sampling_defaults == {}
     finally:
         plain.close()
+
+
+def test_generation_config_max_new_tokens_is_a_default_cut_to_the_room_left(tmp_path) -> None:
+    from engine import SamplingParams
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-llama"), d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen["max_new_tokens"] = 5
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(d), kv_cache_gib=0.05, max_model_len=32)
+    try:
+        assert llm.engine.default_max_new_tokens == 5
+        ignore = SamplingParams(ignore_eos=True)
+        # No parameters: the model's default length, as vLLM's LLM.
+        out = llm.generate([[5, 6, 7]], None)[0]
+        assert len(out.token_ids) <= 5
+        # A prompt that leaves less room than the default gets the room, not an error.
+        out = llm.generate([list(range(5, 34))], None)[0]
+        assert len(out.token_ids) <= 3
+        # Given parameters are the caller's: until the context is full.
+        assert len(llm.generate([[5, 6, 7]], ignore)[0].token_ids) == 29
+    finally:
+        llm.close()
+    plain = LLM(str(d), kv_cache_gib=0.05, generation_config="vllm")
+    try:
+        assert plain.engine.default_max_new_tokens is None
+    finally:
+        plain.close()
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"])
+def test_a_config_missing_a_size_is_refused_by_name(tmp_path, key: str) -> None:
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg[key]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=key):
+        load_model_config(d)
+
+
+@pytest.mark.parametrize("where", ["top", "rope_parameters"])
+def test_a_partial_rotation_is_refused(tmp_path, where: str) -> None:
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    if where == "top":
+        cfg["partial_rotary_factor"] = 0.5
+    else:
+        cfg["rope_parameters"] = {**(cfg.get("rope_parameters") or {"rope_theta": 10000.0}),
+                                  "partial_rotary_factor": 0.5}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="partial_rotary_factor"):
+        load_model_config(d)

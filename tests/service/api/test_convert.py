@@ -179,3 +179,14 @@ def test_unset_sampling_values_take_the_models_defaults() -> None:
     params = convert.sampling_params(req, {"temperature": 0.6, "top_p": 0.9, "top_k": 20})
     assert (params.temperature, params.top_p, params.top_k) == (pytest.approx(0.6), pytest.approx(0.9), 5)
     assert convert.sampling_params(pb.GenerateRequest(text="x")).temperature == 1.0
+
+
+def test_an_unset_max_new_tokens_takes_the_models_default_within_the_room_left(engine: EngineCore,
+                                                                              monkeypatch) -> None:
+    monkeypatch.setattr(engine, "default_max_new_tokens", 7)
+    assert prepare(pb.GenerateRequest(text="x"), engine).spec.params.max_new_tokens == 7
+    req = pb.GenerateRequest(text="x")
+    req.stopping.max_new_tokens = 50
+    assert prepare(req, engine).spec.params.max_new_tokens == 50  # the request's own wins
+    long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * (engine.max_model_len - 3)))
+    assert prepare(long, engine).spec.params.max_new_tokens == 3  # never more than the room
