@@ -164,9 +164,14 @@ def model_defaults(generation_config: str, values: Mapping[str, float]) -> tuple
 
 def default_length(params: SamplingParams, default: int | None, prompt_len: int,
                    max_model_len: int) -> SamplingParams:
-    """`params` with the model's default max_new_tokens when it sets none,
-    cut to the room the prompt leaves (as vLLM does: a default never makes a
-    request too long; the prompt's own check still refuses one with no room)."""
-    if default is None or params.max_new_tokens is not None or prompt_len >= max_model_len:
+    """`params` with the model's default max_new_tokens when it sets none (as
+    vLLM does). A default at or past the room the prompt leaves is no limit of
+    the request's: the context's applies (so the output ends CONTEXT_LENGTH, and
+    a prompt with no room is refused by its own check)."""
+    if default is None or params.max_new_tokens is not None or default >= max_model_len - prompt_len:
         return params
-    return replace(params, max_new_tokens=min(default, max_model_len - prompt_len))
+    if params.min_new_tokens > default:
+        raise InvalidSamplingParams("min_new_tokens", f"({params.min_new_tokens}) exceeds the model's default "
+                                    f"max_new_tokens ({default}, from its generation_config.json); "
+                                    "set max_new_tokens")
+    return replace(params, max_new_tokens=default)

@@ -261,8 +261,8 @@ def prepare_generate(req: pb.GenerateRequest, engine: EngineCore, request_id: st
         constraint = constraint_spec(req)
     reasoning = reasoning_options(req, engine)
     ids, input_field = prompt_ids(req, engine.tokenizer, tools.template_entries if tools is not None else None)
-    params = default_length(params, engine.default_max_new_tokens, len(ids), engine.max_model_len)
     try:
+        params = default_length(params, engine.default_max_new_tokens, len(ids), engine.max_model_len)
         spec = engine.requests.check(ids, params, request_id)
     except InvalidRequest as err:
         raise invalid_request(err, input_field) from None

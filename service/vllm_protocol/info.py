@@ -55,6 +55,11 @@ def model_info(engine: EngineCore, served_name: str) -> vpb.GetModelInfoResponse
         pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else -1,
         bos_token_id=hf.bos_token_id if hf.bos_token_id is not None else -1,
         max_req_input_len=engine.max_model_len - 1,
+        # The checkpoint's generation_config.json sampling values, as vLLM
+        # reports them: a router (SMG) applies them to requests that leave
+        # them unset, since this protocol's fields cannot say "unset".
+        default_sampling_params_json=(json.dumps(engine.sampling_defaults, separators=(",", ":"), sort_keys=True)
+                                      if engine.sampling_defaults else ""),
     )
 
 

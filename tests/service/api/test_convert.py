@@ -189,4 +189,12 @@ def test_an_unset_max_new_tokens_takes_the_models_default_within_the_room_left(e
     req.stopping.max_new_tokens = 50
     assert prepare(req, engine).spec.params.max_new_tokens == 50  # the request's own wins
     long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * (engine.max_model_len - 3)))
-    assert prepare(long, engine).spec.params.max_new_tokens == 3  # never more than the room
+    spec = prepare(long, engine).spec  # less room than the default: the context's limit, not the request's
+    assert spec.params.max_new_tokens is None and spec.max_length == engine.max_model_len
+    wants_more = pb.GenerateRequest(text="x")
+    wants_more.stopping.min_new_tokens = 8
+    with pytest.raises(ServiceError) as info:  # as vLLM: refused, the field and the default named
+        prepare(wants_more, engine)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.violations[0][0] == "stopping.min_new_tokens"
+    assert "generation_config.json" in info.value.violations[0][1]
