@@ -148,13 +148,17 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if request.stream:
                     msg = vllm_convert.chunk(seq.state, new_ids, new_lps, prepared, final is not None)
                     if msg is not None:
+                        if msg.chunk.HasField("input_logprobs"):  # the one chunk that can grow so large
+                            self._check_fits(msg, prepared)
                         await context.write(msg)
                         if final is None and running == 1:
                             await loop.pace(seq.stream)
                 if final is not None:
                     running -= 1
-                    await context.write(vllm_convert.complete(seq.state, final, prepared, request.stream,
-                                                              new_ids, new_lps))
+                    msg = vllm_convert.complete(seq.state, final, prepared, request.stream, new_ids, new_lps)
+                    if not request.stream or msg.complete.HasField("input_logprobs"):
+                        self._check_fits(msg, prepared)
+                    await context.write(msg)
         finally:
             for task in pumps:
                 task.cancel()
@@ -163,6 +167,17 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             for seq in sequences:
                 if not seq.stream.finished:
                     loop.abort(seq.engine_id)
+
+    def _check_fits(self, msg: vpb.GenerateResponse, prepared: vllm_convert.VllmPrepared) -> None:
+        """INVALID_ARGUMENT (RESPONSE_TOO_LARGE) for an answer over the server's
+        message limit, naming what made it large, rather than a bare
+        RESOURCE_EXHAUSTED from gRPC once it is written."""
+        if prepared.prompt_logprobs is not None:
+            self.state.check_fits(msg, "sampling_params.prompt_logprobs", "ask for fewer top tokens, or none")
+        elif prepared.logprobs is not None:
+            self.state.check_fits(msg, "sampling_params.logprobs", "ask for fewer top tokens, or stream the answer")
+        else:
+            self.state.check_fits(msg, "sampling_params.max_tokens", "stream the answer, or ask for fewer tokens")
 
     @staticmethod
     async def _pump(seq: _Sequence, field: str | None, merged: asyncio.Queue[tuple[int, Any]]) -> None:

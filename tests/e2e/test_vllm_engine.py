@@ -238,3 +238,27 @@ def test_info_loads_tokenizer_and_health(vllm) -> None:  # type: ignore[no-untyp
     with pytest.raises(grpc.RpcError) as err:
         stub.StartProfile(cpb.StartProfileRequest(), timeout=TIMEOUT)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_answers_over_the_message_limit_are_refused_by_name(make_server) -> None:  # type: ignore[no-untyped-def]
+    # A long prompt's top-20 log-probabilities (or a unary answer's): INVALID_ARGUMENT
+    # naming the field, as stencil.v1 does, not gRPC's bare RESOURCE_EXHAUSTED
+    # after the write; nothing is left running and the pages are freed.
+    from service.errors import error_reason
+
+    handle = make_server(max_message_bytes=4096)
+    stub = vpb_grpc.VllmEngineStub(handle.channel)
+    ids = list(range(5, 205))
+    for stream, field, params in ((False, "sampling_params.prompt_logprobs", {"prompt_logprobs": 20}),
+                                  (True, "sampling_params.prompt_logprobs", {"prompt_logprobs": 20}),
+                                  (False, "sampling_params.logprobs", {"logprobs": 20})):
+        req = _req(f"big-{stream}-{field}", ids, max_tokens=40, stream=stream, ignore_eos=True, **params)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=TIMEOUT))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert error_reason(err.value.trailing_metadata()) == "RESPONSE_TOO_LARGE"
+        assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == [field]
+    # The same answers streamed without prompt log-probabilities fit.
+    assert list(stub.Generate(_req("small", ids, max_tokens=40, stream=True, ignore_eos=True, logprobs=20),
+                              timeout=TIMEOUT))
+    assert handle.wait_no_pages() == (0, 0)
