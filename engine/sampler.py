@@ -33,7 +33,8 @@ from .staging import HostCopy, Staging
 
 # What non-finite model logits become (see the module docstring). Finite with
 # room to spare: a repetition penalty (at most 10) or a temperature down to
-# 1e-5 still leaves them finite.
+# 1e-5 still leaves them finite. A tiny repetition penalty (any > 0 is vLLM's
+# range) divides a logit past them: penalised logits are clamped back.
 _LOW_LOGIT = -1e30
 _HIGH_LOGIT = 1e30
 
@@ -213,7 +214,7 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> None
         pen = batch.penalties
         counts, seen = pen.state()
         rep = pen.repetition[:, None]
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp_(_LOW_LOGIT, _HIGH_LOGIT)
         logits.copy_(torch.where(seen, penalised, logits))
         logits -= pen.frequency[:, None] * counts
         logits -= pen.presence[:, None] * (counts > 0).float()

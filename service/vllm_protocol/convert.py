@@ -162,11 +162,22 @@ def _refuse_unsupported(req: vpb.GenerateRequest) -> None:
         raise invalid_argument("data_parallel_rank", "this server has one data-parallel rank (0)")
 
 
+# Between a request's id and its sequence's number: not a character a client's
+# id may hold (check_request_id), so sequence 1 of "job" is never the client
+# request "job/1" (an Abort of one would stop the other).
+_SEQUENCE_SEPARATOR = "\u00b7"
+
+
+def sequence_id(request_id: str, i: int) -> str:
+    """The engine's id of sequence `i` (> 0) of an n > 1 request."""
+    return f"{request_id}{_SEQUENCE_SEPARATOR}{i}"
+
+
 def prepare_generate(req: vpb.GenerateRequest, engine: EngineCore, request_id: str) -> VllmPrepared:
     """Check a vLLM Generate request against the engine (no engine state touched).
 
     `request_id` is the checked, scoped id; sequence i > 0 of an n > 1 request
-    runs as `{request_id}/{i}` with seed + i (so n seeded samples differ).
+    runs as `sequence_id(request_id, i)` with seed + i (so n seeded samples differ).
     """
     _refuse_unsupported(req)
     p = req.sampling_params
@@ -176,6 +187,7 @@ def prepare_generate(req: vpb.GenerateRequest, engine: EngineCore, request_id: s
     params = sampling_params(p)
     constraint = constraint_spec(p)
     ids, input_field = _prompt(req, engine)
+    cut = 0  # prompt tokens truncation dropped from the front
     if p.HasField("truncate_prompt_tokens"):
         keep = p.truncate_prompt_tokens
         if keep == -1:
@@ -183,15 +195,18 @@ def prepare_generate(req: vpb.GenerateRequest, engine: EngineCore, request_id: s
         if keep < 1:
             raise invalid_argument("sampling_params.truncate_prompt_tokens",
                                    f"must be -1 (the model's maximum) or >= 1, got {keep}")
-        ids = ids[-keep:]  # vLLM keeps the end of the prompt
+        cut = max(0, len(ids) - keep)
+        ids = ids[cut:]  # vLLM keeps the end of the prompt
     specs = []
     try:
         first = engine.requests.check(ids, params, request_id)
         specs.append(first)
         for i in range(1, n):
-            specs.append(RequestSpec(first.prompt, first.params, f"{request_id}/{i}", first.max_length,
+            specs.append(RequestSpec(first.prompt, first.params, sequence_id(request_id, i), first.max_length,
                                      (first.seed + i) % (1 << 63)))
     except InvalidRequest as err:
+        if err.field == "prompt" and err.index is not None:
+            err.index += cut  # named where the client sent it
         raise invalid_request(err, input_field) from None
     reasoning = ReasoningOptions(after_thought=False) if p.grammar_from_first_token else None
     return VllmPrepared(tuple(specs), params.logprobs, params.prompt_logprobs, constraint, len(first.prompt),

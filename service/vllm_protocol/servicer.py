@@ -204,7 +204,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             engine_id = scoped_request_id(rid)
             loop.abort(engine_id)
             for i in range(1, vllm_convert.MAX_N):  # the other sequences of an n > 1 request
-                loop.abort(f"{engine_id}/{i}")
+                loop.abort(vllm_convert.sequence_id(engine_id, i))
         return vpb.AbortResponse()
 
     # -- Embed ------------------------------------------------------------------

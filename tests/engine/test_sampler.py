@@ -109,6 +109,20 @@ def test_penalties_match_their_definitions():
     torch.testing.assert_close(out[0], expected)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_a_tiny_repetition_penalty_favours_the_seen_tokens_and_stays_finite(temperature):
+    # Any penalty > 0 is vLLM's range: 1e-45 divided a seen logit to +inf, and
+    # sampling then returned the vocabulary's last id, a token never seen.
+    logits = torch.tensor([[0.5, 1.0, 2.0, 2.0, 0.0, 0.7, 0.0, 0.0, 0.0, 0.0]])
+    for seed in range(8):
+        params = SamplingParams(repetition_penalty=1e-45, temperature=temperature, seed=seed)
+        c = ctx(params, prompt=(1, 2), generated=(3,))
+        out = logits.clone()
+        apply_penalties_and_bias(out, batch_for(c))
+        assert bool(torch.isfinite(out).all())
+        assert int(sample(logits.clone(), batch_for(c)).tokens[0]) in (1, 2, 3)
+
+
 def test_logit_bias_comes_before_the_penalties():
     # vLLM's order: a biased logit of a seen token is penalised as a whole.
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, logit_bias={3: 1.0, 4: 1.0, 6: 3.0})

@@ -1,0 +1,55 @@
+"""The vLLM protocol's checks and facts, without a server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from engine import EngineConfig, EngineCore
+from service.errors import ServiceError
+from service.gen.vllm import vllm_engine_pb2 as vpb
+from service.ops.request_log import valid_request_id
+from service.vllm_protocol import convert
+from service.vllm_protocol.info import model_info
+
+
+@pytest.fixture(scope="module")
+def engine(preset) -> Iterator[EngineCore]:
+    engine = EngineCore(EngineConfig(str(preset("tiny-llama")), kv_cache_gib=0.02))
+    yield engine
+    engine.close()
+
+
+def test_the_checkpoints_sampling_defaults_are_reported_for_the_router(engine: EngineCore, monkeypatch) -> None:
+    # The protocol's fields cannot be unset, so a router applies these itself (as for vLLM).
+    monkeypatch.setattr(engine, "sampling_defaults", {"temperature": 0.6, "top_k": 20})
+    info = model_info(engine, "m")
+    assert json.loads(info.default_sampling_params_json) == {"temperature": 0.6, "top_k": 20}
+    monkeypatch.setattr(engine, "sampling_defaults", {})
+    assert model_info(engine, "m").default_sampling_params_json == ""
+
+
+def _request(ids: list[int], **params: int) -> vpb.GenerateRequest:
+    req = vpb.GenerateRequest(request_id="job", tokenized=vpb.TokenizedInput(input_ids=ids))
+    req.sampling_params.max_tokens = 4
+    for name, value in params.items():
+        setattr(req.sampling_params, name, value)
+    return req
+
+
+def test_the_other_sequences_ids_are_none_a_client_could_send(engine: EngineCore) -> None:
+    # Sequence 1 of "job" was "job/1", a client's own id: an Abort of "job"
+    # stopped an unrelated "job/1", and an n=2 "x" was refused while one ran.
+    prepared = convert.prepare_generate(_request([5, 6, 7], n=3), engine, "job")
+    ids = [spec.request_id for spec in prepared.specs]
+    assert ids[0] == "job" and len(set(ids)) == 3
+    assert all(rid is not None and rid.startswith("job") and not valid_request_id(rid) for rid in ids[1:])
+
+
+def test_a_bad_id_is_named_at_its_index_in_the_untruncated_prompt(engine: EngineCore) -> None:
+    req = _request([5, 6, 7, engine.vocab_size + 9, 8], truncate_prompt_tokens=2)
+    with pytest.raises(ServiceError) as info:
+        convert.prepare_generate(req, engine, "job")
+    assert info.value.violations[0][0] == "tokenized.input_ids[3]"
