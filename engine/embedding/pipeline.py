@@ -73,6 +73,10 @@ def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[range]:
     return runs
 
 
+# Inputs tokenized at once while a call's token budget is checked.
+ENCODE_SLICE = 256
+
+
 class EmbeddingPipeline:
     """A sentence-embedding model (BERT encoder + pooling) on one device.
 
@@ -136,25 +140,25 @@ class EmbeddingPipeline:
         if max_tokens is not None and len(texts) > max_tokens:
             raise InvalidRequest("inputs", f"{len(texts)} inputs; a call may have at most {max_tokens} tokens")
 
-        ids = self.tokenizer.encode(texts)
-        empty = next((i for i, t in enumerate(ids) if not t), None)
-        if empty is not None:  # a tokenizer that adds no special tokens, given ""
-            raise InvalidRequest(f"inputs[{empty}]", "has no tokens")
-        too_long = [i for i, t in enumerate(ids) if len(t) > self.max_length]
-        if too_long and not truncate:
-            i = too_long[0]
-            raise InvalidRequest(
-                f"inputs[{i}]",
-                f"is {len(ids[i])} tokens, more than the model's maximum of {self.max_length}; "
-                "shorten it or set truncate",
-            )
-        if too_long:
-            for i, cut in zip(too_long, self.tokenizer.encode_truncated([texts[i] for i in too_long]),
-                              strict=True):
-                ids[i] = cut
-        total = sum(len(t) for t in ids)
-        if max_tokens is not None and total > max_tokens:
-            raise InvalidRequest("inputs", f"{total} tokens in all; a call may have at most {max_tokens}")
+        # Tokenized a slice at a time, each input only as far as its window
+        # needs, so the work stops as soon as the call is over its budget.
+        ids: list[list[int]] = []
+        total = 0
+        for start in range(0, len(texts), ENCODE_SLICE):
+            for i, t in enumerate(self.tokenizer.encode_bounded(texts[start:start + ENCODE_SLICE], truncate),
+                                  start):
+                if not t:  # a tokenizer that adds no special tokens, given ""
+                    raise InvalidRequest(f"inputs[{i}]", "has no tokens")
+                if len(t) > self.max_length:
+                    raise InvalidRequest(
+                        f"inputs[{i}]",
+                        f"is more than the model's maximum of {self.max_length} tokens; shorten it or set truncate",
+                    )
+                ids.append(t)
+                total += len(t)
+            if max_tokens is not None and total > max_tokens:
+                raise InvalidRequest("inputs", f"a call may have at most {max_tokens} tokens in all; these have "
+                                               f"more ({total} in the first {len(ids)} inputs)")
         return EmbedRequest(tuple(tuple(t) for t in ids), bool(normalize),
                             None if dimensions is None else int(dimensions))
 

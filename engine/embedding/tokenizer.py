@@ -48,7 +48,9 @@ class EmbeddingTokenizer:
         self._whole.no_padding()
         self._cut = Tokenizer.from_str(serialized)
         self._cut.no_padding()
-        self._cut.enable_truncation(max_length)
+        # The side sentence-transformers cuts (tokenizer_config.json's truncation_side).
+        self._cut.enable_truncation(max_length, direction=getattr(hf, "truncation_side", "right") or "right")
+        self._cuts_left = getattr(hf, "truncation_side", "right") == "left"
         if lowercase:
             for tok in (self._whole, self._cut):
                 _prepend_lowercase(tok)
@@ -61,3 +63,58 @@ class EmbeddingTokenizer:
     def encode_truncated(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text cut to `max_length` (special tokens kept)."""
         return [e.ids for e in self._cut.encode_batch(list(texts), add_special_tokens=True)]
+
+    def encode_bounded(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        """Each text's token ids, at a cost bounded by the model's window rather
+        than by the text: a text longer than `max_length` tokens is cut to it
+        (`truncate`) or comes back with more than `max_length` ids (not all of
+        them), having been tokenized only as far as needed to tell.
+
+        A text of a few megabytes tokenized whole took gigabytes and a minute
+        to be refused. A long text is measured by an ever longer prefix (x4 a
+        try, up to the whole text): once a prefix has twice the window's tokens,
+        its first `max_length` are the whole text's (tokenization is local: a
+        cut changes the tokens next to it, never those a window earlier).
+        """
+        out: list[list[int]] = []
+        for text in texts:
+            part = self._enough_of(text)
+            if part is text or not truncate:
+                ids = self._whole.encode(part, add_special_tokens=True).ids
+                if len(ids) > self.max_length and truncate:
+                    ids = self._cut.encode(part, add_special_tokens=True).ids
+            else:
+                ids = self._cut.encode(part, add_special_tokens=True).ids
+            out.append(ids)
+        return out
+
+    def _enough_of(self, text: str) -> str:
+        """`text`, or a prefix of it (suffix, cutting from the left) already
+        twice the window in tokens."""
+        size = max(PREFIX_CHARS, PREFIX_CHARS_PER_TOKEN * self.max_length)
+        while len(text) > size:
+            part = _cut_at_space(text, size, from_end=self._cuts_left)
+            if len(self._whole.encode(part, add_special_tokens=False).ids) > 2 * self.max_length:
+                return part
+            size *= 4
+        return text
+
+
+# Where a long input's measuring starts: enough characters for the window in
+# almost any text (a token is a few characters), cheap to tokenize.
+PREFIX_CHARS = 4096
+PREFIX_CHARS_PER_TOKEN = 16
+
+
+def _cut_at_space(text: str, size: int, from_end: bool) -> str:
+    """About `size` characters of `text`'s start (end: `from_end`), cut at a
+    space when one is near, so no word is split where one can be avoided."""
+    if from_end:
+        part = text[-size:]
+        space = next((i for i, ch in enumerate(part[: size // 2]) if ch.isspace()), None)
+        return part if space is None else part[space:]
+    part = text[:size]
+    for i in range(size - 1, size // 2, -1):
+        if part[i].isspace():
+            return part[:i]
+    return part

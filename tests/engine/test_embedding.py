@@ -15,6 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from engine import InvalidRequest  # noqa: E402
 from engine.embedding import (  # noqa: E402
@@ -159,6 +161,74 @@ def test_truncate(pipeline: EmbeddingPipeline, st_model: Any) -> None:
     assert tokens == pipeline.max_length + sum(len(t) for t in short)
     # An input exactly at the limit needs no truncation.
     pipeline.embed([long_text(pipeline, pipeline.max_length)])
+
+
+class _Measured:
+    """The tokenizer's untruncated copy, noting the longest text it was given."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.longest = 0
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        self.longest = max(self.longest, len(text))
+        return self.inner.encode(text, **kwargs)
+
+
+def test_a_huge_input_is_tokenized_only_as_far_as_its_window_needs(pipeline: EmbeddingPipeline,
+                                                                    monkeypatch) -> None:
+    # A few megabytes were tokenized whole (8M tokens: 5 GB and a minute) to
+    # be refused, or cut, afterwards.
+    tok = pipeline.tokenizer
+    huge = "alpha beta, gamma! " * 200_000  # 3.8M characters
+    measured = _Measured(tok._whole)
+    monkeypatch.setattr(tok, "_whole", measured)
+    with pytest.raises(InvalidRequest) as err:
+        pipeline.prepare([huge])
+    assert err.value.field == "inputs[0]" and str(pipeline.max_length) in err.value.description
+    cut = pipeline.prepare(["short", huge], truncate=True).token_ids[1]
+    assert measured.longest <= 64 * pipeline.max_length
+    monkeypatch.undo()
+    assert list(cut) == tok.encode_truncated([huge[:100_000]])[0]  # the whole text's first window
+
+
+_PIECES = ["word", "the", " ", "  ", "\n", ",", "日本語", "Straße", "naïve", "🎉", "x" * 150, "-", "42", "é"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(_PIECES), min_size=0, max_size=3000), st.booleans())
+def test_bounded_tokenizing_agrees_with_whole_texts(pipeline: EmbeddingPipeline, pieces: list[str],
+                                                    truncate: bool) -> None:
+    # Over random texts, short and long: the same ids as tokenizing the whole
+    # text (cut to the window when truncating), and the same verdict on length.
+    tok = pipeline.tokenizer
+    text = "".join(pieces)
+    [bounded] = tok.encode_bounded([text], truncate)
+    [whole] = tok.encode([text])
+    if truncate:
+        assert bounded == tok.encode_truncated([text])[0]
+    elif len(whole) <= pipeline.max_length:
+        assert bounded == whole
+    else:
+        assert len(bounded) > pipeline.max_length and bounded[:pipeline.max_length] == whole[:pipeline.max_length]
+
+
+def test_truncation_cuts_the_side_the_checkpoint_names(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    d = tmp_path / "left"
+    shutil.copytree(default_model_path(), d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["truncation_side"] = "left"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    left = EmbeddingPipeline(EmbeddingConfig(model=str(d)))
+    text = "filler words here " * 200 + "omega " * 150
+    ours, _ = left.embed([text], truncate=True)
+    ref = SentenceTransformer(str(d), device="cpu").encode([text], convert_to_numpy=True)
+    assert cosines(ours, ref)[0] >= MIN_COSINE
 
 
 @pytest.mark.parametrize("dims", [0, -1, 385, 1.5, True, "8"])
