@@ -145,17 +145,17 @@ class EmbeddingPipeline:
         ids: list[list[int]] = []
         total = 0
         for start in range(0, len(texts), ENCODE_SLICE):
-            for i, t in enumerate(self.tokenizer.encode_bounded(texts[start:start + ENCODE_SLICE], truncate),
-                                  start):
-                if not t:  # a tokenizer that adds no special tokens, given ""
+            for i, seq in enumerate(self.tokenizer.encode_bounded(texts[start:start + ENCODE_SLICE], truncate),
+                                    start):
+                if not seq:  # a tokenizer that adds no special tokens, given ""
                     raise InvalidRequest(f"inputs[{i}]", "has no tokens")
-                if len(t) > self.max_length:
+                if len(seq) > self.max_length:
                     raise InvalidRequest(
                         f"inputs[{i}]",
                         f"is more than the model's maximum of {self.max_length} tokens; shorten it or set truncate",
                     )
-                ids.append(t)
-                total += len(t)
+                ids.append(seq)
+                total += len(seq)
             if max_tokens is not None and total > max_tokens:
                 raise InvalidRequest("inputs", f"a call may have at most {max_tokens} tokens in all; these have "
                                                f"more ({total} in the first {len(ids)} inputs)")
