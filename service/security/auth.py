@@ -105,12 +105,20 @@ _COMMENT = re.compile(r"(^|\s)#.*$")
 
 
 def load_keys(path: Path | None, env_value: str | None) -> list[ApiKey]:
-    """The configured keys: the file's, else the environment's; none means no authentication."""
+    """The configured keys: the file's, else the environment's; neither given
+    means no authentication. A file or variable given that holds no key is
+    refused: serving without keys is never what it asked for (a secret that
+    starts with '#' reads as a comment)."""
     if path is not None:
-        return parse_keys(path.read_text().splitlines(), str(path))
-    if env_value:
-        return parse_keys(env_value.split(","), f"${API_KEYS_ENV}")
-    return []
+        keys, source = parse_keys(path.read_text().splitlines(), str(path)), str(path)
+    elif env_value:
+        keys, source = parse_keys(env_value.split(","), f"${API_KEYS_ENV}"), f"${API_KEYS_ENV}"
+    else:
+        return []
+    if not keys:
+        raise ValueError(f"{source} holds no API key (a line's text after ' #' or a leading '#' is a comment); "
+                         "leave it unset to serve without authentication")
+    return keys
 
 
 def _digest(secret: str) -> bytes:
@@ -148,10 +156,13 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
             return handler
         key = self.match(handler_call_details.invocation_metadata)
         router_only = handler_call_details.method in self._router_methods
-        return rewrap(handler, scope=lambda _request, context: self._call(key, router_only, context))
+        # An Abort (either protocol's) frees what the key holds: a key at its
+        # cap must still be able to stop its own requests.
+        counted = not handler_call_details.method.endswith("/Abort")
+        return rewrap(handler, scope=lambda _request, context: self._call(key, router_only, counted, context))
 
     @contextlib.asynccontextmanager
-    async def _call(self, key: ApiKey | None, router_only: bool,
+    async def _call(self, key: ApiKey | None, router_only: bool, counted: bool,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         if key is None:
             err = ServiceError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, Reason.UNAUTHENTICATED)
@@ -160,16 +171,16 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         if router_only and not key.router:
             await ServiceError(grpc.StatusCode.PERMISSION_DENIED, "this RPC sees every key's requests: it needs "
                                "an API key marked 'router'", Reason.ROUTER_KEY_REQUIRED).abort(context)
-        if key.max_inflight is not None and self._inflight[key.name] >= key.max_inflight:
+        if counted and key.max_inflight is not None and self._inflight[key.name] >= key.max_inflight:
             note_refusal("key_max_inflight")
             await resource_exhausted(f"this API key has {key.max_inflight} calls in flight already; retry later",
                                      Reason.KEY_LIMIT_REACHED).abort(context)
-        self._inflight[key.name] += 1
+        self._inflight[key.name] += counted
         token = current_key.set(key.name)
         try:
             yield
         finally:
-            self._inflight[key.name] -= 1
+            self._inflight[key.name] -= counted
             # A streaming handler finalized in another context cannot reset it (ValueError).
             with contextlib.suppress(ValueError):
                 current_key.reset(token)

@@ -72,6 +72,18 @@ def test_a_key_may_cap_its_calls_in_flight(keyed: ServerHandle) -> None:
     assert tokenize(keyed, bearer(CAROL))
 
 
+def test_a_key_at_its_cap_may_still_abort_its_requests(keyed: ServerHandle) -> None:
+    # The request holding the key's only slot is the one to stop: its Abort
+    # was refused RESOURCE_EXHAUSTED, and it ran to max_new_tokens.
+    running = keyed.stub.Generate(greedy("long", 500, request_id="mine"), metadata=bearer(CAROL), timeout=TIMEOUT)
+    stream = iter(running)
+    next(stream)
+    keyed.stub.Abort(pb.AbortRequest(request_ids=["mine"]), metadata=bearer(CAROL), timeout=TIMEOUT)
+    last = list(stream)[-1]
+    assert last.complete.finish_reason == pb.GenerateComplete.CANCELLED
+    keyed.wait_pending(0)
+
+
 def test_request_ids_belong_to_their_key(keyed: ServerHandle) -> None:
     alice = keyed.stub.Generate(greedy("alice's", 100, request_id="same"), metadata=bearer(ALICE),
                                 timeout=TIMEOUT)

@@ -20,6 +20,16 @@ def test_key_entries_parse_with_names_and_limits(tmp_path) -> None:  # type: ign
     assert "sk-c" not in repr(keys[2]), "a key's secret never shows in its repr"
 
 
+@pytest.mark.parametrize("text", ["", "# keys go here\n", "#Zq8r!k2N0tAComment ops\n"])
+def test_a_key_file_with_no_key_is_refused_not_served_without_authentication(tmp_path, text: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="holds no API key"):
+        load_keys(path, None)
+    with pytest.raises(ValueError, match="holds no API key"):
+        load_keys(None, " , ")
+
+
 @pytest.mark.parametrize("entries, problem", [
     (["sk-a one extra"], "SECRET"),
     (["sk-a one router more"], "SECRET"),
