@@ -83,7 +83,7 @@ def test_a_limited_keys_refusal_is_named_and_a_stream_closed_elsewhere_gives_its
         yield 2
 
     wrapped = rewrap(grpc.unary_stream_rpc_method_handler(behavior),
-                     scope=lambda _r, c: auth._call(key, False, c))
+                     scope=lambda _r, c: auth._call(key, False, True, c))
 
     async def run() -> None:
         gen = wrapped.unary_stream(object(), _Context())
@@ -91,7 +91,7 @@ def test_a_limited_keys_refusal_is_named_and_a_stream_closed_elsewhere_gives_its
         token = enter_call(record)
         try:
             with pytest.raises(_Aborted) as info:
-                async with auth._call(key, False, _Context()):
+                async with auth._call(key, False, True, _Context()):
                     pass
             assert info.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
         finally:
