@@ -283,6 +283,10 @@ class EngineLoop:
         self._on_failure = on_failure
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
         self._pending_tokens = 0
+        # Room held for the sequences an admitted multi-sequence call (vLLM's
+        # n) has not submitted yet: counted by every later admission.
+        self._reserved_requests = 0
+        self._reserved_tokens = 0
         self._failure: BaseException | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -303,7 +307,7 @@ class EngineLoop:
         await self._link.join()
         # Requests still registered will get no more output from the engine.
         streams, self._streams = self._streams, {}
-        self._pending_tokens = 0
+        self._pending_tokens = self._reserved_requests = self._reserved_tokens = 0
         for stream in streams.values():
             stream.finished = True
             stream._push(unavailable("the server is shutting down", Reason.DRAINING))
@@ -347,8 +351,10 @@ class EngineLoop:
         """Build a checked request's context (`RequestFactory.context`, which may
         raise InvalidRequest) and `submit` it. A call that brings several
         sequences (vLLM's n) is admitted as a whole with its first: `room_for`
-        sequences of this size must fit now, and the rest, submitted later,
-        come `admitted` (no limit refuses them)."""
+        sequences of this size must fit now, and that room is held for the
+        rest, which come later `admitted` (no limit refuses them; each takes
+        its share of the room). The caller gives back the shares of any it
+        never submits (`release`)."""
         ctx = self.engine.requests.context(spec, matcher, resample, reasoning)
         return self._admit(ctx, Recipe(spec, matcher, resample, reasoning), room_for, admitted)
 
@@ -379,25 +385,37 @@ class EngineLoop:
             del self._streams[rid]
             self._pending_tokens -= cost
             raise
+        if admitted:
+            self.release(1, cost)
+        elif room_for > 1:
+            self._reserved_requests += room_for - 1
+            self._reserved_tokens += (room_for - 1) * cost
         self.stats.added += 1
         return stream
+
+    def release(self, count: int, cost: int) -> None:
+        """Give back the room held for `count` sequences of `cost` tokens that
+        an admitted call will not submit (it ended first)."""
+        self._reserved_requests = max(0, self._reserved_requests - count)
+        self._reserved_tokens = max(0, self._reserved_tokens - count * cost)
 
     def _check_room(self, count: int, cost: int) -> None:
         """Refuse (RESOURCE_EXHAUSTED) `count` more requests of `cost` tokens
         each beyond the limits. An idle server takes any valid call, so a
         large one is never refused forever."""
-        if not self._streams:
+        if not self._streams and not self._reserved_requests:
             return
         limit = self.limits.max_pending_requests
-        if len(self._streams) + count > limit:
+        if len(self._streams) + self._reserved_requests + count > limit:
             self.stats.rejected += 1
             note_refusal("max_pending_requests")
             raise resource_exhausted(f"the server is at capacity ({limit} requests in flight); retry later",
                                      Reason.QUEUE_FULL)
-        if self._pending_tokens + count * cost > self.max_pending_tokens:
+        held = self._pending_tokens + self._reserved_tokens
+        if held + count * cost > self.max_pending_tokens:
             self.stats.rejected += 1
             note_refusal("max_pending_tokens")
-            raise resource_exhausted(f"the server's token budget is full ({self._pending_tokens} of "
+            raise resource_exhausted(f"the server's token budget is full ({held} of "
                                      f"{self.max_pending_tokens} tokens in flight); retry later", Reason.TOKEN_BUDGET_FULL)
 
     def abort(self, request_id: str, shutdown_reason: str | None = None) -> bool:
@@ -474,7 +492,7 @@ class EngineLoop:
     def _fail(self, exc: BaseException) -> None:
         self._failure = exc
         streams, self._streams = self._streams, {}
-        self._pending_tokens = 0
+        self._pending_tokens = self._reserved_requests = self._reserved_tokens = 0
         for stream in streams.values():
             stream.finished = True
             stream._push(EngineFailed("the engine failed"))

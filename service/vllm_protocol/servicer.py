@@ -160,6 +160,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                         self._check_fits(msg, prepared)
                     await context.write(msg)
         finally:
+            if sequences and len(sequences) < len(prepared.specs):
+                # Admitted, ended before the others started: their room is free.
+                loop.release(len(prepared.specs) - len(sequences), prepared.specs[0].max_length)
             for task in pumps:
                 task.cancel()
             # Cancelled, deadline passed, client gone, or a failure: the engine

@@ -92,6 +92,32 @@ def test_admission_limits(engine: EngineCore) -> None:
     run(engine, body, limits=AdmissionLimits(max_pending_requests=2))
 
 
+def test_a_multi_sequence_call_holds_room_for_the_sequences_it_submits_later(engine: EngineCore) -> None:
+    # vLLM's n: a call admitted with room for its n sequences submits the
+    # others later, past the limits. The room was not held, so concurrent such
+    # calls each saw one request in flight (six n=4 calls ran 20 against 8).
+    def spec(rid: str) -> Any:
+        return engine.requests.check(engine.tokenizer.encode("hello"),
+                                     SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True), rid)
+
+    async def body(loop: EngineLoop) -> None:
+        first = loop.submit_request(spec("a"), room_for=3)
+        with pytest.raises(ServiceError) as info:  # two held for a's others + this one's three > 4
+            loop.submit_request(spec("b"), room_for=3)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        others = [loop.submit_request(spec(f"a{i}"), admitted=True) for i in (1,)]  # takes its share
+        with pytest.raises(ServiceError):  # one still held for a's third
+            loop.submit_request(spec("c"), room_for=2)
+        loop.release(1, first.cost)  # a ended before its third started
+        last = loop.submit_request(spec("c"))  # 2 running + 1 = 3 of 4
+        for s in (first, *others, last):
+            loop.abort(s.request_id)
+            await drain(s)
+        assert loop.num_pending == 0 and loop.pending_tokens == 0
+        loop.submit_request(spec("d"), room_for=4)  # all the room is free again
+    run(engine, body, limits=AdmissionLimits(max_pending_requests=4))
+
+
 def test_token_budget(engine: EngineCore) -> None:
     async def body(loop: EngineLoop) -> None:
         big = loop.submit(ctx(engine, n=400))  # over budget, but the server is idle
