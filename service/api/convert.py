@@ -80,6 +80,17 @@ class PreparedRequest:
 
 
 # -- requests -----------------------------------------------------------------
+# Ids one Abort may name: a router aborts a call's few; millions in one message
+# kept the event loop busy for seconds (every stream and probe waited).
+MAX_ABORT_IDS = 4096
+
+
+def check_abort_ids(ids: Sequence[str]) -> None:
+    """INVALID_ARGUMENT for an Abort naming more ids than one may."""
+    if len(ids) > MAX_ABORT_IDS:
+        raise invalid_argument("request_ids", f"at most {MAX_ABORT_IDS} ids a call, got {len(ids)}")
+
+
 def check_request_id(rid: str) -> str:
     """A client's request id, validated; a new one when it is empty.
 

@@ -304,6 +304,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise unavailable("the model is still loading", Reason.MODEL_LOADING)
         # Synthesize streams too, on an engine of their own or not: every loop is
         # asked (the same id may run on both).
+        convert.check_abort_ids(request.request_ids)
         aborted = []
         for rid in request.request_ids:
             if any([loop.abort(scoped_request_id(rid)) for loop in loops]):  # only the caller's own

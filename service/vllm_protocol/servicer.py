@@ -82,6 +82,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.health = health  # grpc.health.v1's view, which the watchdog keeps
         self.started_at = time.monotonic()
         self.last_receive = 0.0
+        # The running n > 1 calls: their first sequence's engine id -> n (for Abort).
+        self._sequences: dict[str, int] = {}
 
     # -- Generate ---------------------------------------------------------------
     @rpc_guard
@@ -113,6 +115,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             pumps.append(asyncio.ensure_future(self._pump(seq, field, merged)))
 
         start(0)
+        if len(prepared.specs) > 1:
+            self._sequences[sequences[0].engine_id] = len(prepared.specs)
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             running = 1
@@ -160,6 +164,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                         self._check_fits(msg, prepared)
                     await context.write(msg)
         finally:
+            if len(prepared.specs) > 1:
+                self._sequences.pop(sequences[0].engine_id, None)
             if sequences and len(sequences) < len(prepared.specs):
                 # Admitted, ended before the others started: their room is free.
                 loop.release(len(prepared.specs) - len(sequences), prepared.specs[0].max_length)
@@ -200,13 +206,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     @rpc_guard
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         """Idempotent: ids that are unknown or already finished are fine."""
+        convert.check_abort_ids(request.request_ids)
         loop = self.state.engine_loop
         if loop is None:
             return vpb.AbortResponse()
         for rid in request.request_ids:
             engine_id = scoped_request_id(rid)
             loop.abort(engine_id)
-            for i in range(1, vllm_convert.MAX_N):  # the other sequences of an n > 1 request
+            for i in range(1, self._sequences.get(engine_id, 1)):  # the others of a running n > 1 call
                 loop.abort(vllm_convert.sequence_id(engine_id, i))
         return vpb.AbortResponse()
 

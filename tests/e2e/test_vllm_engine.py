@@ -103,6 +103,18 @@ def test_abort_ends_every_sequence_of_an_n_request(vllm) -> None:  # type: ignor
     out = [m.complete for m in call]
     assert sorted((c.index, c.finish_reason) for c in out) == [(0, "abort"), (1, "abort"), (2, "abort")]
     assert handle.wait_no_pages() == (0, 0)
+    # And once every sequence runs, an Abort finds each of them.
+    req = _req("nb", list(range(5, 30)), max_tokens=400, stream=True, temperature=1.0, ignore_eos=True, n=3)
+    call = stub.Generate(req, timeout=TIMEOUT)
+    seen: set[int] = set()
+    for msg in call:
+        seen.add(msg.chunk.index)
+        if seen == {0, 1, 2}:
+            break
+    stub.Abort(vpb.AbortRequest(request_ids=["nb"]), timeout=TIMEOUT)
+    finals = [m.complete for m in call if m.HasField("complete")]
+    assert sorted((c.index, c.finish_reason) for c in finals) == [(0, "abort"), (1, "abort"), (2, "abort")]
+    assert handle.wait_no_pages() == (0, 0)
 
 
 def test_an_n_request_is_admitted_whole(make_server) -> None:  # type: ignore[no-untyped-def]
@@ -262,3 +274,20 @@ def test_answers_over_the_message_limit_are_refused_by_name(make_server) -> None
     assert list(stub.Generate(_req("small", ids, max_tokens=40, stream=True, ignore_eos=True, logprobs=20),
                               timeout=TIMEOUT))
     assert handle.wait_no_pages() == (0, 0)
+
+
+def test_an_abort_of_too_many_ids_is_refused(vllm) -> None:  # type: ignore[no-untyped-def]
+    # Millions of ids in one message kept the event loop busy for seconds,
+    # every stream and health probe waiting behind it.
+    from service.api.convert import MAX_ABORT_IDS
+    from service.gen.stencil.v1 import generate_pb2 as pb
+
+    handle, stub = vllm
+    ids = [f"r{i}" for i in range(MAX_ABORT_IDS + 1)]
+    for call in (lambda: stub.Abort(vpb.AbortRequest(request_ids=ids), timeout=TIMEOUT),
+                 lambda: handle.stub.Abort(pb.AbortRequest(request_ids=ids), timeout=TIMEOUT)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == ["request_ids"]
+    stub.Abort(vpb.AbortRequest(request_ids=ids[:MAX_ABORT_IDS]), timeout=TIMEOUT)
