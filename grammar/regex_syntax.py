@@ -211,14 +211,32 @@ def xgrammar_misreads(pattern: str) -> str | None:
     return None
 
 
+def _xgrammar_unanchored(pattern: str) -> str | None:
+    """xgrammar matches a JSON-schema pattern against the whole string; the
+    validator searches for it anywhere (`@` allows "a@b.com", `^https://` any
+    URL). They agree only on a pattern anchored at both ends with no
+    top-level alternative (`^a|b$` is "starts with a, or ends with b")."""
+    items = list(scan(pattern))
+    depth = 0
+    for item in items:
+        depth += (item.kind == "open") - (item.kind == "close")
+        if item.kind == "alt" and depth == 0:
+            return f"a top-level | at position {item.pos} (xgrammar matches the whole string)"
+    if not items or (items[0].kind, items[0].text) != ("anchor", "^") \
+            or (items[-1].kind, items[-1].text) != ("anchor", "$"):
+        return "a pattern not anchored by ^ and $ (xgrammar matches the whole string; JSON Schema searches)"
+    return None
+
+
 def json_pattern_misread(pattern: str, backend: str) -> str | None:
     """The first construct of a JSON-schema `pattern` (ECMA-262, as the
     validator reads it) that `backend` would read otherwise, or None:
-    xgrammar's misreads of the Rust syntax; for llguidance a class inside a
+    xgrammar's misreads of the Rust syntax, and any pattern it would match
+    against the whole string that the validator searches; for llguidance a class inside a
     class or a set operator (`[[:alpha:]]`, `[a-z&&[^a]]`: Rust classes,
     literal characters in ECMA) and look-around, which it refuses."""
     if backend == "xgrammar":
-        return xgrammar_misreads(pattern)
+        return xgrammar_misreads(pattern) or _xgrammar_unanchored(pattern)
     for item in scan(pattern):
         if item.kind == "class" and (item.nested or item.set_operator):
             return f"a class inside a class or a set operator at position {item.pos}"

@@ -26,6 +26,7 @@ from typing import Any
 
 from .regex_syntax import json_pattern_misread
 from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, map_subschemas
+from .validation import readable_pattern
 
 # Keywords that never need enforcing (structure, not conditions).
 _STRUCTURAL = frozenset({"$defs", "definitions", "$ref", "$schema", "$id", "$anchor"})
@@ -129,11 +130,13 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
 def _misread_patterns(key: str, value: Any, backend: str) -> bool:
     """Whether `backend` would read a regex of this `pattern` or
     `patternProperties` otherwise than the validator (ECMA-262) does: it is
-    then left to the validator rather than enforced wrong."""
+    then left to the validator rather than enforced wrong. A regex that is
+    no regex stays, for the library to refuse the schema."""
     if key == "pattern" and isinstance(value, str):
-        return json_pattern_misread(value, backend) is not None
+        return json_pattern_misread(value, backend) is not None and readable_pattern(value)
     if key == "patternProperties" and isinstance(value, dict):
-        return any(json_pattern_misread(str(name), backend) is not None for name in value)
+        return any(json_pattern_misread(str(name), backend) is not None and readable_pattern(str(name))
+                   for name in value)
     return False
 
 

@@ -15,6 +15,7 @@ It runs offline: a `$ref` to another document is read from the schema store
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 from dataclasses import dataclass
@@ -158,3 +159,14 @@ class SchemaValidator:
 def _short(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= _MAX_MESSAGE_CHARS else line[: _MAX_MESSAGE_CHARS - 1] + "…"
+
+
+@functools.lru_cache(maxsize=4096)
+def readable_pattern(pattern: str) -> bool:
+    """Whether the validator reads `pattern` as a regex (ECMA-262, as a
+    schema's `pattern` is read)."""
+    try:
+        jsonschema_rs.validator_for({"type": "string", "pattern": pattern})
+    except (jsonschema_rs.ValidationError, ValueError):
+        return False
+    return True

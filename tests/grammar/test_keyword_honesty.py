@@ -101,6 +101,24 @@ def test_a_pattern_a_library_reads_otherwise_is_left_to_the_validator(compiler: 
         assert "patternProperties" in compiler.compile(names, backend=backend).unenforced_keywords
 
 
+@pytest.mark.parametrize(("pattern", "text"), [
+    ("@", '"a@b.com"'),  # JSON Schema searches; xgrammar allowed only "@"
+    ("^https://", '"https://x.org"'),
+    ("org$", '"x.org"'),
+    ("^a|b$", '"xb"'),  # "starts with a, or ends with b"; xgrammar read ^(a|b)$
+])
+def test_xgrammar_leaves_a_pattern_it_would_match_whole_to_the_validator(compiler: GrammarCompiler, pattern: str,
+                                                                        text: str) -> None:
+    for options in (None, GrammarOptions(whitespace="pretty")):  # pretty: auto tries xgrammar first
+        matcher = compiler.compile(GrammarSpec.json_schema({"type": "string", "pattern": pattern}, options),
+                                   backend="xgrammar")
+        assert "pattern" in matcher.unenforced_keywords
+        assert grammar_accepts(compiler, matcher, text)
+    anchored = compiler.compile(GrammarSpec.json_schema({"type": "string", "pattern": "^[a-z]+@x$"}),
+                                backend="xgrammar")
+    assert anchored.unenforced_keywords == () and not grammar_accepts(compiler, anchored, '"zz"')
+
+
 def test_an_object_that_must_have_a_property_it_cannot_have_is_refused(compiler: GrammarCompiler) -> None:
     """llguidance saw it accepts nothing, auto fell back to xgrammar, which
     left `required` unenforced: every output was INVALID, and strict took it."""
