@@ -84,7 +84,7 @@ def _strip(node: Any, drop: frozenset[str], dropped: set[str], backend: str, *, 
     if one_of_to_any and isinstance(out.get("oneOf"), list) and isinstance(out.get("allOf", []), list):
         # llguidance has no oneOf. As anyOf it is exact when at most one branch
         # can match any instance; otherwise "exactly one" goes unenforced.
-        if not disjoint(out["oneOf"]):
+        if not disjoint(out["oneOf"], _only_objects(out)):
             dropped.add("oneOf")
         branches = out.pop("oneOf")
         if "anyOf" not in out:
@@ -104,7 +104,7 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
             gaps.add(key)
         elif key in _STRUCTURAL or key in _XGR_ANYWHERE:
             pass
-        elif key == "oneOf" and isinstance(value, list) and disjoint(value):
+        elif key == "oneOf" and isinstance(value, list) and disjoint(value, _only_objects(node)):
             pass  # xgrammar reads oneOf as anyOf: exact for disjoint branches
         elif key in _XGR_SCOPED:
             scope = _XGR_SCOPED[key]
@@ -177,10 +177,15 @@ def _xgr_ignored_siblings(node: dict) -> set[str]:
 _JSON_TYPES = ("null", "boolean", "object", "array", "string", "integer", "number")
 
 
-def disjoint(branches: list[Any]) -> bool:
+def _only_objects(node: dict[str, Any]) -> bool:
+    return node.get("type") == "object" or node.get("type") == ["object"]
+
+
+def disjoint(branches: list[Any], objects: bool = False) -> bool:
     """True when no instance can match two of `branches` (a cheap, sound test:
     distinct literal values, distinct types, or a required property whose
-    `const` differs per branch)."""
+    `const` differs per branch, where every instance is an object: `objects`
+    (the node says so) or each branch's type)."""
     if len(branches) < 2:
         return True
     literals = [_literals(b) for b in branches]
@@ -202,7 +207,7 @@ def disjoint(branches: list[Any]) -> bool:
             seen_t |= t
         if not overlap:
             return True
-    return _discriminated(branches)
+    return _discriminated(branches, objects)
 
 
 def _literals(branch: Any) -> list[Any] | None:
@@ -234,9 +239,10 @@ def _types(branch: Any) -> set[str] | None:
     return names if names <= set(_JSON_TYPES) else None
 
 
-def _discriminated(branches: list[Any]) -> bool:
-    """Every branch is an object requiring a property `p` whose const differs."""
-    if not all(isinstance(b, dict) for b in branches):
+def _discriminated(branches: list[Any], objects: bool) -> bool:
+    """Every branch is an object requiring a property `p` whose const differs
+    (a branch that does not say it is an object also takes any non-object)."""
+    if not all(isinstance(b, dict) and (objects or _only_objects(b)) for b in branches):
         return False
     common: set[str] | None = None
     for b in branches:

@@ -366,10 +366,18 @@ class _Normalizer:
         if isinstance(deps, dict):
             required = {k: v for k, v in deps.items() if isinstance(v, list)}
             schemas = {k: v for k, v in deps.items() if not isinstance(v, list)}
+            # Beside a dependentRequired/dependentSchemas entry of the same
+            # name both apply: required names joined, schemas in an allOf.
             if required:
-                s["dependentRequired"] = {**s.get("dependentRequired", {}), **required}
+                merged = dict(s.get("dependentRequired", {}))
+                for name, names in required.items():
+                    merged[name] = list(dict.fromkeys([*merged.get(name, []), *names]))
+                s["dependentRequired"] = merged
             if schemas:
-                s["dependentSchemas"] = {**s.get("dependentSchemas", {}), **schemas}
+                merged = dict(s.get("dependentSchemas", {}))
+                for name, sub in schemas.items():
+                    merged[name] = {"allOf": [merged[name], sub]} if name in merged else sub
+                s["dependentSchemas"] = merged
         items = s.get("items")
         if isinstance(items, list):  # tuple validation before 2020-12
             s["prefixItems"] = s.pop("items")

@@ -295,3 +295,28 @@ def test_only_subschemas_hold_ids_and_anchors():
     assert normalize_schema(schema)["properties"]["r"] == {"type": "integer"}
     with pytest.raises(Unresolved):
         normalize_schema({**schema, "$ref": "https://example.com/fake.json"})
+
+
+def test_old_dependencies_join_the_new_keywords_of_the_same_name() -> None:
+    # `dependencies` overwrote a same-named dependentRequired entry: the
+    # rewritten schema accepted {"a": 1, "b": 2}, which the original refuses.
+    schema = {"dependentRequired": {"a": ["c"]}, "dependencies": {"a": ["b"], "x": {"required": ["z"]}},
+              "dependentSchemas": {"x": {"required": ["y"]}}}
+    out = normalize_schema(schema)
+    assert out["dependentRequired"] == {"a": ["c", "b"]}
+    original, rewritten = SchemaValidator(schema), SchemaValidator(out)
+    for instance in ('{"a": 1, "b": 2}', '{"a": 1, "c": 2}', '{"a": 1, "b": 2, "c": 3}', '{"x": 1, "y": 2}',
+                     '{"x": 1, "y": 2, "z": 3}'):
+        assert original.validate_text(instance).valid == rewritten.validate_text(instance).valid, instance
+
+
+def test_const_discriminated_branches_are_disjoint_only_among_objects() -> None:
+    # Without "type": "object" a string or a number matches every branch.
+    branches = [{"properties": {"kind": {"const": k}}, "required": ["kind"]} for k in ("a", "b")]
+    assert not disjoint(branches)
+    assert disjoint(branches, objects=True)
+    assert disjoint([{**b, "type": "object"} for b in branches])
+    view, gaps = backend_view({"oneOf": branches}, "llguidance")
+    assert "oneOf" in gaps
+    view, gaps = backend_view({"type": "object", "oneOf": branches}, "llguidance")
+    assert "oneOf" not in gaps
