@@ -167,3 +167,19 @@ if __name__ == "__main__":
         print("CYCLE:", " -> ".join(cycle))
     print(f"{len(graph)} modules, {len(cycles)} cycle(s)")
     sys.exit(1 if cycles else 0)
+
+
+def test_an_installed_package_carries_the_files_it_reads_at_run_time() -> None:
+    # A non-editable install (a wheel) left out the CPU kernels' C++ sources,
+    # and the CPU path quietly fell back to plain torch.
+    import fnmatch
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    needed = [*(ROOT / "engine/kernels/cpu").glob("*.cpp"), *(ROOT / "engine/kernels/cpu").glob("*.h")]
+    assert needed
+    for path in needed:
+        rel = path.relative_to(ROOT)
+        covered = any(fnmatch.fnmatch(str(rel), f"{package.replace('.', '/')}/{glob}")
+                      for package, globs in data.items() if package != "*" for glob in globs)
+        assert covered, f"{rel} is not in [tool.setuptools.package-data]"

@@ -60,7 +60,7 @@ def parse_traceparent(value: str | None, tracestate: str | None = None) -> Trace
 
 # A tracestate list member (W3C trace-context, section 3.3.1): key=value.
 _TRACESTATE_MEMBER = re.compile(
-    r"^(?:[a-z0-9][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"^(?:[a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
     r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]$")
 _TRACESTATE_MEMBERS = 32
 
