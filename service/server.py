@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import signal
 import threading
 from collections.abc import Callable
@@ -70,6 +71,8 @@ EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE
 # as the failure happens gets a clear, retryable status instead of a call that
 # gRPC cancels while the server closes (CANCELLED), or a refused connection.
 FAILURE_HOLD_S = 1.0
+# grpc channel arguments are C ints: a larger value fails deep in grpc.
+GRPC_INT_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,14 @@ class KeepalivePolicy:
         for name in ("min_ping_interval_s", "ping_interval_s", "ping_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
-        if self.max_connection_age_s < 0 or self.max_connection_age_grace_s < 0:
+        if not (self.max_connection_age_s >= 0 and self.max_connection_age_grace_s >= 0):
             raise ValueError("max_connection_age_s and its grace must be >= 0")
+        longest = GRPC_INT_MAX / 1000
+        for name in ("min_ping_interval_s", "ping_interval_s", "ping_timeout_s", "max_connection_age_s",
+                     "max_connection_age_grace_s"):
+            if getattr(self, name) > longest:
+                raise ValueError(f"{name} must be at most {longest:.0f} s (grpc counts milliseconds "
+                                 "in a C int)")
 
     def options(self) -> list[tuple[str, int]]:
         """grpc server channel arguments."""
@@ -160,13 +169,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.grace_period_s < 0:
-            raise ValueError("grace_period_s must be >= 0")
-        if self.stream_messages_per_s < 0:
+        if not 0 <= self.grace_period_s < math.inf:
+            raise ValueError("grace_period_s must be >= 0 and finite")
+        if not self.stream_messages_per_s >= 0:
             raise ValueError("stream_messages_per_s must be >= 0")
-        if self.max_message_bytes < 1024:
-            raise ValueError("max_message_bytes must be >= 1024")
-        if self.watchdog_timeout_s < 0:
+        if not 1024 <= self.max_message_bytes <= GRPC_INT_MAX:
+            raise ValueError(f"max_message_bytes must be in [1024, {GRPC_INT_MAX}]")
+        if not self.watchdog_timeout_s >= 0:
             raise ValueError("watchdog_timeout_s must be >= 0 (0 turns the watchdog off)")
         if not 0 <= self.health_port <= 65535:
             raise ValueError(f"health_port must be in [0, 65535], got {self.health_port}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from service.cli.connect import add_connection_args, call_metadata, open_channel
+from service.cli.flags import BadFlag, refuse, set_flags
 
 _BACKENDS = ("auto", "xgrammar", "llguidance")
 _WHITESPACE = ("compact", "flexible", "pretty")
@@ -132,12 +133,9 @@ def _error(err: Any) -> int:
     return 1
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from service.gen.stencil.v1 import generate_pb2 as pb
-    from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
-
+def _generate_request(args: argparse.Namespace, pb: Any) -> Any:
+    """The GenerateRequest of `args`; BadFlag names a flag its field cannot hold,
+    OSError a schema or grammar file that cannot be read."""
     req = pb.GenerateRequest()
     if args.chat or args.system is not None:
         if args.system:
@@ -145,22 +143,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         req.chat.messages.add(role="user", content=args.prompt)
     else:
         req.text = args.prompt
-    for name in ("temperature", "top_p", "top_k", "seed"):
-        value = getattr(args, name)
-        if value is not None:
-            setattr(req.sampling, name, value)
-    req.stopping.max_new_tokens = args.max_new_tokens
+    set_flags(args, [("--temperature", req.sampling, "temperature"), ("--top-p", req.sampling, "top_p"),
+                     ("--top-k", req.sampling, "top_k"), ("--seed", req.sampling, "seed"),
+                     ("--max-new-tokens", req.stopping, "max_new_tokens"),
+                     ("--max-thinking-tokens", req.reasoning, "max_thinking_tokens")])
     req.stopping.stop.extend(args.stop)
     req.response.return_token_ids = False
+    constraint = _constraint(args, pb)
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
+    return req
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from service.gen.stencil.v1 import generate_pb2 as pb
+    from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+
     try:
-        constraint = _constraint(args, pb)
+        req = _generate_request(args, pb)
+    except BadFlag as err:
+        return refuse(err)
     except OSError as err:
         print(f"stencild: {err}", file=sys.stderr)
         return 2
-    if constraint is not None:
-        req.constraint.CopyFrom(constraint)
-    if args.max_thinking_tokens is not None:
-        req.reasoning.max_thinking_tokens = args.max_thinking_tokens
+    constrained = req.HasField("constraint")
     with open_channel(args) as channel:
         call = pb_grpc.GenerationStub(channel).Generate(req, timeout=args.timeout, metadata=call_metadata(args))
         try:
@@ -175,7 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     done = msg.complete
                     sys.stdout.write("\n")
                     if args.usage:
-                        _print_usage(done, pb, constrained=constraint is not None)
+                        _print_usage(done, pb, constrained=constrained)
         except KeyboardInterrupt:
             call.cancel()
             sys.stdout.write("\n")
@@ -201,8 +209,10 @@ def cmd_embed(args: argparse.Namespace) -> int:
     req = pb.EmbedRequest(inputs=args.texts, truncate=args.truncate)
     if args.no_normalize:
         req.normalize = False
-    if args.dimensions is not None:
-        req.dimensions = args.dimensions
+    try:
+        set_flags(args, [("--dimensions", req, "dimensions")])
+    except BadFlag as err:
+        return refuse(err)
     with open_channel(args) as channel:
         try:
             resp = pb_grpc.EmbeddingsStub(channel).Embed(req, timeout=args.timeout, metadata=call_metadata(args))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from service.cli.connect import add_connection_args, call_metadata, open_channel
+from service.cli.flags import BadFlag, refuse, set_flags
 
 PCM16_BYTES = 2
 
@@ -43,33 +44,18 @@ def add_say(sub: argparse._SubParsersAction) -> None:
                    help="print the finish reason, speech tokens and audio length to stderr")
 
 
-class _BadFlag(ValueError):
-    """A flag whose value the request cannot take."""
-
-    def __init__(self, flag: str, err: Exception):
-        super().__init__(f"{flag}: {err}")
-
-
 def _request(args: argparse.Namespace, pb: Any) -> Any:
-    """The SynthesizeRequest of `args`; _BadFlag names the flag at fault."""
+    """The SynthesizeRequest of `args`; BadFlag names the flag at fault."""
     req = pb.SynthesizeRequest(input=args.text, format=pb.AUDIO_FORMAT_PCM16,
                                audio_prompt_transcription=args.voice_text)
     if args.voice_codes is not None:
         try:
             req.audio_prompt_tokens.extend(int(c) for c in json.loads(args.voice_codes.read_text()))
         except (OSError, ValueError, TypeError) as err:
-            raise _BadFlag("--voice-codes", err) from None
-    # Protobuf refuses a value out of its field's range (a negative --seed).
-    fields = [("--max-seconds", req, "max_audio_seconds"), ("--chunk-frames", req, "chunk_frames"),
+            raise BadFlag("--voice-codes", err) from None
+    set_flags(args, [("--max-seconds", req, "max_audio_seconds"), ("--chunk-frames", req, "chunk_frames"),
               ("--temperature", req.sampling, "temperature"), ("--top-p", req.sampling, "top_p"),
-              ("--repetition-penalty", req.sampling, "repetition_penalty"), ("--seed", req.sampling, "seed")]
-    for flag, message, name in fields:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            try:
-                setattr(message, name, value)
-            except (ValueError, TypeError) as err:
-                raise _BadFlag(flag, err) from None
+              ("--repetition-penalty", req.sampling, "repetition_penalty"), ("--seed", req.sampling, "seed")])
     return req
 
 
@@ -102,9 +88,8 @@ def cmd_say(args: argparse.Namespace) -> int:
 
     try:
         req = _request(args, pb)
-    except _BadFlag as err:
-        print(f"stencild: {err}", file=sys.stderr)
-        return 2
+    except BadFlag as err:
+        return refuse(err)
     # A file is written under a temporary name and renamed once complete; stdout
     # cannot seek back to patch the header, so its file is built in memory.
     part = None if str(args.output) == "-" else Path(f"{args.output}.part")

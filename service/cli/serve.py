@@ -265,6 +265,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
 
     if args.otlp_endpoint:
         check_otlp()
+    if not 0 < args.max_message_mb < 2048:
+        return f"--max-message-mb must be above 0 and below 2048, got {args.max_message_mb}"
     if not 0 <= args.metrics_port <= 65535:
         return f"--metrics-port must be in [0, 65535], got {args.metrics_port}"
     if args.embedding_only and (args.no_embedding_model or args.model or args.preset

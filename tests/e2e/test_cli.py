@@ -91,6 +91,35 @@ def test_serve_refuses_a_bad_log_level_and_unusable_tls_files(tmp_path: Path,
     assert "cannot use the TLS files" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "x", "--seed", "-1"], "--seed"),
+    (["generate", "x", "--max-new-tokens", "-5"], "--max-new-tokens"),
+    (["generate", "x", "--top-k", str(2**40)], "--top-k"),
+    (["generate", "x", "--max-thinking-tokens", "-1"], "--max-thinking-tokens"),
+    (["embed", "x", "--dimensions", "-1"], "--dimensions"),
+])
+def test_client_flags_a_field_cannot_hold_exit_2(argv: list[str], flag: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A value out of its protobuf field's range ended in a ValueError traceback."""
+    assert main([*argv, "--port", "1"]) == 2
+    assert capsys.readouterr().err.startswith(f"stencild: {flag}: ")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-message-mb", "2048"], "--max-message-mb"),
+    (["--max-message-mb", "inf"], "--max-message-mb"),
+    (["--keepalive-time", "1e8"], "ping_interval_s must be at most"),
+    (["--max-connection-age", "nan"], "max_connection_age_s"),
+    (["--grace-period", "nan"], "grace_period_s"),
+])
+def test_serve_refuses_values_grpc_cannot_take(flags: list[str], says: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Past a C int grpc's channel arguments overflowed inside the starting server
+    (a traceback, exit 1); NaN passed every `< 0` check."""
+    assert main(["serve", "--embedding-only", "--metrics-port", "0", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_generate_system_implies_chat(monkeypatch: pytest.MonkeyPatch) -> None:
     """--system without --chat was accepted and dropped."""
     from service.gen.stencil.v1 import generate_pb2 as pb
