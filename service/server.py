@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import EngineCore
+from service.address import host_port
 from service.api.embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
 from service.api.embeddings import EmbeddingOptions, EmbeddingSlot, EmbeddingsServicer
 from service.api.generation import SERVICE_NAME, GenerationServicer, ServingState
@@ -271,8 +272,8 @@ class StencilServer:
             self.telemetry.start()
         except OSError as exc:
             await server.stop(None)
-            raise OSError(f"cannot serve metrics on {self.config.telemetry.metrics_host}:"
-                          f"{self.config.telemetry.metrics_port}: {exc}") from None
+            address = host_port(self.config.telemetry.metrics_host, self.config.telemetry.metrics_port or 0)
+            raise OSError(f"cannot serve metrics on {address}: {exc}") from None
         self._spawn(self._load())
         return port
 
@@ -478,7 +479,7 @@ class StencilServer:
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     """Listen on host:port (TLS with `credentials`); the port bound."""
-    address = f"{host}:{port}"
+    address = host_port(host, port)
     try:
         bound = server.add_secure_port(address, credentials) if credentials is not None \
             else server.add_insecure_port(address)
@@ -499,7 +500,7 @@ async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str
     """
     server = StencilServer(engine_factory, model_name, config, embedding, speech)
     port = await server.start()
-    log.info("listening on %s:%d (health NOT_SERVING until the model is loaded)", config.host, port)
+    log.info("listening on %s (health NOT_SERVING until the model is loaded)", host_port(config.host, port))
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from service.address import host_port
+
 DEFAULT_PORT = 50051
 API_KEY_ENV = "STENCILD_API_KEY"
 
@@ -38,7 +40,7 @@ def open_channel(args: argparse.Namespace) -> Any:
     """
     import grpc
 
-    target = f"{args.host}:{args.port}"
+    target = host_port(args.host, args.port)
     if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
         return grpc.insecure_channel(target)
     try:

@@ -35,6 +35,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.address import bare_host
+
 if TYPE_CHECKING:
     from engine import EngineCore
 
@@ -302,7 +304,7 @@ class MetricsServer:
 
     def start(self) -> int:
         """Bind and serve (port 0 picks a free one); OSError if it cannot bind."""
-        httpd, thread = start_http_server(self.requested_port, self.host, self.registry)
+        httpd, thread = start_http_server(self.requested_port, bare_host(self.host), self.registry)
         self._httpd, self._thread = httpd, thread
         self.port = int(httpd.server_port)
         return self.port

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from service.address import host_port
 from service.interceptors import rewrap
 from service.ops.metrics import VLLM_FINISH_REASONS, EngineSource, MetricsServer, ServerMetrics
 from service.ops.request_log import (
@@ -101,7 +102,7 @@ class Telemetry:
         """Serve /metrics (OSError if its port cannot be bound)."""
         if self._http is not None:
             port = self._http.start()
-            log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, port)
+            log.info("metrics on http://%s/metrics", host_port(self.config.metrics_host, port))
 
     def close(self) -> None:
         """Stop serving metrics and flush the spans not exported yet."""

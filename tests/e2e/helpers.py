@@ -23,6 +23,7 @@ import numpy as np
 from engine import EngineConfig, EngineCore
 from engine.executor import StepExecutor
 from engine.presets import ensure_preset
+from service.address import host_port
 from service.api.speech import SpeechEngineFactory
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
@@ -133,6 +134,11 @@ def speech_factory(preset: str = "demo-speech", codec: str = "tiny-codec",
     return build
 
 
+def reachable(host: str) -> str:
+    """The address a client on this machine reaches a server bound to `host` at."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
+
+
 class ServerHandle:
     """A StencilServer under test plus a client channel to it."""
 
@@ -140,7 +146,7 @@ class ServerHandle:
         self.runner = runner
         self.server = server
         self.port: int = runner.run(server.start())
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = host_port(reachable(server.config.host), self.port)
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.speech_stub = speech_pb2_grpc.SpeechStub(self.channel)

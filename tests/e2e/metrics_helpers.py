@@ -8,7 +8,9 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .helpers import TIMEOUT, ServerHandle
+from service.address import host_port
+
+from .helpers import TIMEOUT, ServerHandle, reachable
 
 Labels = dict[str, str]
 
@@ -37,7 +39,7 @@ class Scrape:
 def metrics_url(handle: ServerHandle) -> str:
     port = handle.server.telemetry.metrics_port
     assert port, "this server serves no metrics"
-    return f"http://127.0.0.1:{port}/metrics"
+    return f"http://{host_port(reachable(handle.server.config.telemetry.metrics_host), port)}/metrics"
 
 
 def scrape(handle: ServerHandle) -> Scrape:

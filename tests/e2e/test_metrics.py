@@ -7,6 +7,7 @@ abort gives its KV pages back, each refusal and status is counted.
 
 from __future__ import annotations
 
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -263,3 +264,37 @@ def test_embed_and_speech_metrics(make_server: Callable[..., ServerHandle]) -> N
     # The speech engine has gauges of its own.
     assert {lab["model_name"] for lab in after.labels_of("vllm:num_requests_running")} == \
         {"tiny-llama", "demo-speech"}
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("host", ["::1", "::"])
+def test_an_ipv6_host_serves_grpc_metrics_and_the_cli(host: str, make_server: Callable[..., ServerHandle],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`--host ::1` was glued to its port with a colon: grpc failed to bind (`::`
+    even bound port 443 of another address) and the client could not connect."""
+    from service.cli import main
+
+    handle = make_server(host=host, telemetry=TelemetryConfig(metrics_host=host, metrics_port=0))
+    assert handle.address == f"[::1]:{handle.port}"
+    assert generate(handle.stub, greedy("Hi", max_new_tokens=2))[2].usage.completion_tokens == 2
+    assert "vllm:num_requests_running" in scrape(handle).text
+    assert main(["generate", "Hi", "--host", "::1", "--port", str(handle.port), "--max-new-tokens", "2"]) == 0
+    assert main(["generate", "Hi", "--host", "[::1]", "--port", str(handle.port), "--max-new-tokens", "2"]) == 0
+
+
+def test_host_port_brackets_ipv6_literals() -> None:
+    from service.address import bare_host, host_port
+
+    assert host_port("127.0.0.1", 1) == "127.0.0.1:1" and host_port("localhost", 2) == "localhost:2"
+    assert host_port("::", 3) == "[::]:3" and host_port("[::1]", 4) == "[::1]:4"
+    assert host_port("fe80::1%eth0", 5) == "[fe80::1%eth0]:5"
+    assert bare_host("[::1]") == "::1" and bare_host("::1") == "::1" and bare_host("a.b") == "a.b"
