@@ -291,6 +291,9 @@ class EngineLoop:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._link: EngineLink = link or ThreadLink(engine)
+        # Loops of the server's other engines (a separate speech engine): a
+        # request id is one request server-wide, since Abort reaches every loop.
+        self.peers: tuple[EngineLoop, ...] = ()
 
     # -- lifecycle (event loop) ---------------------------------------------
     def start(self) -> None:
@@ -325,6 +328,10 @@ class EngineLoop:
         """This process's threads that run the engine: the engine and device
         threads (the link's reader thread for an engine in another process)."""
         return self._link.threads
+
+    def is_running(self, request_id: str) -> bool:
+        """Whether a request of this id is admitted and not yet finished."""
+        return request_id in self._streams
 
     @property
     def num_pending(self) -> int:
@@ -368,7 +375,7 @@ class EngineLoop:
         if not self.alive:
             raise unavailable("the engine is not running", Reason.ENGINE_STOPPED)
         rid = ctx.request_id
-        if rid in self._streams:
+        if self.is_running(rid) or any(peer.is_running(rid) for peer in self.peers):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running",
                                Reason.DUPLICATE_REQUEST_ID)
         cost = ctx.max_length

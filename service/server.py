@@ -389,6 +389,8 @@ class StencilServer:
         loop.start()
         self._watch_threads(loop, 1)
         self.state.speech_loop = self.speech.loop = loop
+        if self.state.engine_loop is not None:
+            loop.peers, self.state.engine_loop.peers = (self.state.engine_loop,), (loop,)
         # It runs on the generation engine's device thread, which dies with that engine.
         self.speech.alive = lambda: loop.alive and self._engine_alive()
 

@@ -303,7 +303,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not loops:
             raise unavailable("the model is still loading", Reason.MODEL_LOADING)
         # Synthesize streams too, on an engine of their own or not: every loop is
-        # asked (the same id may run on both).
+        # asked (an id runs on one of them at most: EngineLoop.peers).
         convert.check_abort_ids(request.request_ids)
         aborted = []
         for rid in request.request_ids:

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from service.api.speech import SpeechOptions
 from service.api.speech_convert import SPEECH_SAMPLING_DEFAULTS
 from service.cli import main
 from service.errors import bad_request_violations
@@ -27,7 +28,16 @@ from service.gen.stencil.v1 import generate_pb2
 from service.gen.stencil.v1 import speech_pb2 as pb
 from service.gen.stencil.v1 import speech_pb2_grpc as pb_grpc
 
-from .helpers import TIMEOUT, ServerHandle, SlowModel, generate, greedy, synthesize
+from .helpers import (
+    TIMEOUT,
+    ServerHandle,
+    SlowModel,
+    engine_factory,
+    generate,
+    greedy,
+    speech_factory,
+    synthesize,
+)
 
 SPEECH = "stencil.v1.Speech"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -200,6 +210,33 @@ def test_ending_a_speech_stream_frees_its_pages(speech_server: ServerHandle, how
     assert speech_server.wait_no_pages(speech=True) == (0, 0), "the aborted request still holds pages"
     speech_server.wait_pending(0, speech=True)
     assert loop.stats.finished.get("cancelled", 0) == before + 1, "the request was not aborted"
+
+
+def test_a_request_id_is_one_request_across_the_speech_engine(make_server: Callable[..., ServerHandle]) -> None:
+    """A Generate and a Synthesize on a speech engine of its own could share an
+    id, and one Abort of it ended both."""
+    # Generation at 20 ms a step, so its stream outlives the Synthesize call below.
+    speech_server = make_server(engine_factory(slow_s=0.02), speech=SpeechOptions("demo-speech", speech_factory()))
+    rid = "one-id-two-engines"
+    call = speech_server.speech_stub.Synthesize(speech_request(seconds=30.0, request_id=rid), timeout=TIMEOUT)
+    next(call)
+    err = error(lambda: generate(speech_server.stub, greedy("Hi", max_new_tokens=2, request_id=rid)))
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+    aborted = speech_server.stub.Abort(generate_pb2.AbortRequest(request_ids=[rid]))
+    assert list(aborted.aborted_request_ids) == [rid]
+    assert list(call)[-1].finish_reason == Finish.CANCELLED
+    speech_server.wait_pending(0, speech=True)
+    # And the other way round: a running Generate holds its id from Synthesize.
+    req = greedy("Hi", max_new_tokens=500, request_id=rid)
+    req.stopping.ignore_eos = True
+    stream = speech_server.stub.Generate(req, timeout=TIMEOUT)
+    next(stream)
+    err = error(lambda: list(speech_server.speech_stub.Synthesize(speech_request(request_id=rid),
+                                                                  timeout=TIMEOUT)))
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+    stream.cancel()
+    speech_server.wait_pending(0)
+    assert generate(speech_server.stub, greedy("Hi", max_new_tokens=2, request_id=rid))[2].usage.completion_tokens
 
 
 def test_no_speech_model_is_failed_precondition(server: ServerHandle) -> None:
