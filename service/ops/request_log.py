@@ -172,9 +172,12 @@ def note_refusal(reason: str) -> None:
 
 
 def note_compile(kind: str, backend: str | None, start: float, outcome: str, cached: bool) -> None:
-    """The current call waited for a constraint compile from `start` until now."""
+    """The current call waited for a constraint compile from `start` until now.
+
+    Only its first compile is the call's: the copies a multi-sequence call
+    (vLLM's n) takes after it are cache hits that would hide what it waited for."""
     call = _CURRENT.get()
-    if call is not None:
+    if call is not None and call.compile is None:
         call.compile = CompileNote(kind, backend, start, time.monotonic(), outcome, cached)
 
 

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +27,7 @@ from service.ops.request_log import (
     level_of,
     log_call,
     log_fields,
+    note_compile,
     note_refusal,
     note_request,
     note_validation,
@@ -227,3 +229,19 @@ def test_n_sequences_make_one_line() -> None:
     record.requests = [_stats(25, 3, None)]
     fields = log_fields(record)
     assert "finish_reason" not in fields and "n" not in fields and fields["completion_tokens"] == 3
+
+
+def test_a_call_keeps_its_first_compile() -> None:
+    """vLLM's n > 1 compiles a matcher per sequence, all but the first cache hits:
+    the log line, metrics and span reported the last, a hit, for a call that
+    waited for a full compile."""
+    record = _record()
+    token = enter_call(record)
+    try:
+        note_compile("json_schema", "xgrammar", time.monotonic() - 0.25, "compiled", cached=False)
+        for _ in range(2):
+            note_compile("json_schema", "xgrammar", time.monotonic(), "compiled", cached=True)
+    finally:
+        exit_call(token)
+    assert record.compile is not None and not record.compile.cached
+    assert log_fields(record)["compile_ms"] >= 250
