@@ -514,8 +514,12 @@ async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    if config.tls is not None:
-        loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
+    # SIGHUP reloads what can be reloaded (the TLS files). Without TLS there is
+    # nothing, but its default action would end the server on the spot, streams
+    # cut and nothing drained (a closed terminal, an operator's habitual
+    # `kill -HUP`): it is logged and ignored, as the engine process ignores it.
+    loop.add_signal_handler(signal.SIGHUP, server.reload_tls if config.tls is not None else
+                            lambda: log.info("SIGHUP: nothing to reload (no TLS); SIGTERM drains and stops"))
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(server.wait_stopped())
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)

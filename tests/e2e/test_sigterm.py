@@ -1,5 +1,6 @@
 """`stencild serve` in a subprocess: SIGTERM drains (health NOT_SERVING, new calls
-UNAVAILABLE, the streams in flight finish), then the process exits 0. Out of the
+UNAVAILABLE, the streams in flight finish), then the process exits 0; SIGHUP
+without TLS is ignored. Out of the
 box it also serves the embedding model and the demo speech pair (demo-speech +
 demo-codec, the one test that runs the full-size random SNAC decoder)."""
 
@@ -107,6 +108,10 @@ def test_sigterm_drains_then_exits_zero() -> None:
         req.stopping.ignore_eos = True
         call = stub.Generate(req, timeout=TIMEOUT * 3)
         next(call)
+        # Without TLS SIGHUP has nothing to reload: it ended the server at once, undrained.
+        server.proc.send_signal(signal.SIGHUP)
+        server.wait_for("SIGHUP: nothing to reload")
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == SERVING
         server.proc.send_signal(signal.SIGTERM)
         while health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status != NOT_SERVING:
             time.sleep(0.01)
