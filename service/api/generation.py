@@ -182,7 +182,10 @@ def counted_call(method: Handler) -> Handler:
     """Count a servicer method's call in its ServingState's calls in flight
     from its first line: a drain then waits for one still tokenizing or
     compiling its constraint (which ends UNAVAILABLE once the drain began)
-    rather than stopping the server under it (CANCELLED)."""
+    rather than stopping the server under it (CANCELLED). Every method that
+    may work for long is counted: the streams, Embed, ValidateConstraint
+    (a compile of up to --grammar-timeout), Tokenize/Detokenize (off the
+    loop when large) and GetTokenizer."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -252,6 +255,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 loop.abort(stream.request_id)
 
     @rpc_guard
+    @counted_call
     async def ValidateConstraint(self, request: pb.ValidateConstraintRequest,
                                  context: grpc.aio.ServicerContext) -> pb.ValidateConstraintResponse:
         self.state.require_engine()
@@ -270,6 +274,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                if not self.state.validate_output else matcher.validator_error or ""))
 
     @rpc_guard
+    @counted_call
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         loop = self.state.require_engine()
@@ -278,6 +283,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return response
 
     @rpc_guard
+    @counted_call
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         loop = self.state.require_engine()

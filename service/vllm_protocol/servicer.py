@@ -313,6 +313,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         return vllm_info.loads(loop, self.state.server_version)
 
     @rpc_guard
+    @counted_call
     async def GetTokenizer(self, request: cpb.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> None:
         """The tokenizer's files as one zip, in chunks; the last carries its SHA-256."""

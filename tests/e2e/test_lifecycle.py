@@ -165,3 +165,52 @@ def test_a_hung_step_does_not_hold_the_drain_for_ever(make_server, monkeypatch) 
             assert err.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("method", ["ValidateConstraint", "GetTokenizer"])
+def test_a_drain_waits_for_unary_calls_that_work(method: str, make_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """ValidateConstraint (a compile of up to --grammar-timeout) and GetTokenizer
+    (a zip built on a thread) were not counted: a drain that began under them
+    stopped the server a second later, and the call ended CANCELLED."""
+    from service.gen.vllm import common_pb2 as cpb
+    from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+    from service.vllm_protocol import info as vllm_info
+
+    server = make_server()
+    working, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        working.set()
+        assert release.wait(TIMEOUT)
+
+    if method == "ValidateConstraint":
+        compiler = server.server.state.constraints
+        compile_noting_cache = compiler.compile_noting_cache
+
+        async def slow_compile(*args):  # type: ignore[no-untyped-def]
+            await asyncio.to_thread(hold)
+            return await compile_noting_cache(*args)
+
+        monkeypatch.setattr(compiler, "compile_noting_cache", slow_compile)
+        req = pb.ValidateConstraintRequest()
+        req.constraint.regex = "[a-z]+"
+        call = lambda: server.stub.ValidateConstraint(req, timeout=TIMEOUT).grammar_backend  # noqa: E731
+    else:
+        tokenizer_zip = vllm_info.tokenizer_zip
+
+        def slow_zip(*args):  # type: ignore[no-untyped-def]
+            hold()
+            return tokenizer_zip(*args)
+
+        monkeypatch.setattr(vllm_info, "tokenizer_zip", slow_zip)
+        stub = vpb_grpc.VllmEngineStub(server.channel)
+        call = lambda: b"".join(c.data for c in stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=TIMEOUT))  # noqa: E731
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(call)
+        assert working.wait(TIMEOUT)
+        stopped = server.drain(grace_s=30.0)
+        time.sleep(1.5)  # the server used to stop within a second here
+        assert not stopped.done(), "the drain did not wait for the call"
+        release.set()
+        assert answer.result(TIMEOUT), "the call was answered"
+    stopped.result(TIMEOUT)
