@@ -443,6 +443,11 @@ class GrammarCompiler:
             if e.reason == "timeout" and e.backend is None:  # never reached a worker
                 raise _busy(self.config.compile_timeout_s) from None
             if e.reason == "timeout":
+                if e.backend == PLAN_JOB and deadline - planning >= _FULL_BUDGET * self.config.compile_timeout_s:
+                    # Its worker had (nearly) the whole budget and was killed at
+                    # the end: the schema's cost, cached as a compile's timeout
+                    # is (else every retry would cost a worker the full timeout).
+                    self._cache_failure(("plan", spec), e)
                 raise GrammarError(f"grammar compile timed out after {self.config.compile_timeout_s:g} s "
                                    "(preparing the schema)", reason="timeout", backend=order[0]) from None
             e = GrammarError(str(e), reason=e.reason, backend=order[0])

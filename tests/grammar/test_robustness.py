@@ -262,3 +262,45 @@ def test_a_lazy_validator_is_built_on_first_use_and_reports_an_unreadable_schema
     broken._source = None  # a second build would fail its assertion
     assert not broken.validate_text("1").checked
     broken.prepare()  # never raises
+
+
+def test_a_schema_whose_planning_takes_the_whole_timeout_is_cached(tokenizer, monkeypatch):
+    """A compile timeout with the full budget is cached; a planning timeout was
+    not, so every retry of the same schema cost a worker the whole timeout
+    (killed and replaced). The planning job is made to time out here."""
+    from grammar._worker import PLAN_JOB
+
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=2.0,
+                         compile_workers=1) as c:
+        c.compile(GrammarSpec.regex("warm"), backend="xgrammar")  # worker up
+        assert c._pool is not None
+        run = c._pool.run
+        plans: list[float] = []
+
+        def stuck_planning(job, spec, max_bytes, deadline, hold):  # type: ignore[no-untyped-def]
+            if job != PLAN_JOB or "stuck" not in str(spec.source):
+                return run(job, spec, max_bytes, deadline, hold)
+            plans.append(time.monotonic())
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            raise GrammarError("grammar compile timed out", reason="timeout", backend=PLAN_JOB)
+
+        monkeypatch.setattr(c._pool, "run", stuck_planning)
+        spec = GrammarSpec.json_schema({"type": "object", "title": "stuck"})
+        for _ in range(3):
+            with pytest.raises(GrammarError, match="preparing the schema") as err:
+                c.compile(spec)
+            assert err.value.reason == "timeout"
+        assert len(plans) == 1, "the timed-out planning was run again"
+        assert c.compile(GrammarSpec.json_schema({"type": "integer"})).backend in BACKENDS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_one_of_of_many_enums_plans_in_linear_time(tokenizer, backend):
+    """Overlap of the branches' literals was tested pairwise: a oneOf of 100
+    enums of 100 values (35 KB) took tens of seconds to plan and timed out."""
+    schema = {"oneOf": [{"enum": list(range(i * 100, (i + 1) * 100))} for i in range(100)]}
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, compile_timeout_s=10.0,
+                         compile_workers=1) as c:
+        matcher = c.compile(GrammarSpec.json_schema(schema), backend=backend)
+        assert "oneOf" not in matcher.unenforced_keywords  # the branches are disjoint: oneOf is anyOf
+        assert matcher.accept_tokens(c.tokenizer_data.encode("9999")) == len(c.tokenizer_data.encode("9999"))

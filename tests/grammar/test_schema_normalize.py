@@ -3,6 +3,8 @@ keyword tables (schema_keywords.py) and the output validator (validation.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jsonschema_rs
 import pytest
 
@@ -320,3 +322,20 @@ def test_const_discriminated_branches_are_disjoint_only_among_objects() -> None:
     assert "oneOf" in gaps
     view, gaps = backend_view({"type": "object", "oneOf": branches}, "llguidance")
     assert "oneOf" not in gaps
+
+
+def test_literal_branches_overlap_under_json_schema_equality() -> None:
+    # 1 and 1.0 are one JSON value; true is not 1, nor [true] [1]; objects ignore key order.
+    assert not disjoint([{"const": 1}, {"enum": [3, 1.0]}])
+    assert disjoint([{"const": True}, {"const": 1}])
+    assert disjoint([{"const": [True]}, {"const": [1]}])
+    assert not disjoint([{"const": [1]}, {"const": [1.0]}])
+    assert not disjoint([{"const": {"a": 1, "b": 2}}, {"enum": [{"b": 2, "a": 1}]}])
+    assert disjoint([{"enum": ["a", "b"]}, {"enum": ["c"]}, {"const": None}])
+    # A discriminator's consts too: 1 and 1.0 discriminate nothing.
+    tagged = [{"type": "object", "properties": {"k": {"const": c}}, "required": ["k"]} for c in (1, 1.0)]
+    assert not disjoint(tagged)
+    deep: Any = 0
+    for _ in range(5000):
+        deep = [deep]
+    assert not disjoint([{"const": deep}, {"const": 1}])  # too deep to compare: not known disjoint
