@@ -24,8 +24,10 @@ class Tokenizer:
         # tokenizer.json as written, not the class tokenizer_config.json names:
         # transformers 5 rebuilds a named class's normalizer and pre-tokenizer
         # (a Llama-2 checkpoint's "<s>[INST]" then loses the space marker before "["), while
-        # routers tokenize with the file itself. Special tokens, the chat
-        # template and add_bos_token/add_eos_token still come from the config.
+        # routers tokenize with the file itself. Special tokens and the chat
+        # template still come from the config; whether BOS/EOS are added is the
+        # file's post-processor, as with transformers 5's AutoTokenizer (both
+        # read past add_bos_token/add_eos_token).
         self.hf: Any = PreTrainedTokenizerFast.from_pretrained(str(root), local_files_only=True)
         if not getattr(self.hf, "is_fast", False):
             raise CheckpointError("a fast tokenizer (tokenizer.json) is required")
