@@ -148,6 +148,46 @@ def xgrammar_pattern(pattern: str) -> str:
                    for item, end in _with_ends(pattern))
 
 
+# A JSON-schema pattern is ECMA-262, whose `.` also leaves out \r, U+2028 and
+# U+2029, and whose `\s` is another set than the Rust syntax's (U+FEFF in,
+# U+0085 out). Written out, both libraries read them as the validator does.
+_ECMA_DOT = r"[^\n\r\u2028\u2029]"
+_ECMA_SPACES = r"\t\n\x0B\x0C\r \xA0\u1680\u2000-\u200A\u2028\u2029\u202F\u205F\u3000\uFEFF"
+
+
+def ecma_pattern(pattern: str) -> str:
+    r"""A JSON-schema `pattern` with ECMA-262's `.`, `\s` and `\S` written out as
+    classes (inside a class, `\s` as its members), so that a library reading
+    the Rust syntax admits no character the validator refuses (`.` took
+    "\r", `\s` took U+0085). `\S` inside a class has no such spelling and
+    stays (`json_pattern_misread` reports it)."""
+    out = []
+    for item, end in _with_ends(pattern):
+        text = pattern[item.pos:end]
+        if item.kind == "char" and text == ".":
+            text = _ECMA_DOT
+        elif item.kind == "escape" and text in ("\\s", "\\S"):
+            text = ("[^" if text == "\\S" else "[") + _ECMA_SPACES + "]"
+        elif item.kind == "class" and "\\s" in item.escapes:
+            text = _class_spaces(text)
+        out.append(text)
+    return "".join(out)
+
+
+def _class_spaces(text: str) -> str:
+    r"""A class's source with each `\s` in it replaced by ECMA's spaces."""
+    out, j = [], 0
+    while j < len(text):
+        if text[j] == "\\":
+            end = _escape_at(text, j)
+            out.append(_ECMA_SPACES if text[j:end] == "\\s" else text[j:end])
+            j = end
+        else:
+            out.append(text[j])
+            j += 1
+    return "".join(out)
+
+
 def _with_ends(pattern: str) -> Iterator[tuple[Item, int]]:
     items = list(scan(pattern))
     for k, item in enumerate(items):
@@ -240,6 +280,8 @@ def json_pattern_misread(pattern: str, backend: str) -> str | None:
     for item in scan(pattern):
         if item.kind == "class" and (item.nested or item.set_operator):
             return f"a class inside a class or a set operator at position {item.pos}"
+        if item.kind == "class" and "\\S" in item.escapes:
+            return f"\\S inside a class at position {item.pos} (ECMA's \\S is another set)"
         if item.kind == "open" and pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), item.pos):
             return f"a look-around at position {item.pos}"
     return None

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from .json_values import canonical
-from .regex_syntax import json_pattern_misread
+from .regex_syntax import ecma_pattern, json_pattern_misread
 from .schema_normalize import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, map_subschemas
 from .validation import readable_pattern
 
@@ -80,7 +80,7 @@ def _strip(node: Any, drop: frozenset[str], dropped: set[str], backend: str, *, 
                 or _misread_patterns(key, value, backend):
             dropped.add(key)
         else:
-            kept[key] = value
+            kept[key] = _ecma_patterns(key, value)
     out = map_subschemas(kept, lambda sub: _strip(sub, drop, dropped, backend, one_of_to_any=one_of_to_any))
     if one_of_to_any and isinstance(out.get("oneOf"), list) and isinstance(out.get("allOf", []), list):
         # llguidance has no oneOf. As anyOf it is exact when at most one branch
@@ -130,15 +130,27 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
 
 def _misread_patterns(key: str, value: Any, backend: str) -> bool:
     """Whether `backend` would read a regex of this `pattern` or
-    `patternProperties` otherwise than the validator (ECMA-262) does: it is
-    then left to the validator rather than enforced wrong. A regex that is
-    no regex stays, for the library to refuse the schema."""
+    `patternProperties` otherwise than the validator (ECMA-262) does, even
+    as `ecma_pattern` spells it: it is then left to the validator rather
+    than enforced wrong. A regex that is no regex stays, for the library to
+    refuse the schema."""
+    def misread(pattern: str) -> bool:
+        return json_pattern_misread(ecma_pattern(pattern), backend) is not None and readable_pattern(pattern)
+
     if key == "pattern" and isinstance(value, str):
-        return json_pattern_misread(value, backend) is not None and readable_pattern(value)
+        return misread(value)
     if key == "patternProperties" and isinstance(value, dict):
-        return any(json_pattern_misread(str(name), backend) is not None and readable_pattern(str(name))
-                   for name in value)
+        return any(misread(str(name)) for name in value)
     return False
+
+
+def _ecma_patterns(key: str, value: Any) -> Any:
+    """A kept `pattern` or `patternProperties` with its regexes as `ecma_pattern` spells them."""
+    if key == "pattern" and isinstance(value, str):
+        return ecma_pattern(value)
+    if key == "patternProperties" and isinstance(value, dict):
+        return {ecma_pattern(str(name)): sub for name, sub in value.items()}
+    return value
 
 
 def _exact_as_double(value: Any) -> bool:

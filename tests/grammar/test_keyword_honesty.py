@@ -4,6 +4,7 @@ library reads past a keyword, checked against the schema's own validator."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -99,6 +100,39 @@ def test_a_pattern_a_library_reads_otherwise_is_left_to_the_validator(compiler: 
     if backend != "auto":
         names = GrammarSpec.json_schema({"type": "object", "patternProperties": {pattern: {"type": "integer"}}})
         assert "patternProperties" in compiler.compile(names, backend=backend).unenforced_keywords
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+@pytest.mark.parametrize(("pattern", "invalid", "valid"), [
+    ("^a.b$", ["a\rb", "a\u2028b", "a\u2029b"], ["axb", "a\u0085b"]),  # ECMA's `.` leaves out \r, U+2028/9
+    ("^.{1,20}$", ["line1\r"], ["line1"]),
+    ("^\\s$", ["\u0085"], [" ", "\ufeff", "\u3000"]),  # ECMA's \s: U+FEFF in, U+0085 out
+    ("^[\\s,]+$", ["\u0085"], [" ,\u3000"]),
+    ("^[^\\s]$", ["\u2028"], ["x"]),
+    ("^\\S$", ["\ufeff"], ["\u0085", "x"]),
+])
+def test_dots_and_spaces_of_a_pattern_are_ecmas(compiler: GrammarCompiler, backend: str, pattern: str,
+                                                invalid: list[str], valid: list[str]) -> None:
+    """The libraries read a pattern's `.` and `\\s` in the Rust syntax: `.` took
+    "\\r", U+2028 and U+2029 and `\\s` took U+0085, which the validator (ECMA-262)
+    refuses, with nothing reported unenforced. They are spelled out as ECMA's
+    classes now, and enforced as the validator reads them."""
+    matcher = compiler.compile(GrammarSpec.json_schema({"type": "string", "pattern": pattern}), backend=backend)
+    assert matcher.unenforced_keywords == () and matcher.validator is not None
+    for value in invalid + valid:
+        text = json.dumps(value, ensure_ascii=False)
+        verdict = matcher.validator.validate_text(text).valid
+        assert verdict == (value in valid), f"premise: {value!r}"
+        assert grammar_accepts(compiler, matcher, text) == verdict, f"{backend} on {value!r}"
+
+
+def test_ecma_pattern_spells_out_dots_and_spaces() -> None:
+    from grammar.regex_syntax import ecma_pattern
+
+    assert ecma_pattern("a") == "a" and ecma_pattern("[.]\\.") == "[.]\\."  # a class's dot, an escaped one
+    assert ecma_pattern("^a.b$") == "^a[^\\n\\r\\u2028\\u2029]b$"
+    assert ecma_pattern("\\s").startswith("[\\t\\n") and ecma_pattern("\\S").startswith("[^\\t\\n")
+    assert ecma_pattern("[a\\s]").startswith("[a\\t\\n") and ecma_pattern("[\\S]") == "[\\S]"
 
 
 @pytest.mark.parametrize(("pattern", "text"), [
