@@ -105,7 +105,7 @@ def test_dependencies_point_from_service_to_engine_to_grammar() -> None:
 
 # service/'s subpackages, and which of them each may import (besides itself,
 # engine, grammar, the generated stubs and the core modules at service/'s top:
-# engine_loop, errors, interceptors, structured). The assembly (server, loading) may import
+# engine_loop, errors, interceptors, structured, address). The assembly (server, loading) may import
 # any of them; only the CLI imports the assembly.
 SERVICE_LAYERS = {
     "service.ops": set(),
@@ -118,7 +118,8 @@ SERVICE_LAYERS = {
     "service.cli": {"service.ops", "service.security", "service.api", "service.vllm_protocol",
                     "service.server", "service.loading", "service.engine_proc"},
 }
-SERVICE_CORE = {"service.engine_loop", "service.errors", "service.interceptors", "service.structured"}
+SERVICE_CORE = {"service.engine_loop", "service.errors", "service.interceptors", "service.structured",
+                "service.address"}
 
 
 def _service_part(module: str) -> str:
