@@ -19,20 +19,15 @@ class BadFlag(ValueError):
         super().__init__(f"{flag}: {err}")
 
 
-def set_flag(message: Any, field: str, value: Any, flag: str) -> None:
-    """message.field = value; BadFlag naming `flag` if the field cannot hold it."""
-    try:
-        setattr(message, field, value)
-    except (ValueError, TypeError) as err:
-        raise BadFlag(flag, err) from None
-
-
 def set_flags(args: argparse.Namespace, fields: list[tuple[str, Any, str]]) -> None:
     """Copy each set `--flag` of `args` into its (message, field); BadFlag names the first misfit."""
     for flag, message, field in fields:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
-            set_flag(message, field, value, flag)
+            try:
+                setattr(message, field, value)
+            except (ValueError, TypeError) as err:
+                raise BadFlag(flag, err) from None
 
 
 def refuse(err: BadFlag) -> int:
