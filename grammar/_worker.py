@@ -141,6 +141,10 @@ class CompileContext:
     def compile(self, backend: str, spec: GrammarSpec, max_compiled_bytes: int) -> dict[str, Any]:
         if backend == PLAN_JOB:
             return _plan(spec, self._init.get("schema_store"))
+        if spec.kind == "structural_tag":
+            from .schema_plan import tag_view
+
+            spec = tag_view(spec, backend, self._init.get("schema_store"))
         if backend == "xgrammar":
             return self._compile_xgrammar(spec, max_compiled_bytes)
         if backend == "llguidance":

@@ -273,18 +273,21 @@ def _tag_json(source: str) -> str:
     as JSON Schema reads them: xgrammar's structural tags compile schemas in
     its strict mode, where an object allows only the properties it lists and
     an array nothing past its prefixItems (valid tool arguments with an
-    optional extra key were refused)."""
-    return json.dumps(_open_contents(structural_tag.normalize(source)))
+    optional extra key were refused). A content with a reference xgrammar
+    would read as any value is refused, as in a JSON-schema spec."""
+    tag = structural_tag.normalize(source)
+    problems: list[str] = []
 
+    def opened(schema: Any) -> Any:
+        problem = _unsupported_reference(schema)
+        if problem:
+            problems.append(problem)
+        return _open_schema(schema)
 
-def _open_contents(node: Any) -> Any:
-    if isinstance(node, list):
-        return [_open_contents(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    if node.get("type") == "json_schema" and "json_schema" in node:
-        return {**node, "json_schema": _open_schema(node["json_schema"])}
-    return {k: _open_contents(v) for k, v in node.items()}
+    tag = structural_tag.map_schemas(tag, opened)
+    if problems:
+        raise GrammarError(f"cannot compile structural tag: {problems[0]}", backend=BACKEND)
+    return json.dumps(tag)
 
 
 def _open_schema(schema: Any) -> Any:

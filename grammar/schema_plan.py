@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from . import structural_tag
 from .errors import GrammarError
 from .schema_keywords import backend_view
 from .schema_normalize import Unresolved, normalize_schema
@@ -108,17 +109,7 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...], store: SchemaSto
             raise GrammarError("JSON schema must be a JSON object or a boolean")
     else:
         return None
-    try:
-        normalized = normalize_schema(schema, store)
-    except GrammarError:
-        raise
-    except Unresolved:
-        normalized = schema
-    except (RecursionError, MemoryError):
-        raise GrammarError("JSON schema is too deeply nested to compile", reason="too_large") from None
-    except Exception:  # a normalizer bug on an odd schema: the libraries get it as written
-        log.exception("could not normalize a JSON schema; compiling it as written")
-        normalized = schema
+    normalized = normalized_schema(schema, store)
     views: dict[str, GrammarSpec] = {}
     unenforced: dict[str, tuple[str, ...]] = {}
     for backend in backends:
@@ -131,3 +122,31 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...], store: SchemaSto
                                          spec.options)
     watch = WatchPlan.for_schema(normalized, schema) if spec.kind == "json_schema" else None
     return views, unenforced, watch
+
+
+def normalized_schema(schema: Any, store: SchemaStore | None = None) -> Any:
+    """`schema` normalized (`schema_normalize`); as written when it names a
+    document `store` lacks, or the normalizer fails on it. GrammarError when
+    it cannot be compiled at all (a `$ref` to nowhere, too large or deep)."""
+    try:
+        return normalize_schema(schema, store)
+    except GrammarError:
+        raise
+    except Unresolved:
+        return schema
+    except (RecursionError, MemoryError):
+        raise GrammarError("JSON schema is too deeply nested to compile", reason="too_large") from None
+    except Exception:  # a normalizer bug on an odd schema: the libraries get it as written
+        log.exception("could not normalize a JSON schema; compiling it as written")
+        return schema
+
+
+def tag_view(spec: GrammarSpec, backend: str, store: SchemaStore | None = None) -> GrammarSpec:
+    """A structural tag as `backend` compiles it: each JSON-schema content
+    normalized and cut to the library's view as a JSON-schema spec's is, so
+    the grammar enforces what the tag's value checks (tag_watch.TagPlan)
+    take as enforced. Run where the compile runs (a worker, with isolation)."""
+    assert spec.kind == "structural_tag" and isinstance(spec.source, str)
+    tag = structural_tag.map_schemas(structural_tag.normalize(spec.source),
+                                     lambda schema: backend_view(normalized_schema(schema, store), backend)[0])
+    return GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False), spec.options)

@@ -24,6 +24,7 @@ one), and refuses the rest so that `auto` stays with xgrammar.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from .errors import GrammarError
@@ -79,6 +80,18 @@ def normalize(source: str) -> dict[str, Any]:
                         for s in tag["structures"]]}
     _check_tag_list(fmt)
     return {"type": "structural_tag", "format": fmt}
+
+
+def map_schemas(node: Any, fn: Callable[[Any], Any]) -> Any:
+    """`node` (a normalized structural tag or a part of one) with `fn` applied
+    to the schema of every JSON-schema content, wherever in the format tree."""
+    if isinstance(node, list):
+        return [map_schemas(v, fn) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return {**node, "json_schema": fn(node["json_schema"])}
+    return {k: map_schemas(v, fn) for k, v in node.items()}
 
 
 def _check_tag_list(fmt: Any) -> None:

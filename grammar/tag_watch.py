@@ -1,8 +1,9 @@
 """Value checks inside a structural tag's tags (and so inside tool calls).
 
-A structural tag's JSON contents are compiled from their schemas as written,
-and the library leaves the same keywords unenforced there as in a JSON
-answer (`schema_keywords`: xgrammar ignores `uniqueItems`, `not`, ...). A
+A structural tag's JSON contents are compiled from their schemas normalized
+and cut to each library's view, as a JSON answer's schema is
+(schema_plan.tag_view), and the library leaves the same keywords unenforced
+there as in a JSON answer (`schema_keywords`: xgrammar ignores `uniqueItems`, `not`, ...). A
 resampling request checks them the same way: `TagPlan` knows, per tag, the
 keywords its content's schema leaves to checks, its watch plan and its
 validator; `TagWatch` reads the output like a `value_watch.ValueWatch` (same
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from . import structural_tag
 from .schema_keywords import backend_view
-from .schema_normalize import normalize_schema
+from .schema_plan import normalized_schema
 from .schema_store import SchemaStore
 from .tag_segments import Piece, TagScanner, TagShape, shapes_of
 from .validation import SchemaValidator
@@ -84,9 +85,9 @@ class TagPlan:
         if not isinstance(schema, dict):
             return None
         try:
-            normalized = normalize_schema(schema, self._store)
-        except Exception:  # noqa: BLE001 - unresolved or odd: read as written
-            normalized = schema
+            normalized = normalized_schema(schema, self._store)  # as the compile read it (schema_plan.tag_view)
+        except Exception:  # noqa: BLE001 - a content the compile refused: nothing to check
+            return None
         _, keywords = backend_view(normalized, self.backend)
         plan = WatchPlan.for_schema(normalized, schema)
         if not keywords or plan is None:

@@ -207,3 +207,45 @@ def test_tag_contents_are_read_as_json_schema_reads_them(compiler, backend):
         "type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}, "end": "</f>"}],
         "triggers": ["<f"]})
     assert not _accepts(compiler, closed, 'x <f>{"a": 1, "b": 2}</f>', backend)
+
+
+INT = {"i": {"type": "integer"}}
+
+
+@pytest.mark.parametrize("schema, defs, bad, good", [
+    # an allOf xgrammar skips, merged by normalizing
+    ({"type": "integer", "allOf": [{"minimum": 5}]}, {}, "1", "7"),
+    # a $ref with a sibling keyword
+    ({"$ref": "#/$defs/i", "minimum": 5}, INT, "1", "7"),
+    # a $ref to an $anchor, which xgrammar reads as any value
+    ({"$ref": "#int"}, {"i": {"$anchor": "int", "type": "integer"}}, '"seven"', "7"),
+    # draft-04's boolean exclusiveMinimum (xgrammar refused the whole tag)
+    ({"type": "number", "minimum": 0, "exclusiveMinimum": True}, {}, "0", "0.5"),
+])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_tag_contents_compile_from_the_normalized_schema(compiler, schema, defs, bad, good, backend):
+    """A tag's schema went to the library as written while the tag's checks
+    (tag_watch.TagPlan) were read from the normalized schema: where
+    normalizing turns what xgrammar ignores into what it reads, the grammar
+    let the violation through and nothing checked it. Both now read one
+    view, as a JSON-schema spec's (schema_plan.tag_view)."""
+    draft = {"$schema": "http://json-schema.org/draft-04/schema#"} if "exclusiveMinimum" in schema else {}
+    tag = GrammarSpec.structural_tag({"structures": [{"begin": "<f>", "schema": {**draft, **schema, "$defs": defs},
+                                                      "end": "</f>"}], "triggers": ["<f"]})
+    assert _accepts(compiler, tag, f"x <f>{good}</f>", backend)
+    assert not _accepts(compiler, tag, f"x <f>{bad}</f>", backend)
+    args = {**draft, "type": "object", "properties": {"n": schema}, "required": ["n"], "$defs": defs}
+    call = '<tool_call>\n{"name": "f", "arguments": {"n": %s}}\n</tool_call>'
+    if backend == "xgrammar":  # llguidance takes no tags_with_separator
+        required = call_constraint([Tool("f", args)], "required")
+        assert _accepts(compiler, required, call % good, backend)
+        assert not _accepts(compiler, required, call % bad, backend)
+
+
+def test_a_tag_content_xgrammar_would_read_as_any_value_is_refused(compiler):
+    """A `$ref` to a document the server lacks stays as written; xgrammar
+    reads it as any value, so it refuses the tag as it does such a JSON schema."""
+    tag = GrammarSpec.structural_tag({"structures": [{"begin": "<f>", "schema": {
+        "$ref": "https://example.com/int.json"}, "end": "</f>"}], "triggers": ["<f"]})
+    with pytest.raises(GrammarError, match="only local"):
+        compiler.compile(tag, backend="xgrammar")
