@@ -134,24 +134,30 @@ class RemoteEngine:
         self.process = EngineProcess(spec)
         try:
             facts = self.process.wait_ready()
+            self._built_from(spec, facts)
         except BaseException:
+            # Whatever failed after the spawn, the process must not outlive it.
             self.process.stop()
             raise
-        self.facts = facts
-        self.max_model_len = facts.max_model_len
-        self.eos_token_ids = facts.eos_token_ids
-        self.reasoning = (ReasoningParser.load(spec.config.reasoning_parser, self.tokenizer.hf.get_vocab())
-                          if spec.config.reasoning_parser else None)
-        self.structured = StructuredOutput.for_engine(spec.config, self.tokenizer.hf, self.vocab_size,
-                                                      self.eos_token_ids, export_compiled=True)
-        self.requests = RequestFactory(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
-                                       self.reasoning, spec.config.max_thinking_tokens, None)
         self.last_step = StepStats()
         self._load: EngineLoad = facts.load
         # The process's engine and device threads' CPU seconds, as of its latest step.
         self.thread_cpu = ThreadCpu()
         log.info("engine process %d ready (%s attention, %d grammar mask thread(s))", facts.pid,
                  facts.attention, facts.mask_threads)
+
+    def _built_from(self, spec: EngineProcessSpec, facts: EngineFacts) -> None:
+        """The server's side of a ready process; the compile workers last, as
+        nothing after them can fail and leave them running."""
+        self.facts = facts
+        self.max_model_len = facts.max_model_len
+        self.eos_token_ids = facts.eos_token_ids
+        self.reasoning = (ReasoningParser.load(spec.config.reasoning_parser, self.tokenizer.hf.get_vocab())
+                          if spec.config.reasoning_parser else None)
+        self.requests = RequestFactory(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
+                                       self.reasoning, spec.config.max_thinking_tokens, None)
+        self.structured = StructuredOutput.for_engine(spec.config, self.tokenizer.hf, self.vocab_size,
+                                                      self.eos_token_ids, export_compiled=True)
 
     @property
     def vocab_size(self) -> int:

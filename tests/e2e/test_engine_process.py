@@ -137,6 +137,29 @@ def test_an_engine_that_cannot_be_built_is_a_load_error(make_server: Callable[..
     assert "fewer than 2 pages" in str(handle.server.load_error)
 
 
+def test_a_failure_once_the_engine_process_is_ready_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the server builds after the process reports ready (its reasoning
+    parser, request factory, compile workers) could fail and leave the
+    process running, with its model and KV cache, for the server's lifetime."""
+    from service.engine_proc import client
+
+    pids: list[int] = []
+    ready = client.EngineProcess.wait_ready
+
+    def recorded(self: client.EngineProcess) -> object:
+        pids.append(self.pid)
+        return ready(self)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(client.EngineProcess, "wait_ready", recorded)
+    monkeypatch.setattr(client, "RequestFactory", refuse)
+    with pytest.raises(RuntimeError, match="injected"):
+        process_factory()()
+    assert pids and not process_running(pids[0])
+
+
 def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(
         make_server: Callable[..., ServerHandle]) -> None:
     handle = make_server(process_factory(setup=("tests.e2e.helpers:slow_forward",)))
