@@ -81,6 +81,12 @@ def _strip(node: Any, drop: frozenset[str], dropped: set[str], backend: str, *, 
             dropped.add(key)
         else:
             kept[key] = _ecma_patterns(key, value)
+    if "patternProperties" in node and "patternProperties" not in kept and kept.get("additionalProperties", True) \
+            is not True:
+        # additionalProperties applies to the names no pattern matches: without
+        # the patterns it would apply to theirs too, refusing valid instances.
+        dropped.add("additionalProperties")
+        del kept["additionalProperties"]
     out = map_subschemas(kept, lambda sub: _strip(sub, drop, dropped, backend, one_of_to_any=one_of_to_any))
     if one_of_to_any and isinstance(out.get("oneOf"), list) and isinstance(out.get("allOf", []), list):
         # llguidance has no oneOf. As anyOf it is exact when at most one branch

@@ -153,6 +153,24 @@ def test_xgrammar_leaves_a_pattern_it_would_match_whole_to_the_validator(compile
     assert anchored.unenforced_keywords == () and not grammar_accepts(compiler, anchored, '"zz"')
 
 
+@pytest.mark.parametrize(("backend", "pattern", "name"), [
+    ("xgrammar", "f.o", "xfxo"),  # unanchored: xgrammar would match it whole
+    ("llguidance", "^[a&&b]+$", "a&b"),  # `&&` is Rust's class intersection, ECMA's two "&"
+])
+def test_additional_properties_leave_with_the_patterns_a_library_misreads(
+        compiler: GrammarCompiler, backend: str, pattern: str, name: str) -> None:
+    """A misread `patternProperties` was left out of the library's schema
+    while its `additionalProperties` stayed, which then covered the names the
+    patterns had taken: a valid object was refused token by token."""
+    schema = {"type": "object", "patternProperties": {pattern: {"type": "array"}},
+              "additionalProperties": {"type": "integer"}}
+    matcher = compiler.compile(GrammarSpec.json_schema(schema), backend=backend)
+    assert {"patternProperties", "additionalProperties"} <= set(matcher.unenforced_keywords)
+    text = json.dumps({name: [1]}, separators=(",", ":"))
+    assert matcher.validator is not None and matcher.validator.validate_text(text).valid
+    assert grammar_accepts(compiler, matcher, text)
+
+
 def test_an_object_that_must_have_a_property_it_cannot_have_is_refused(compiler: GrammarCompiler) -> None:
     """llguidance saw it accepts nothing, auto fell back to xgrammar, which
     left `required` unenforced: every output was INVALID, and strict took it."""
