@@ -6,7 +6,8 @@ inputs and postprocess, while the model runs on the device thread; its CPU time
 busy machine than wall time does. `tiny-llama` keeps the forward pass nearly
 free. Reported, best of --repeat runs: milliseconds of engine-thread CPU per
 step at each batch size (greedy, seeded sampling, the same with repetition and
-frequency penalties, and a regex constraint), and
+frequency penalties, the same with a logit_bias of BIASED token ids on every
+row, and a regex constraint), and
 microseconds per generated token at batch 16 (the figure kept since issue 5).
 
 The CUDA path's goal (issue 25): at most 1 ms per decode step at batch 1 and
@@ -32,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REGEX = r"([a-f]{2,6}-[0-9]{2} ){1,60}"
+BIASED = 4096  # token ids each row of the "bias" kind biases (a client banning a word list)
 
 
 def main() -> None:
@@ -51,15 +53,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 8000, size=args.prompt_len).tolist() for _ in range(max(batches))]
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # warm-up
-    kinds = (("greedy", None, 0.0), ("sampled", None, 0.8), ("penalties", None, 0.8),
+    kinds = (("greedy", None, 0.0), ("sampled", None, 0.8), ("penalties", None, 0.8), ("bias", None, 0.8),
              ("regex", GrammarSpec.regex(REGEX), 0.8))
+    bias = {int(t): -5.0 for t in rng.choice(8000, size=BIASED, replace=False)}
     result: dict[str, float] = {}
     for batch in batches:
         for name, spec, temperature in kinds:
             penalised = name == "penalties"
             params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=args.new_tokens,
                                     ignore_eos=spec is None, repetition_penalty=1.1 if penalised else 1.0,
-                                    frequency_penalty=0.2 if penalised else 0.0)
+                                    frequency_penalty=0.2 if penalised else 0.0,
+                                    logit_bias=bias if name == "bias" else {})
             best_step = best_token = float("inf")
             for _ in range(args.repeat):
                 passes = llm.engine.pipeline.forward_passes

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from types import MappingProxyType
+
+import numpy as np
 
 from .errors import InvalidRequest
 
@@ -129,6 +132,13 @@ class SamplingParams:
         values = [getattr(self, f.name) for f in fields(self)]
         values[_LOGIT_BIAS] = dict(self.logit_bias)
         return (SamplingParams, tuple(values))
+
+    @cached_property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids, int64; biases, float32), built once: the
+        sampler reads it every step, and a request may bias the whole vocabulary."""
+        return (np.fromiter(self.logit_bias.keys(), dtype=np.int64, count=len(self.logit_bias)),
+                np.fromiter(self.logit_bias.values(), dtype=np.float32, count=len(self.logit_bias)))
 
     @property
     def greedy(self) -> bool:

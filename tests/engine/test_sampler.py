@@ -155,6 +155,21 @@ def test_penalties_of_a_batch_count_per_row_and_cost_the_host_tokens_not_the_voc
     assert seen[1, [1, 2, 3]].all() and int(seen.sum()) == 3
 
 
+def test_logit_bias_of_a_batch_lands_on_its_own_rows_from_arrays_built_once():
+    """Rows without a bias, with a few, and with the whole vocabulary biased:
+    each bias on its row. The host reads arrays each request built once (a
+    Python loop over every entry, every step, cost 10 ms for one such row)."""
+    whole = SamplingParams(logit_bias={t: -float(t) for t in range(VOCAB)})
+    few = SamplingParams(logit_bias={2: 5.0, 7: -1.0, VOCAB + 3: 9.0})  # past the head's width: left out
+    rows = [ctx(SamplingParams()), ctx(whole), ctx(few)]
+    out = torch.zeros(3, VOCAB)
+    apply_penalties_and_bias(out, batch_for(*rows))
+    assert out[0].abs().sum() == 0
+    assert out[1].tolist() == [-float(t) for t in range(VOCAB)]
+    assert out[2, 2] == 5.0 and out[2, 7] == -1.0 and out[2].abs().sum() == 6.0
+    assert whole.logit_bias_arrays is whole.logit_bias_arrays  # built once, kept with the request
+
+
 def test_logit_bias_and_min_new_tokens_block_eos():
     params = SamplingParams(logit_bias={2: 5.0, 7: -1.0}, min_new_tokens=2, stop_token_ids=(8,))
     c = ctx(params, generated=(4,))
