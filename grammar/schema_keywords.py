@@ -77,7 +77,7 @@ def _strip(node: Any, drop: frozenset[str], dropped: set[str], backend: str, *, 
     kept: dict[str, Any] = {}
     for key, value in node.items():
         if key in drop or (key in ("const", "enum") and not _exact_as_double(value)) \
-                or _misread_patterns(key, value, backend):
+                or _misread_bound(key, value, node, backend) or _misread_patterns(key, value, backend):
             dropped.add(key)
         else:
             kept[key] = _ecma_patterns(key, value)
@@ -171,6 +171,21 @@ def _exact_as_double(value: Any) -> bool:
         return all(_exact_as_double(v) for v in value)
     if isinstance(value, dict):
         return all(_exact_as_double(v) for v in value.values())
+    return True
+
+
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+
+
+def _misread_bound(key: str, value: Any, node: dict, backend: str) -> bool:
+    """Whether `backend` would read this numeric bound as another number: an
+    integer past 2**53 becomes its float neighbour (llguidance; xgrammar for a
+    `number`, while it reads an `integer`'s bounds as 64-bit integers and
+    refuses larger ones). Left to the validator, the bound only widens."""
+    if key not in _BOUNDS or _exact_as_double(value) or isinstance(value, bool):
+        return False
+    if backend == "xgrammar" and node.get("type") == "integer":
+        return not -2 ** 63 <= value < 2 ** 63
     return True
 
 

@@ -68,6 +68,29 @@ def test_an_integer_past_2_53_is_never_read_as_its_float_neighbour(compiler: Gra
     assert matcher.validator is not None and not matcher.validator.validate_text("12345678901234567000").valid
 
 
+@pytest.mark.parametrize(("backend", "schema", "valid", "invalid"), [
+    # llguidance read the bound as 2**53: took one below the minimum, refused the maximum itself
+    ("llguidance", {"type": "integer", "minimum": 2 ** 53 + 1}, 2 ** 53 + 1, 2 ** 53),
+    ("llguidance", {"type": "integer", "maximum": 2 ** 53 + 1}, 2 ** 53 + 1, 2 ** 53 + 2),
+    ("xgrammar", {"type": "number", "minimum": 2 ** 53 + 1}, 2 ** 53 + 1, 2 ** 53),
+    ("xgrammar", {"type": "integer", "maximum": 2 ** 64 + 1}, 5, 2 ** 64 + 2),  # refused the schema
+])
+def test_a_bound_past_2_53_a_library_reads_as_a_double_is_left_to_the_validator(
+        compiler: GrammarCompiler, backend: str, schema: Any, valid: int, invalid: int) -> None:
+    matcher = compiler.compile(GrammarSpec.json_schema(schema), backend=backend)
+    bound = next(k for k in schema if k != "type")
+    assert bound in matcher.unenforced_keywords
+    assert grammar_accepts(compiler, matcher, str(valid))
+    assert matcher.validator is not None and not matcher.validator.validate_text(str(invalid)).valid
+
+
+def test_xgrammar_reads_an_integers_64_bit_bounds_exactly(compiler: GrammarCompiler) -> None:
+    matcher = compiler.compile(GrammarSpec.json_schema({"type": "integer", "minimum": 2 ** 53 + 1}),
+                               backend="xgrammar")
+    assert matcher.unenforced_keywords == ()
+    assert grammar_accepts(compiler, matcher, str(2 ** 53 + 1)) and not grammar_accepts(compiler, matcher, str(2 ** 53))
+
+
 def test_fractional_bounds_on_an_integer_compile_with_xgrammar(compiler: GrammarCompiler) -> None:
     """xgrammar refused them ("must be a whole number"); rounded inward, the same integers pass."""
     matcher = compiler.compile(GrammarSpec.json_schema({"type": "integer", "minimum": 1.5, "exclusiveMaximum": 3.5}),
