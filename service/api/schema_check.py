@@ -13,17 +13,17 @@ output (BENCHMARKS.md). An output larger than `OFF_LOOP_CHARS` is validated on
 a worker thread instead, so a huge answer cannot hold up the other streams on
 the loop either.
 
-An output that ended with EOS is complete. One that a stop string or stop
-token of the request ended is validated when what it returned is a whole JSON
-value (the stop may fall right at the value's end): JSON, and not a number,
-which could be the start of a longer one; for the other kinds, when it is a
-whole match. Otherwise it is NOT_CHECKED, as is one cut short by a length
-limit or cancelled. A strict request whose output is
-INVALID ends with finish reason SCHEMA_VIOLATION instead.
+An output that ended with EOS is complete. One that a stop string, a stop
+token or a length limit ended is validated when what it returned is a whole
+JSON value (the stop, or the last token the limit allowed, may fall right at
+the value's end): JSON, and not a number, which could be the start of a longer
+one; for the other kinds, when it is a whole match. Otherwise it is
+NOT_CHECKED, as is one cancelled. A strict request whose output is INVALID
+ends with finish reason SCHEMA_VIOLATION instead.
 
 With a reasoning parser the answer is what is checked, never the thought. An
 output that stopped inside the thought (EOS, a stop token or string) has no
-answer: INVALID, saying so.
+answer: INVALID, saying so; one a length limit cut there is NOT_CHECKED.
 
 A request with tools gets each call of its answer read back, its arguments
 validated against its tool's schema (`tool_calls`).
@@ -46,8 +46,12 @@ R = pb.SchemaValidation
 OFF_LOOP_CHARS = 16 * 1024
 # A JSON number starts with one of these (every other value with { [ " t f n).
 _NUMBER_START = frozenset("-0123456789")
-# Finishes whose output may be a whole JSON value.
-_CHECKED = (GenerationStatus.END_OF_SEQUENCE, GenerationStatus.STOP_STRING, GenerationStatus.STOP_TOKEN)
+# Finishes the output itself chose (the model, or a stop rule of the request):
+# it may be a whole value, and one ending inside a thought has no answer.
+_ENDED = (GenerationStatus.END_OF_SEQUENCE, GenerationStatus.STOP_STRING, GenerationStatus.STOP_TOKEN)
+# Finishes a limit imposed: the output may still be a whole value (the value's
+# last token was the last one allowed), so it is checked when it is.
+_CUT = (GenerationStatus.MAXIMUM_LENGTH, GenerationStatus.CONTEXT_LENGTH)
 
 
 def wants_validation(matcher: Matcher | None) -> bool:
@@ -61,8 +65,10 @@ async def check_output(matcher: Matcher, text: str, final: RequestOutput,
     keywords = matcher.unenforced_keywords
     if not enabled:
         result = R(result=R.NOT_CHECKED, message="output validation is off on this server")
-    elif final.status not in _CHECKED:
+    elif final.status not in _ENDED and final.status not in _CUT:
         result = R(result=R.NOT_CHECKED, message="the output is incomplete")
+    elif final.thought == "unfinished" and final.status in _CUT:
+        result = R(result=R.NOT_CHECKED, message="a length limit ended the output inside the model's thought")
     elif final.thought == "unfinished":
         result = R(result=R.INVALID, message="the output ended inside the model's thought: there is no answer")
     elif matcher.validator is None:
@@ -77,7 +83,7 @@ async def check_output(matcher: Matcher, text: str, final: RequestOutput,
         if not outcome.checked:
             result = R(result=R.NOT_CHECKED, message=outcome.message)
         elif final.status is not GenerationStatus.END_OF_SEQUENCE and _maybe_cut(matcher, text, outcome):
-            result = R(result=R.NOT_CHECKED, message="the output is incomplete (a stop rule ended it)")
+            result = R(result=R.NOT_CHECKED, message="the output is incomplete (a stop rule or length limit ended it)")
         elif outcome.valid:
             result = R(result=R.VALID)
         else:
@@ -105,7 +111,7 @@ def _verdict(outcome: ValidationResult) -> pb.SchemaValidation:
 
 
 def _maybe_cut(matcher: Matcher, text: str, outcome: ValidationResult) -> bool:
-    """Whether a stop rule may have cut the output short of a whole answer: for
+    """Whether a stop rule or limit may have cut the output short of a whole answer: for
     JSON, what is left is not JSON, or is a number that may be the start of a
     longer one ("2" of "2024"); for the other kinds, it does not match (yet)."""
     if matcher.spec.kind in JSON_KINDS:

@@ -68,11 +68,14 @@ def test_json_answer_parses(demo: ServerHandle, prompt: list[int]) -> None:
     text, ids, done, _ = generate(demo.stub, req)
     assert text == _rule(prompt, ids)
     assert text.startswith('{"a":'), text
-    if done.finish_reason == Finish.EOS:
-        assert json.loads(text).keys() == {"a"}
-        assert done.schema_validation.result == pb.SchemaValidation.VALID
-    else:
+    try:
+        whole = json.loads(text)
+    except ValueError:  # the length limit cut it short
+        assert done.finish_reason != Finish.EOS
         assert done.schema_validation.result == pb.SchemaValidation.NOT_CHECKED
+    else:
+        assert whole.keys() == {"a"}
+        assert done.schema_validation.result == pb.SchemaValidation.VALID
 
 
 def test_a_stop_string_never_matches_the_prompts_text(demo: ServerHandle, prompt: list[int]) -> None:

@@ -259,6 +259,18 @@ def test_cut_by_max_new_tokens_finishes_with_length(grammar_server: ServerHandle
         json.loads(text)
 
 
+def test_a_value_the_length_limits_last_token_completes_is_validated(grammar_server: ServerHandle) -> None:
+    schema = json.dumps({"enum": ["stencil"]})
+    text, ids, done, _ = generate(grammar_server.stub, constrained("whole", json_schema=schema))
+    assert done.finish_reason == Finish.EOS and text == '"stencil"'
+    value_tokens = done.usage.completion_tokens - 1  # less the EOS
+    # The last token the limit allows closes the value: the output is whole.
+    _, _, done, _ = generate(grammar_server.stub,
+                             constrained("whole", max_new_tokens=value_tokens, json_schema=schema))
+    assert done.finish_reason == Finish.LENGTH
+    assert done.schema_validation.result == V.VALID, done.schema_validation
+
+
 def test_output_ended_by_a_stop_string_is_validated_when_whole(grammar_server: ServerHandle) -> None:
     schema = json.dumps({"enum": ["stencil"]})
     # The stop string cuts the value short: not JSON, so not checked.

@@ -37,12 +37,28 @@ def _final(status: GenerationStatus) -> RequestOutput:
     (GenerationStatus.STOP_TOKEN, "[1,2]", R.VALID),
     (GenerationStatus.STOP_STRING, "[1,", R.NOT_CHECKED),  # cut short by the stop rule
     (GenerationStatus.STOP_STRING, "2", R.NOT_CHECKED),  # maybe "2" of "2024": a number is never whole
-    (GenerationStatus.MAXIMUM_LENGTH, "[1,2]", R.NOT_CHECKED),
+    # The limit's last token may close the value: a whole one is checked, as after a stop rule.
+    (GenerationStatus.MAXIMUM_LENGTH, "[1,2]", R.VALID),
+    (GenerationStatus.CONTEXT_LENGTH, "[1,1]", R.INVALID),
+    (GenerationStatus.MAXIMUM_LENGTH, "[1,", R.NOT_CHECKED),
+    (GenerationStatus.CONTEXT_LENGTH, "12", R.NOT_CHECKED),
     (GenerationStatus.CANCELLED, "[1,2]", R.NOT_CHECKED),
 ])
 def test_which_outputs_are_validated(status, text, expected):
     result = asyncio.run(check_output(_matcher(UNIQUE), text, _final(status), True))  # type: ignore[arg-type]
     assert result.result == expected, result
+
+
+@pytest.mark.parametrize(("status", "expected"), [
+    (GenerationStatus.END_OF_SEQUENCE, R.INVALID),  # it chose to end there: no answer
+    (GenerationStatus.STOP_STRING, R.INVALID),
+    (GenerationStatus.MAXIMUM_LENGTH, R.NOT_CHECKED),  # cut there: the answer never began
+    (GenerationStatus.CONTEXT_LENGTH, R.NOT_CHECKED),
+])
+def test_an_output_ending_inside_its_thought(status, expected):
+    final = RequestOutput("r", finished=True, status=status, thought="unfinished")
+    result = asyncio.run(check_output(_matcher(UNIQUE), "", final, True))  # type: ignore[arg-type]
+    assert result.result == expected and "thought" in result.message, result
 
 
 def test_strict_turns_an_invalid_stopped_output_into_a_schema_violation():
@@ -66,7 +82,8 @@ def _kind_matcher(spec: GrammarSpec) -> SimpleNamespace:
     (GrammarSpec.regex(r"[[:alpha:]]{3}"), GenerationStatus.END_OF_SEQUENCE, "l]]]", R.INVALID),
     (GrammarSpec.regex(r"[a-z]+"), GenerationStatus.STOP_STRING, "ab", R.VALID),  # a stop at a whole match
     (GrammarSpec.regex(r"[a-z]+!"), GenerationStatus.STOP_STRING, "ab", R.NOT_CHECKED),  # cut short
-    (GrammarSpec.regex(r"[a-z]+"), GenerationStatus.MAXIMUM_LENGTH, "ab", R.NOT_CHECKED),
+    (GrammarSpec.regex(r"[a-z]+"), GenerationStatus.MAXIMUM_LENGTH, "ab", R.VALID),
+    (GrammarSpec.regex(r"[a-z]+!"), GenerationStatus.MAXIMUM_LENGTH, "ab", R.NOT_CHECKED),
     (GrammarSpec.choice(["yes", "no"]), GenerationStatus.END_OF_SEQUENCE, "yes", R.VALID),
     (GrammarSpec.choice(["yes", "no"]), GenerationStatus.END_OF_SEQUENCE, "ye", R.INVALID),
     (GrammarSpec.ebnf('root ::= "a" [0-9]+'), GenerationStatus.END_OF_SEQUENCE, "a12", R.VALID),
