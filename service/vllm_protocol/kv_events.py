@@ -23,6 +23,12 @@ batch. A subscriber resuming from a cursor (`start_sequence_number`) that the
 hub's bounded history of recent steps still covers gets the batches it missed
 instead, under their own numbers.
 
+Numbers start at the wall clock in microseconds, not at 1: a restarted
+server then numbers on above any cursor a router kept from the one before it,
+so that cursor can never be mistaken for one of the new server's (the router
+gets a snapshot, never the new server's batches as if they followed the old
+one's state). A server steps far less often than once a microsecond.
+
 A subscriber that does not keep up (its queue over `MAX_QUEUED` batches) is
 dropped: its stream ends, and the router resubscribes and resyncs from a fresh
 snapshot, rather than the engine buffering without bound.
@@ -105,7 +111,9 @@ class KvEventHub:
     """
 
     def __init__(self) -> None:
-        self.sequence = 0  # the last batch's number (written on the engine thread only)
+        # The last batch's number (written on the engine thread only); the
+        # first batch is one above this start (see the module's docstring).
+        self.sequence = time.time_ns() // 1000
         self.page_size = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_loop: EngineLoop | None = None
@@ -186,7 +194,7 @@ class KvEventHub:
         """The state as of batch `number` in chunks numbered up to it (chunk 0
         opens with `cleared`). Off the event loop: a large cache is seconds of work."""
         per_chunk = max(1, SNAPSHOT_CHUNK_TOKENS // max(self.page_size, 1))
-        count = max(1, min(-(-len(pages) // per_chunk), number))  # numbers stay above 0
+        count = max(1, -(-len(pages) // per_chunk))
         per_chunk = max(1, -(-len(pages) // count))
         batches = []
         for index in range(count):
@@ -230,10 +238,8 @@ class KvEventHub:
             pages = await engine_loop.kv_snapshot(register)
             if missed is not None:
                 first = await asyncio.to_thread(self._replayed, missed)
-            elif number > 0 or pages:
+            else:  # an empty cache too: its `cleared` tells a router its numbers go on from here
                 first = await asyncio.to_thread(self._snapshot_batches, number, pages)
-            else:
-                first = []
             for batch in first:
                 yield batch
             while True:
