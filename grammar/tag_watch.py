@@ -13,8 +13,12 @@ with offsets relative to the content's start, translated back to the
 output's. Free text and unchecked tags are never checked, and `stable` holds
 back only from the start of a checked value that is open inside a tag.
 
-A `give_up` keeps the violation of the tag it was found in; the tags after it
-are checked as usual.
+Violations are handled oldest first, whatever a single read finds: `feed`
+reports the oldest one not yet resolved, and a `give_up` (no retries left)
+keeps it and every later violation of its tag, so the next violation of
+another tag is reported next, and `stable` holds back from it until then. A
+step's forced run can close two checked tags at once; before, the second's
+violation was lost and the give-up marked its tag instead of the first's.
 """
 
 from __future__ import annotations
@@ -148,7 +152,9 @@ class TagWatch:
     def _reset(self) -> None:
         self._scanner = TagScanner(self._shapes)
         self._current: _Open | None = None  # the last checked content opened
-        self._found_in: int | None = None  # content start of the last violation reported
+        # Violations found and neither rolled back nor given up, oldest first,
+        # each with its tag content's start.
+        self._unresolved: list[tuple[Violation, int]] = []
 
     @property
     def size(self) -> int:
@@ -160,58 +166,58 @@ class TagWatch:
         """Bytes no check can take back: up to the start of the earliest open
         checked value inside a tag (everything, when none is open)."""
         current = self._current
-        if current is None or current.closed:
-            return self.size
-        return current.start + current.watch.stable
+        stable = self.size if current is None or current.closed else current.start + current.watch.stable
+        return min(stable, self._unresolved[0][0].start) if self._unresolved else stable
 
     def feed(self, data: bytes) -> Violation | None:
-        """Read more output; the first violation completed in it, if any."""
-        first: Violation | None = None
+        """Read more output; the oldest violation not yet resolved (by a
+        rollback, `truncate`, or `give_up`), if any."""
         for piece in self._scanner.feed(data):
-            found = self._read(piece)
-            if found is not None and first is None:
-                first = found
-        return first
+            self._read(piece)
+        return self._unresolved[0][0] if self._unresolved else None
 
-    def _read(self, piece: Piece) -> Violation | None:
+    def _read(self, piece: Piece) -> None:
         if piece.kind == "open":
             check = self._checks.get(piece.tag)
             self._current = _Open(piece.at, check.watch()) if check is not None else None
             if self._current is not None and piece.at in self._given_up:
                 self._current.watch.give_up()
-            return None
+            return
         current = self._current
         if current is None or current.closed:
-            return None
+            return
         if piece.kind == "content":
-            return self._shift(current, current.watch.feed(piece.data))
+            self._note(current, current.watch.feed(piece.data))
+            return
         current.closed = True  # "close": a bare scalar is checked now
-        return self._shift(current, current.watch.finish())
+        self._note(current, current.watch.finish())
 
-    def _shift(self, current: _Open, found: Violation | None) -> Violation | None:
+    def _note(self, current: _Open, found: Violation | None) -> None:
         if found is None:
-            return None
-        self._found_in = current.start
+            return
         at = current.start
-        return Violation(found.start + at, found.end + at, found.keyword,
-                         None if found.close is None else found.close + at)
+        self._unresolved.append((Violation(found.start + at, found.end + at, found.keyword,
+                                           None if found.close is None else found.close + at), at))
 
     def give_up(self) -> None:
-        """The last violation reported stays: its tag's content is checked no
+        """The oldest violation stays: its tag's content is checked no
         further (later tags are)."""
-        if self._found_in is None:
+        if not self._unresolved:
             return
-        self._given_up.add(self._found_in)
-        if self._current is not None and self._current.start == self._found_in:
+        tag = self._unresolved[0][1]
+        self._given_up.add(tag)
+        self._unresolved = [u for u in self._unresolved if u[1] != tag]
+        if self._current is not None and self._current.start == tag:
             self._current.watch.give_up()
 
     def finish(self) -> Violation | None:
-        """The output ended: an open content's whole-value violation (the
-        grammar ends tags before a stop, so normally none)."""
+        """The output ended: the oldest violation not yet resolved, else an
+        open content's whole-value violation (the grammar ends tags before a
+        stop, so normally none)."""
         current = self._current
-        if current is None or current.closed:
-            return None
-        return self._shift(current, current.watch.finish())
+        if not self._unresolved and current is not None and not current.closed:
+            self._note(current, current.watch.finish())
+        return self._unresolved[0][0] if self._unresolved else None
 
     def truncate(self, size: int) -> None:
         """Forget everything read after byte `size` (the output was rolled back)."""

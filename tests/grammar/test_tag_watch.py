@@ -125,6 +125,33 @@ def test_giving_up_keeps_one_tag_and_checks_the_next():
     assert watch.feed(b" 4]}}\n</tool_call>") is None
 
 
+def test_violations_of_two_tags_read_in_one_step_are_resolved_oldest_first():
+    # A step's forced run can close two checked calls before the resampler
+    # looks: it acts on the first. Before, giving that one up marked the
+    # second call's tag instead, and the second call's violation was lost.
+    watch = _tool_plan(Tool("f", UNIQUE)).watch()
+    assert watch is not None
+    call = '<tool_call>\n{"name": "f", "arguments": {"xs": [3, 3]}}\n</tool_call>'
+    first = watch.feed(call.encode())
+    assert first is not None and first.end <= len(call)
+    assert watch.feed(call.encode()) == first  # the oldest stays the one to resolve
+    watch.give_up()
+    second = watch.feed(b"")
+    assert second is not None and second.start > len(call) and second.keyword == "uniqueItems"
+    assert watch.stable == second.start  # held back until it is resolved
+    # Rolled back into the second call: the first stays given up, the second is checked again.
+    watch.truncate(second.start)
+    again = watch.feed(b"3]}}\n</tool_call>")
+    assert again is not None and (again.start, again.keyword) == (second.start, second.keyword)
+    watch.truncate(second.start)
+    assert watch.feed(b"4]}}\n</tool_call>") is None and watch.stable == watch.size
+    # The output's end reports what is still unresolved.
+    assert watch.feed(call.encode()) is not None
+    assert watch.finish() is not None
+    watch.give_up()
+    assert watch.finish() is None
+
+
 def test_unchecked_tags_and_keywords_the_grammar_enforces_give_no_watch():
     assert _tool_plan(Tool("f", {"type": "object", "properties": {"a": {"type": "integer"}}})).watch() is None
     # llguidance refuses unimplemented keywords, so what it compiled has none left.
