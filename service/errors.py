@@ -56,6 +56,7 @@ class Reason:
     NO_EMBEDDING_MODEL = "NO_EMBEDDING_MODEL"
     NO_SPEECH_MODEL = "NO_SPEECH_MODEL"
     NO_CHAT_TEMPLATE = "NO_CHAT_TEMPLATE"
+    PREFIX_CACHING_OFF = "PREFIX_CACHING_OFF"  # KV events from a server without a prefix cache
     DUPLICATE_REQUEST_ID = "DUPLICATE_REQUEST_ID"
     QUEUE_FULL = "QUEUE_FULL"  # too many requests in flight
     TOKEN_BUDGET_FULL = "TOKEN_BUDGET_FULL"  # too many tokens in flight

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,16 @@ class _Sequence:
         self.state = state
 
 
+@dataclass
+class _Call:
+    """A running n > 1 call: its sequences, and whether an Abort named it (an
+    Abort that comes after its first sequence ended and before the others
+    start finds no stream to stop: the call starts them aborted)."""
+
+    n: int
+    aborted: bool = False
+
+
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     """VllmEngine over the server's EngineLoop, embedding model and KV event hub.
 
@@ -82,8 +93,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.health = health  # grpc.health.v1's view, which the watchdog keeps
         self.started_at = time.monotonic()
         self.last_receive = 0.0
-        # The running n > 1 calls: their first sequence's engine id -> n (for Abort).
-        self._sequences: dict[str, int] = {}
+        # The running n > 1 calls, by their first sequence's engine id (for Abort).
+        self._sequences: dict[str, _Call] = {}
 
     # -- Generate ---------------------------------------------------------------
     @rpc_guard
@@ -115,8 +126,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             pumps.append(asyncio.ensure_future(self._pump(seq, field, merged)))
 
         start(0)
-        if len(prepared.specs) > 1:
-            self._sequences[sequences[0].engine_id] = len(prepared.specs)
+        call = _Call(len(prepared.specs))
+        if call.n > 1:
+            self._sequences[sequences[0].engine_id] = call
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             running = 1
@@ -139,9 +151,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     # The first sequence's prompt is computed and its pages
                     # published: the others reuse them from the prefix cache.
                     # If it was aborted meanwhile (an Abort finds only it until
-                    # now), they start aborted: each ends "abort" too.
+                    # now, or nothing once it ended), they start aborted: each
+                    # ends "abort" too.
                     others_started = True
-                    aborted = sequences[0].stream.abort_sent
+                    aborted = sequences[0].stream.abort_sent or call.aborted
                     for j in range(1, len(prepared.specs)):
                         start(j)
                         running += 1
@@ -213,8 +226,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         for rid in request.request_ids:
             engine_id = scoped_request_id(rid)
             loop.abort(engine_id)
-            for i in range(1, self._sequences.get(engine_id, 1)):  # the others of a running n > 1 call
-                loop.abort(vllm_convert.sequence_id(engine_id, i))
+            call = self._sequences.get(engine_id)
+            if call is not None:  # the others of a running n > 1 call
+                call.aborted = True
+                for i in range(1, call.n):
+                    loop.abort(vllm_convert.sequence_id(engine_id, i))
         return vpb.AbortResponse()
 
     # -- Embed ------------------------------------------------------------------
@@ -334,7 +350,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             raise unavailable("the model is still loading", Reason.MODEL_LOADING)
         if not loop.engine.config.enable_prefix_caching:
             raise failed_precondition("prefix caching is off on this server (--no-prefix-caching)",
-                                      Reason.NO_GENERATION_MODEL)
+                                      Reason.PREFIX_CACHING_OFF)
         await context.send_initial_metadata(())
         events = self.kv_events.subscribe(request.start_sequence_number)
         try:

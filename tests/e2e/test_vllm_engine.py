@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import EngineCore
-from service.errors import bad_request_violations
+from service.errors import Reason, bad_request_violations, error_reason
 from service.gen.vllm import common_pb2 as cpb
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
@@ -114,6 +114,40 @@ def test_abort_ends_every_sequence_of_an_n_request(vllm) -> None:  # type: ignor
     stub.Abort(vpb.AbortRequest(request_ids=["nb"]), timeout=TIMEOUT)
     finals = [m.complete for m in call if m.HasField("complete")]
     assert sorted((c.index, c.finish_reason) for c in finals) == [(0, "abort"), (1, "abort"), (2, "abort")]
+    assert handle.wait_no_pages() == (0, 0)
+
+
+def test_an_abort_after_the_first_sequence_ended_ends_the_others(vllm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The others start when the first sequence's first output comes; when
+    # that output also ended it, an Abort handled just before found no stream
+    # at all (the first had finished, the others were not submitted), and
+    # they then ran to their own end.
+    from service.vllm_protocol import servicer
+
+    handle, stub = vllm
+    prompt = list(range(5, 30))
+    probe = [m.complete for m in stub.Generate(_req("probe", prompt, max_tokens=1, temperature=1.0, seed=3, n=2),
+                                               timeout=TIMEOUT)]
+    first = {c.index: c.output_ids[0] for c in probe}
+    assert first[0] != first[1]
+    real = servicer.next_outputs
+    aborted: list[bool] = []
+
+    async def abort_in_the_gap(stream, field=None):  # type: ignore[no-untyped-def]
+        outputs, final = await real(stream, field)
+        if final is not None and stream.request_id == "gap" and not aborted:
+            # The Abort RPC, handled on the server's loop before the call sees this output.
+            async with grpc.aio.insecure_channel(handle.address) as channel:
+                await vpb_grpc.VllmEngineStub(channel).Abort(vpb.AbortRequest(request_ids=["gap"]), timeout=TIMEOUT)
+            aborted.append(True)
+        return outputs, final
+
+    monkeypatch.setattr(servicer, "next_outputs", abort_in_the_gap)
+    # The first sequence stops at its first token (a stop id); the second would run on.
+    req = _req("gap", prompt, max_tokens=200, temperature=1.0, seed=3, n=2, ignore_eos=True,
+               stop_token_ids=[first[0]])
+    out = sorted((m.complete.index, m.complete.finish_reason) for m in stub.Generate(req, timeout=TIMEOUT))
+    assert aborted and out == [(0, "stop"), (1, "abort")]
     assert handle.wait_no_pages() == (0, 0)
 
 
@@ -226,6 +260,16 @@ def test_kv_events_snapshot_then_live_then_flush(vllm) -> None:  # type: ignore[
             break
     events.cancel()
     assert handle.engine_call(_num_cached) == 0
+
+
+def test_kv_events_without_a_prefix_cache_say_so(make_server) -> None:  # type: ignore[no-untyped-def]
+    # The reason was NO_GENERATION_MODEL, from a server that serves one.
+    handle = make_server(engine_factory(page_size=4, enable_prefix_caching=False))
+    stub = vpb_grpc.VllmEngineStub(handle.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        next(stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    assert error_reason(err.value.trailing_metadata()) == Reason.PREFIX_CACHING_OFF  # type: ignore[attr-defined]
 
 
 def test_info_loads_tokenizer_and_health(vllm) -> None:  # type: ignore[no-untyped-def]
