@@ -17,12 +17,14 @@ def token_verdict(ctx: TextContext, token: int, index: int, max_seq_len: int) ->
     generated = index + 1 - ctx.prompt_len
     constrained = ctx.constrained  # inside a thought, a grammar's request follows the free rules
     if generated >= params.min_new_tokens or constrained:
-        if token in params.stop_token_ids and not (constrained and token in ctx.eos_token_ids):
-            return GenerationStatus.STOP_TOKEN
-        # A constrained output ends with EOS only when its matcher accepts the
+        # EOS first, as vLLM: an EOS the client also lists in stop_token_ids
+        # ends with EOS, no stop token matched (unless EOS is ignored). A
+        # constrained output ends with EOS only when its matcher accepts the
         # stop token: never on the sampler's word.
         if not params.ignore_eos and token in ctx.eos_token_ids and not constrained:
             return GenerationStatus.END_OF_SEQUENCE
+        if token in params.stop_token_ids and not (constrained and token in ctx.eos_token_ids):
+            return GenerationStatus.STOP_TOKEN
     # Length limits apply once everything before the limit is known.
     if ctx.pending_futures == 0 and ctx.end_idx >= min(ctx.max_length, max_seq_len):
         limited_by_request = params.max_new_tokens is not None and ctx.num_generated >= params.max_new_tokens

@@ -52,6 +52,17 @@ def test_stop_token_ids(script_llm):
     assert out.token_ids == ids[:4]
 
 
+def test_an_eos_also_listed_as_a_stop_token_ends_with_eos(script_llm):
+    # vLLM checks EOS first: no stop token is reported as matched.
+    llm, ids = script_llm()
+    out = run(llm, SamplingParams(temperature=0, stop_token_ids=(IM_END_ID,)))
+    assert out.finish_reason == "eos" and out.stop_reason is None
+    assert out.token_ids == ids + [IM_END_ID]
+    # With EOS ignored, the listed id is a stop token like any other.
+    out = run(llm, SamplingParams(temperature=0, stop_token_ids=(IM_END_ID,), ignore_eos=True))
+    assert out.finish_reason == "stop_token" and out.stop_reason == IM_END_ID
+
+
 def _boundary_stop(llm, ids) -> tuple[str, int]:
     """A stop string spanning the boundary between two tokens, and where it starts."""
     pieces = [llm.tokenizer.decode([t]) for t in ids]
