@@ -67,7 +67,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays immutable and hashable-ish.
-        object.__setattr__(self, "stop", tuple(self.stop))
+        # A lone string is one stop string, as vLLM takes it (a tuple of it
+        # would be one stop string per character).
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "logit_bias",
                            MappingProxyType({int(k): float(v) for k, v in dict(self.logit_bias).items()}))

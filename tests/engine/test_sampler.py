@@ -243,6 +243,12 @@ def test_invalid_values_name_their_field(field, value):
     assert err.value.field == field
 
 
+def test_a_lone_stop_string_is_one_stop_string():
+    # It was one stop string per character: "END" stopped at any E, N or D.
+    assert SamplingParams(stop="END").stop == ("END",)  # type: ignore[arg-type]
+    assert SamplingParams(stop=["END", "x"]).stop == ("END", "x")  # type: ignore[arg-type]
+
+
 def test_vllm_ranges_are_accepted_and_tiny_temperatures_are_greedy():
     SamplingParams(presence_penalty=-2.0, frequency_penalty=-1.5, repetition_penalty=10.0)
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
