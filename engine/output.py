@@ -224,7 +224,11 @@ class OutputStream:
         final_tokens = ctx.num_final_tokens - ctx.prompt_len
         if ctx.grammar.resampler is not None and not done and ctx.grammar_start is not None:
             # What a rollback may still take back is held back (resample.py).
-            final_tokens = min(final_tokens, ctx.grammar.resampler.stable_tokens(ctx))
+            # Never less than was sent: a rollback stops there, though it may
+            # reopen a value whose last token was sent (its closing quote in
+            # a `","` token that was taken back), so the watch's stable
+            # point can fall below it.
+            final_tokens = max(self.sent_tokens, min(final_tokens, ctx.grammar.resampler.stable_tokens(ctx)))
             text_end = self._text_ends[final_tokens - 1] if 0 < final_tokens <= len(self._text_ends) else 0
             limit = max(self.sent_chars, min(limit, text_end))
         reasoning, answer = self._parts(self.sent_chars, limit)

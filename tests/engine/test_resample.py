@@ -122,6 +122,24 @@ def test_the_stream_never_carries_what_a_rollback_takes_back(make_llm, tok):
     assert [s for s in sent if s] == ["[", "1,", "3,", "2]"]
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_rollback_into_a_token_already_sent_sends_no_token_twice(make_llm, overlap):
+    # The model (lowest id first) writes `["` `a` `","` `a`: the duplicate's
+    # rollback takes back the `","` token, which also closed the first item,
+    # so that item is open again and the watch's stable point falls below
+    # what was sent. Text was guarded, token ids and log-probabilities were
+    # not: the stream sent `["` `a` again and the ids spelled `["a["a","b"...`.
+    schema = {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 3, "maxItems": 3,
+              "uniqueItems": True}
+    llm = make_llm("tiny-reasoning", wrap_model=scripted_by_position({}), overlap=overlap)
+    params = SamplingParams(temperature=0, max_new_tokens=40, logprobs=0)
+    out = llm.generate([[9] * 5], params, constraint=GrammarSpec.json_schema(json.dumps(schema)))[0]
+    assert out.text == '["a","b","c"]' and out.schema_retries >= 1
+    assert llm.tokenizer.decode(out.token_ids) == out.text
+    assert len(out.logprobs) == len(out.token_ids)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+
+
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_a_value_that_not_rejects_is_resampled(make_llm, tok, backend):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 1}}},
