@@ -74,8 +74,8 @@ def speech_context(req: SpeechRequest, speech: SpeechModel, tokenizer: Tokenizer
     # Orpheus tokenizes the text with its special tokens (BOS after
     # start-of-human); tokenizers that add none are unaffected.
     text_tokens = tokenizer.encode(text)
-    prompt = layout.prompt(text_tokens, codes,
-                           tokenizer.encode(req.audio_prompt_transcription, add_special_tokens=False))
+    transcription = tokenizer.encode(req.audio_prompt_transcription, add_special_tokens=False)
+    prompt = layout.prompt(text_tokens, codes, transcription)
     # Audio comes in whole frames; never more than asked: round down.
     frames = math.floor(req.max_audio_seconds * audio.decoder_sample_rate / audio.samples_per_frame)
     if frames < 1:
@@ -91,11 +91,8 @@ def speech_context(req: SpeechRequest, speech: SpeechModel, tokenizer: Tokenizer
         wanted = min(wanted, base.max_new_tokens // CODES_PER_FRAME * CODES_PER_FRAME)
     room = (max_model_len - len(prompt)) // CODES_PER_FRAME * CODES_PER_FRAME
     if room < CODES_PER_FRAME:
-        # Name the voice prompt when the text alone would have fitted.
-        alone = len(layout.prompt(text_tokens))
-        field = "audio_prompt_tokens" if codes is not None and alone + CODES_PER_FRAME <= max_model_len \
-            else "input"
-        raise InvalidRequest(field, "the prompt is too long for the speech model's context")
+        raise InvalidRequest(_too_long(layout, text_tokens, codes, max_model_len),
+                             "the prompt is too long for the speech model's context")
     params = dataclasses.replace(base, max_new_tokens=min(wanted, room),
                                  stop_token_ids=(*base.stop_token_ids, layout.end_of_speech),
                                  ignore_eos=True, logprobs=None, prompt_logprobs=None)
@@ -105,3 +102,15 @@ def speech_context(req: SpeechRequest, speech: SpeechModel, tokenizer: Tokenizer
     return TTSContext(tokens=np.asarray(prompt), max_length=len(prompt) + params.max_new_tokens,
                       sampling_params=params, eos_token_ids=eos_token_ids, seed=seed,
                       layout=layout, chunk_frames=req.chunk_frames, **kwargs)
+
+
+def _too_long(layout: SpeechLayout, text_tokens: list[int], codes: np.ndarray | None, max_model_len: int) -> str:
+    """The field to name for a prompt with no room for a frame of audio: the
+    text when it alone leaves none, else the part of the voice prompt that
+    does (its codes, or its transcription when the codes alone fit)."""
+    def fits(prompt: list[int]) -> bool:
+        return len(prompt) + CODES_PER_FRAME <= max_model_len
+
+    if codes is None or not fits(layout.prompt(text_tokens)):
+        return "input"
+    return "audio_prompt_transcription" if fits(layout.prompt(text_tokens, codes)) else "audio_prompt_tokens"

@@ -280,6 +280,11 @@ def test_prompt_overflow_names_the_voice_prompt(speech_llm):
     with pytest.raises(InvalidRequest) as err:
         eng.make_speech_context("short text", audio_prompt_codes=list(range(7)) * 15)
     assert err.value.field == "audio_prompt_tokens"
+    # One frame of codes fits; its transcription does not (it named the codes).
+    with pytest.raises(InvalidRequest) as err:
+        eng.make_speech_context("short text", audio_prompt_codes=list(range(7)),
+                                audio_prompt_transcription="word " * 150)
+    assert err.value.field == "audio_prompt_transcription"
     with pytest.raises(InvalidRequest) as err:
         eng.make_speech_context("word " * 150)
     assert err.value.field == "input"
