@@ -25,6 +25,10 @@ from .packing import pack
 from .pooling import finalize, pool
 from .tokenizer import EmbeddingTokenizer
 
+# How an over-long input's message ends, for a caller that has `truncate`
+# (stencil.v1's Embed); a caller without it drops this ending.
+TRUNCATE_HINT = "; shorten it or set truncate"
+
 
 @dataclass(frozen=True)
 class EmbeddingConfig(DeviceOptions):
@@ -152,7 +156,7 @@ class EmbeddingPipeline:
                 if len(seq) > self.max_length:
                     raise InvalidRequest(
                         f"inputs[{i}]",
-                        f"is more than the model's maximum of {self.max_length} tokens; shorten it or set truncate",
+                        f"is more than the model's maximum of {self.max_length} tokens{TRUNCATE_HINT}",
                     )
                 ids.append(seq)
                 total += len(seq)

@@ -264,12 +264,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 raise invalid_argument(f"tokenized.input_ids[{int(bad[0])}]", "outside the vocabulary")
             text = await run_maybe_off_loop(4 * len(ids), lambda: engine.tokenizer.decode(ids, skip_special_tokens=True))
         from engine.embedding import BatcherClosed, BatcherOverloaded
+        from engine.embedding.pipeline import TRUNCATE_HINT
         from engine.errors import InvalidRequest
 
         try:
             vectors, tokens = await runtime.batcher.embed([text], True, None, False)
         except InvalidRequest as err:
-            raise invalid_argument("tokenized", err.description) from None
+            # vLLM's EmbedRequest has no truncate to set.
+            raise invalid_argument("tokenized", err.description.replace(TRUNCATE_HINT, "; shorten it")) from None
         except BatcherOverloaded as err:
             note_refusal("embedding_max_pending_tokens")
             raise resource_exhausted(f"the embedding queue is full ({err}); retry later",

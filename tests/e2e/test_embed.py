@@ -293,6 +293,11 @@ def test_vllm_protocol_embed(embed_server: ServerHandle, st_model: Any) -> None:
         stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=bad)), timeout=TIMEOUT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == [f"tokenized.input_ids[{len(bad) - 1}]"]
+    # Too long for the embedding model: refused, without advice to set a truncate vLLM's request lacks.
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(original_text="word " * 5000)), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "maximum of" in err.value.details() and "truncate" not in err.value.details()
 
 
 def test_the_watchdog_reports_a_hung_embedding_pass(make_server: Callable[..., ServerHandle],
