@@ -15,6 +15,12 @@ class InvalidRequest(ValueError):
         self.description = message
         self.index = index
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, int | None]]:
+        # Rebuilt from its fields (the default passes the formatted message
+        # alone, which __init__ refuses): a rejection crossing the engine
+        # process's pipe stays an InvalidRequest.
+        return type(self), (self.field, self.description, self.index)
+
 
 class RequestFailed(RuntimeError):
     """Requests of an offline `LLM.generate` call failed through no fault of

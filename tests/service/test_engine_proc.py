@@ -210,6 +210,11 @@ def test_an_error_that_does_not_pickle_crosses_as_its_message() -> None:
     assert isinstance(err, RuntimeError) and "Local: lost class" in str(err)
     kept = ValueError("kept")
     assert portable_error(kept) is kept
+    # A rejection crosses as itself, its field kept (it would not unpickle).
+    from engine.sampling_params import InvalidSamplingParams
+
+    bad = pickle.loads(pickle.dumps(portable_error(InvalidSamplingParams("top_p", "must be in (0, 1]"))))
+    assert isinstance(bad, InvalidSamplingParams) and (bad.field, bad.description) == ("top_p", "must be in (0, 1]")
 
 
 def test_an_engine_process_whose_server_died_exits() -> None:
