@@ -155,7 +155,9 @@ class KVCacheManager:
             keep = first
         else:
             keep = -(-ctx.end_idx // p)
-        for page in state.pages[keep:]:
+        # Last page first, as `release`: eviction then takes a tail before
+        # its head, and what stays cached is always a reachable prefix.
+        for page in reversed(state.pages[keep:]):
             self.allocator.release(page)
         del state.pages[keep:]
 

@@ -157,6 +157,29 @@ def test_request_that_can_never_fit_ends_with_an_error(make_llm):
     assert not eng.has_work()
 
 
+def test_truncate_gives_back_published_pages_tail_first():
+    # Head first, eviction took a parent before its children: they stayed
+    # published (and announced stored) though no claim could reach them.
+    a = PageAllocator(6, page_size=4)
+    m = KVCacheManager(torch.zeros(6, 2, 1, 4, 1, 2), a)
+    ctx = _ctx([1, 2, 3])
+    m.claim(ctx)
+    for tok in range(10, 24):  # 17 tokens, 16 computed: 4 full pages published
+        assert m.reserve(ctx, ctx.end_idx + 1)
+        ctx.update(tok)
+    m.commit(ctx, 16)
+    known = ctx.tokens[:16].tolist()
+    ctx.rollback(11)  # back into page 1, as a resample does: pages 1-3 go
+    m.truncate(ctx)
+    assert m.num_pages_held("r") == 1 and a.num_cached == 4
+    other = _ctx([99] * 4, "o")
+    m.claim(other)
+    assert m.reserve(other, 4 * 3)  # the free pages, then one cached page evicted
+    assert a.num_cached == 3
+    probe = _ctx(known + [5], "p")
+    assert m.claim(probe) == 12  # pages 0-2 still reachable: the tail went
+
+
 def test_truncate_after_a_rollback_never_rewrites_a_published_page():
     a = PageAllocator(16, page_size=4)
     m = KVCacheManager(torch.zeros(16, 2, 1, 4, 1, 2), a)
