@@ -193,12 +193,16 @@ class Scheduler:
         """Cut forced-token runs to one token each when that makes the step a
         graph replay: one eager pass costs several replays (launch-bound: about
         5x on an H200 for a 1.1B model), and it would be paid by every row of
-        the batch. A step with a prompt chunk is eager anyway, and a request
-        alone with a long run keeps it whole."""
+        the batch. A step with a prompt chunk is eager anyway, as is one
+        recomputing tokens already generated (after a preemption, past the
+        prompt): its chunks stay whole, else the recompute took a step a
+        token. A request alone with a long run keeps it whole."""
         if any(c.start_idx < c.prompt_len for c in scheduled):
             return
         runs = [c for c in scheduled if c.active_length > 1]
         if not runs or (len(scheduled) == 1 and runs[0].active_length >= LONG_FORCED_RUN):
+            return
+        if not all(_forced_run(c) for c in runs):
             return
         for ctx in runs:
             ctx.set_chunk(1)
@@ -284,3 +288,10 @@ class Scheduler:
             if not self.kv.reserve(ctx, ctx.start_idx + steps):
                 return 1
         return steps
+
+
+def _forced_run(ctx: TextContext) -> bool:
+    """Whether ctx's chunk is its last token and a run the grammar forced
+    after it (not tokens computed before, being recomputed)."""
+    forced = ctx.grammar.forced_positions
+    return all(p in forced for p in range(ctx.start_idx + 1, ctx.active_idx))

@@ -111,6 +111,34 @@ def test_forced_runs_are_cut_to_one_token_where_that_makes_a_graph_step() -> Non
     Scheduler._shape_for_graphs([short])
     Scheduler._shape_for_graphs([long_])
     assert (short.active_length, long_.active_length) == (1, LONG_FORCED_RUN + 1)
+    # Generated tokens recomputed (a preemption, past the prompt) make the step
+    # eager: they stay whole (cut, they took a step a token), and so do runs beside them.
+    recompute, run = _decoding(4, 0), _decoding(4, 3)
+    for token in (8, 9, 10):
+        recompute.update(token)
+    recompute.recompute_from(5)
+    Scheduler._shape_for_graphs([recompute, run])
+    assert (recompute.active_length, run.active_length) == (3, 4)
+
+
+def test_a_preempted_request_recomputes_in_chunks_with_graphs(make_llm) -> None:
+    llm = make_llm("tiny-llama", cuda_graphs="emulate", overlap=False, max_num_batched_tokens=32,
+                   enable_prefix_caching=False)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+    a, b = (eng.make_context(p, params) for p in prompts(2))
+    eng.add_request(a)
+    eng.add_request(b)
+    while a.num_generated < 100:
+        eng.step()
+    eng.scheduler._preempt(a)  # as schedule() does when pages run out
+    steps = 0
+    while a.start_idx < a.end_idx - 1:
+        eng.step()
+        steps += 1
+    assert steps <= -(-a.end_idx // 31) + 1  # chunks of the budget, not a token a step
+    while eng.has_work():
+        eng.step()
 
 
 @pytest.mark.parametrize("overlap", [True, False])
