@@ -16,9 +16,8 @@ back only from the start of a checked value that is open inside a tag.
 Violations are handled oldest first, whatever a single read finds: `feed`
 reports the oldest one not yet resolved, and a `give_up` (no retries left)
 keeps it and every later violation of its tag, so the next violation of
-another tag is reported next, and `stable` holds back from it until then. A
-step's forced run can close two checked tags at once; before, the second's
-violation was lost and the give-up marked its tag instead of the first's.
+another tag is reported next, and `stable` holds back from it until then (a
+step's forced run can close two checked tags at once).
 """
 
 from __future__ import annotations

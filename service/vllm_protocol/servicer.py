@@ -71,7 +71,7 @@ class _Sequence:
 
 @dataclass
 class _Call:
-    """A running n > 1 call: its sequences, and whether an Abort named it (an
+    """A running n > 1 call: how many sequences it has, and whether an Abort named it (an
     Abort that comes after its first sequence ended and before the others
     start finds no stream to stop: the call starts them aborted)."""
 
