@@ -379,8 +379,9 @@ class EngineCore:
         return pipeline.report(touched), len(contexts), num_tokens
 
     def flush_prefix_cache(self) -> int:
-        """Drop the prefix cache's unreferenced pages (those running requests hold
-        stay); returns how many. Its listeners hear of it at once."""
+        """Empty the prefix cache (pages running requests hold stay theirs,
+        unshared: see `PageAllocator.clear_cache`); returns how many pages it
+        held. Its listeners hear of it at once."""
         dropped = self.allocator.clear_cache()
         self.allocator.flush_events()
         return dropped

@@ -161,6 +161,8 @@ class PageAllocator:
         hash of the page before it, None for a sequence's first page)."""
         if not self.enable_prefix_caching or page in self._page_hash:
             return
+        if parent is not None and parent not in self._by_hash:
+            return  # its chain was flushed (`clear_cache`): no lookup could reach it
         self._page_hash[page] = page_hash
         self._page_tokens[page] = tokens
         self._page_parent[page] = parent
@@ -200,18 +202,21 @@ class PageAllocator:
                 self._events.append(PagesRemoved([page_hash]))
 
     def clear_cache(self) -> int:
-        """Drop every unreferenced cached page back to the free list; returns how many.
+        """Unpublish every cached page; returns how many.
 
-        Pages that running requests hold stay published. When none does, the
-        listeners hear one CacheCleared instead of a removal per page.
+        Unreferenced pages go back to the free list. Pages running requests
+        hold stay theirs (nothing is preempted or recomputed) but are shared no
+        more: no later request finds them, they go to the free list when
+        released, and the pages those requests fill after them are not
+        published either (`publish` refuses a page whose parent is gone).
+        Listeners hear one CacheCleared.
         """
-        everything = len(self._evictable) == len(self._page_hash)
-        dropped = len(self._evictable)
+        dropped = len(self._page_hash)
+        for page in list(self._page_hash):
+            self._unpublish(page, record=False)
         while self._evictable:
-            page, _ = self._evictable.popitem(last=False)
-            self._unpublish(page, record=not everything)
-            self._free.append(page)
-        if everything and dropped and self._listeners:
+            self._free.append(self._evictable.popitem(last=False)[0])
+        if dropped and self._listeners:
             self._events.append(CacheCleared())
         return dropped
 

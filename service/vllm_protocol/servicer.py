@@ -367,9 +367,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     @rpc_guard
     async def FlushCache(self, request: cpb.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> cpb.FlushCacheResponse:
-        """Drop the prefix cache's unreferenced pages. Pages that running requests
-        hold stay, so this never disturbs them and needs no wait for idleness
-        (`timeout_s` is accepted and not needed)."""
+        """Empty the prefix cache: no later request reuses a page computed before
+        it. Pages running requests hold stay theirs, unshared, so this disturbs
+        none of them and needs no wait for idleness (`timeout_s` is accepted and
+        not needed)."""
         loop = self.state.require_engine()
         dropped = await loop.call(EngineCore.flush_prefix_cache)
         return cpb.FlushCacheResponse(success=True, message=f"dropped {dropped} cached pages")

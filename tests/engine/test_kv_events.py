@@ -101,21 +101,30 @@ def test_replayed_events_always_equal_what_the_cache_holds():
     a.flush_events()
     assert state == _published(a) and len(state) == 3
     assert all(parent is None or parent in state for parent, _ in state.values()), "no orphan pages"
-    # A flush with a page still in use removes the others one by one ...
+    # A flush with a page still in use unpublishes it too, in one CacheCleared:
+    # after it no later request may find anything computed before it.
     held = a.allocate(1)[0]  # evicts one more cached page (the free list is empty)
-    a.publish(held, chain_hash(None, (42, 42)), (42, 42))
+    h_held = chain_hash(None, (42, 42))
+    a.publish(held, h_held, (42, 42))
     a.flush_events()
     assert state == _published(a) and len(state) == 3
-    assert a.clear_cache() == 2
-    a.flush_events()
-    assert state == _published(a) and list(state) == [chain_hash(None, (42, 42))]
-    # ... and one that empties the cache is a single CacheCleared.
-    a.release(held)
     events: list = []
     a.add_listener(events.extend)
-    assert a.clear_cache() == 1
+    assert a.clear_cache() == 3
     a.flush_events()
-    assert events == [CacheCleared()] and state == {}
+    assert events == [CacheCleared()] and state == {} and a.num_cached == 0
+    assert a.lookup(h_held, (42, 42)) is None
+    # The holder keeps its page; the page it fills next, chained after the
+    # flushed one, is not published (no lookup could reach it) ...
+    after = a.allocate(1)[0]
+    a.publish(after, chain_hash(h_held, (43, 43)), (43, 43), h_held)
+    a.flush_events()
+    assert a.num_cached == 0 and state == {}
+    # ... and released, both go to the free list, not the cache.
+    free = a.num_free
+    a.release(after)
+    a.release(held)
+    assert a.num_cached == 0 and a.num_free == free + 2
     a.check_consistency()
 
 
@@ -135,6 +144,36 @@ def test_engine_steps_publish_prompt_pages_and_flush_drops_them(make_llm):
     held = len(state)
     assert held > 0 and engine.flush_prefix_cache() == held
     assert state == {} and engine.allocator.num_cached == 0
+
+
+def test_a_flush_while_a_request_runs_leaves_nothing_to_reuse(make_llm):
+    # A flush used to keep the pages running requests held published: a
+    # request after it reused keys and values computed before it. Now nothing
+    # computed before a flush is found again, and the running request is not
+    # disturbed (the same tokens as alone).
+    llm = make_llm("tiny-llama", page_size=4)
+    engine = llm.engine
+    prompt = list(range(3, 3 + 13))
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompt], params)[0].token_ids
+    engine.flush_prefix_cache()
+    ctx = engine.make_context(prompt, params)
+    engine.add_request(ctx)
+    generated: list[int] = []
+    for _ in range(4):  # the prompt's pages are written and published; it is still running
+        generated += [t for out in engine.step() for t in out.token_ids]
+    assert engine.allocator.num_cached > 0 and not ctx.is_done
+    state: dict = {}
+    _replay(engine.allocator.add_listener(lambda evs: _replay(evs, state)), state)
+    assert engine.flush_prefix_cache() > 0
+    while engine.has_work():
+        generated += [t for out in engine.step() for t in out.token_ids]
+    assert state == {} and engine.allocator.num_cached == 0, "nothing filled after the flush was published"
+    assert generated == alone
+    hits = engine.allocator.hits
+    llm.generate([prompt], params)
+    assert engine.allocator.hits == hits, "a request after the flush reused a page"
+    engine.allocator.check_consistency()
 
 
 def test_a_page_computed_twice_keeps_what_follows_it_reachable():
