@@ -136,17 +136,46 @@ def _as_ids(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+# What each scaled rotation must name, as transformers requires (yarn may
+# name its factor as null: then it is the ratio of the two context lengths).
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's rotary parameters, from either form: transformers >= 5
+    writes `rope_parameters` (theta inside); older checkpoints have
+    `rope_theta` and an optional `rope_scaling`. With both, `rope_scaling`
+    wins, as transformers reads it: a model card's long-context block added to
+    a re-saved checkpoint. (transformers then forgets the theta that
+    `rope_parameters` held; we keep it, unless the block or the top level names one.)"""
+    new = dict(cfg.get("rope_parameters") or {})
+    params = dict(cfg.get("rope_scaling") or {}) or new
+    if params is not new and "rope_theta" not in params and "rope_theta" not in cfg and "rope_theta" in new:
+        params["rope_theta"] = new["rope_theta"]
+    return params
+
+
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
-    # transformers >= 5 writes `rope_parameters` (theta inside); older
-    # checkpoints have `rope_theta` and an optional `rope_scaling`.
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params = _rope_params(cfg)
+    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
     if rope_type == "default":
         return RopeConfig(theta=theta)
-    # As transformers reads it: the pretraining length defaults to the checkpoint's.
-    params.setdefault("original_max_position_embeddings",
-                      cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+    for key in _ROPE_REQUIRED.get(rope_type, ()):
+        if params.get(key) is None and not (key == "factor" and rope_type == "yarn" and key in params):
+            raise CheckpointError(f"rope_type {rope_type!r} needs a number for {key} in its rope parameters, "
+                                  f"got {'null' if key in params else 'none'}")
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    # The pretraining length, as transformers reads it: a top-level value wins
+    # (Phi-3's form) for the types that use it, else the block's, else the checkpoint's length.
+    top = cfg.get("original_max_position_embeddings")
+    if top is not None and rope_type in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = top
+    elif params.get("original_max_position_embeddings") is None:
+        params["original_max_position_embeddings"] = top or max_pos
+    if rope_type == "yarn" and params["factor"] is None:
+        params["factor"] = max_pos / params["original_max_position_embeddings"]
     floats = {"factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
               "attention_factor", "mscale", "mscale_all_dim"}
     kwargs: dict[str, Any] = {k: float(params[k]) for k in floats if params.get(k) is not None}
@@ -173,19 +202,27 @@ def _sampling_defaults(gen: dict[str, Any]) -> dict[str, float]:
 
 def _sliding_window(cfg: dict[str, Any], family: str, num_layers: int) -> int | None:
     """The window of the checkpoint's sliding-window layers (None: every layer
-    attends to the whole context), read as transformers reads it."""
-    window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
+    attends to the whole context), read as transformers reads it: Mistral's
+    applies to every layer; Qwen's is off unless `use_sliding_window`, and then
+    only on the layers `layer_types` names, or else those from
+    `max_window_layers` (28 by default) on; Llama has none of its own (a
+    `layer_types` that names one is honoured, as vLLM does)."""
+    if family == "mistral":
+        window = cfg.get("sliding_window", 4096)
+        return int(window) if window else None
+    if family in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window", False):
+            return None
+        window = cfg.get("sliding_window", 4096)
+    else:
+        window = cfg.get("sliding_window")
     if not window:
         return None
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        return None  # Qwen's window is off unless asked for
     layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    if family in ("qwen2", "qwen3"):
-        # Then only the layers from max_window_layers on slide.
-        return int(window) if int(cfg.get("max_window_layers", num_layers)) < num_layers else None
-    return int(window)
+    if layer_types is None and family in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return int(window) if layer_types and "sliding_attention" in layer_types else None
 
 
 def _required(cfg: dict[str, Any], key: str) -> int:
@@ -199,7 +236,7 @@ def _required(cfg: dict[str, Any], key: str) -> int:
 def _full_rotary(cfg: dict[str, Any]) -> None:
     """Refuse a rotation of part of each head: these architectures rotate all
     of it, and a partial one would serve a different model."""
-    params = cfg.get("rope_parameters") or {}
+    params = _rope_params(cfg)
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if factor is not None and float(factor) != 1.0:
         raise CheckpointError(f"partial_rotary_factor {factor} is not supported (only 1.0)")
@@ -251,8 +288,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=max_pos,
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama-style configs say so explicitly.
-        attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        # Qwen2 always has q/k/v biases, Mistral never; Llama and Qwen3 configs say.
+        attention_bias=family == "qwen2" or (family != "mistral" and bool(cfg.get("attention_bias", False))),
         qk_norm=family == "qwen3",
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's and Qwen3's attention_bias is on

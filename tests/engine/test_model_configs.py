@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import LLM
 from engine.models.config import CheckpointError, load_model_config
@@ -40,6 +43,73 @@ ROPES = {
 def test_scaled_rotary_embeddings_match_transformers(tmp_path, case: str) -> None:
     preset, overrides = ROPES[case]
     assert_engine_matches(*variant_checkpoint(preset, overrides, tmp_path / case))
+
+
+def _edited_matches(preset: str, edit: Callable[[dict[str, Any]], None], out: Path) -> None:
+    """A checkpoint whose config.json `edit` changed after saving (as users edit
+    them): our logits are those of transformers loading the same directory."""
+    from transformers import AutoModelForCausalLM
+
+    variant_checkpoint(preset, {}, out)
+    cfg = json.loads((out / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert_engine_matches(out, AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval())
+
+
+def _rope_scaling_beside_rope_parameters(cfg: dict[str, Any]) -> None:
+    # A model card's long-context block added to a checkpoint transformers 5 re-saved.
+    cfg["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "default"}
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _top_level_original_length(cfg: dict[str, Any]) -> None:
+    # Phi-3's form: the pretraining length outside the block wins over the block's.
+    cfg["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg["original_max_position_embeddings"] = 8
+
+
+def _yarn_null_factor(cfg: dict[str, Any]) -> None:
+    # Then the factor is the ratio of the two lengths (128 / 16).
+    cfg["max_position_embeddings"] = 128
+    cfg["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": None,
+                              "original_max_position_embeddings": 16}
+
+
+def _mistral_attention_bias(cfg: dict[str, Any]) -> None:
+    cfg["attention_bias"] = True  # Mistral's attention has no biases whatever the config says
+
+
+@pytest.mark.parametrize(("preset", "edit"), [
+    ("tiny-llama", _rope_scaling_beside_rope_parameters),
+    ("tiny-llama", _top_level_original_length),
+    ("tiny-llama", _yarn_null_factor),
+    ("tiny-mistral", _mistral_attention_bias),
+], ids=["rope-scaling-beside-rope-parameters", "top-level-original-length", "yarn-null-factor",
+        "mistral-attention-bias"])
+def test_config_forms_read_as_transformers_reads_them(tmp_path, preset: str,
+                                                      edit: Callable[[dict[str, Any]], None]) -> None:
+    # Each was read otherwise: logits off by 1.4-1.8 (the first three), or the
+    # checkpoint refused for a bias tensor it need not have.
+    _edited_matches(preset, edit, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(("block", "missing"), [
+    ({"rope_type": "linear"}, "factor"),
+    ({"rope_type": "dynamic", "factor": None}, "factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),
+])
+def test_a_scaled_rotation_missing_its_numbers_is_refused(tmp_path, block: dict[str, Any], missing: str) -> None:
+    # They were read as factor 1.0 (or the default frequency factors): a
+    # different model served without a word, where transformers refuses.
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_theta": 10000.0, **block}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=missing):
+        load_model_config(d)
 
 
 def test_the_old_rope_scaling_form_reads_the_same(tmp_path) -> None:
@@ -79,8 +149,13 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
                     "layer_types": ["full_attention", "sliding_attention"]}, 16),
     ("tiny-mistral", {"sliding_window": 16}, 16),
     ("tiny-mistral", {"sliding_window": None}, None),
+    # Qwen's max_window_layers defaults to 28: a deeper model's last layers slide.
+    ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "num_hidden_layers": 30,
+                    "max_window_layers": None}, 16),
+    # Llama has no window of its own: a stray key changes nothing.
+    ("tiny-llama", {"sliding_window": 16}, None),
 ], ids=["qwen2-unset", "qwen2-no-sliding-layer", "qwen2-sliding-layer", "qwen3-off", "qwen3-layer-types-off",
-        "qwen3-layer-types", "mistral", "mistral-none"])
+        "qwen3-layer-types", "mistral", "mistral-none", "qwen2-default-window-layers", "llama-stray-window"])
 def test_only_a_sliding_layer_caps_the_context(tmp_path, preset: str, overrides: dict[str, Any],
                                                served: int | None) -> None:
     import transformers
@@ -90,6 +165,8 @@ def test_only_a_sliding_layer_caps_the_context(tmp_path, preset: str, overrides:
     cfg = json.loads((d / "config.json").read_text())
     cfg.pop("layer_types", None)  # as saved by transformers 5, from the preset's own settings
     cfg.update(overrides)
+    # An override of None drops the key (sliding_window: null is itself a value).
+    cfg = {k: v for k, v in cfg.items() if not (k in overrides and v is None and k != "sliding_window")}
     (d / "config.json").write_text(json.dumps(cfg))
     hf = getattr(transformers, cfg["architectures"][0].replace("ForCausalLM", "Config")).from_dict(cfg)
     slides = hf.sliding_window is not None and (
