@@ -222,6 +222,25 @@ def _unsupported_reference(node: Any) -> str | None:
     return None
 
 
+# xgrammar prints U+0001-U+00FF as `\xHH` but reads a `\x` escape with every
+# hex digit after it: "é1" printed as `\xe91` came back as U+0E91, so a
+# constraint holding "réaction" or "année" refused it (and allowed the wrong
+# character). Printed grammars are re-read with those escapes made `\u00HH`,
+# which both sides read as four digits. (An escape is matched with what
+# follows its backslash, so an escaped backslash before an `x` stays.)
+_ESCAPE = re.compile(r"\\(x([0-9a-fA-F]{2})|.)", re.DOTALL)
+
+
+def _fixed_width_escapes(ebnf: str) -> str:
+    return _ESCAPE.sub(lambda m: f"\\u00{m.group(2)}" if m.group(2) else m.group(0), ebnf)
+
+
+def _reparse(ebnf: str) -> xgr.Grammar:
+    """Grammar text xgrammar printed (and we rewrote) read back, its character
+    classes narrowed to Unicode scalar values (xgr_classes.py)."""
+    return xgr.Grammar.from_ebnf(scalar_classes(_fixed_width_escapes(ebnf)))
+
+
 def _json_grammar(schema: str, spec: GrammarSpec) -> xgr.Grammar:
     problem = _unsupported_reference(json.loads(schema))
     if problem:
@@ -230,12 +249,12 @@ def _json_grammar(schema: str, spec: GrammarSpec) -> xgr.Grammar:
     text = _string_fixup(str(xgr.Grammar.from_json_schema(schema, strict_mode=False, **kwargs)))
     if spec.options.whitespace == "compact":
         text = _compact_fixup(text)
-    return xgr.Grammar.from_ebnf(scalar_classes(text))
+    return _reparse(text)
 
 
 def _scalar(grammar: xgr.Grammar) -> xgr.Grammar:
     """`grammar` with its character classes narrowed to Unicode scalar values (xgr_classes.py)."""
-    return xgr.Grammar.from_ebnf(scalar_classes(str(grammar)))
+    return _reparse(str(grammar))
 
 
 def build_grammar(spec: GrammarSpec) -> xgr.Grammar:

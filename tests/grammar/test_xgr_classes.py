@@ -57,3 +57,22 @@ def test_the_rewrite_keeps_literals_and_other_classes() -> None:
     assert scalar_classes(text) == 'root ::= ("[" [a-z] "]" [+\\-] [^\\0-\\x1f\\"\\\\\\r\\n\\ud800-\\udfff])'
     with pytest.raises(GrammarError, match="surrogates"):
         scalar_classes("root ::= [\\ud800-\\udfff]")
+
+
+@pytest.mark.parametrize(("spec", "text", "wrong"), [
+    (GrammarSpec.json_schema(json.dumps({"const": "ü1"})), '"ü1"', '"\u0fc1"'),
+    (GrammarSpec.json_schema(json.dumps({"enum": ["réaction", "none"]})), '"réaction"', '"r\u0e9action"'),
+    (GrammarSpec.json_schema(json.dumps({"type": "object", "properties": {"année": {"type": "integer"}},
+                                         "required": ["année"]})), '{"année":2024}', '{"ann\u0e9ee":2024}'),
+    (GrammarSpec.ebnf('root ::= "cafée" [\u00e0-\u00ff] "1"'), "caféeà1", "caf\u0e9eà1"),
+    (GrammarSpec.regex("réa"), "réa", "r\u0e9a"),
+    (GrammarSpec.regex(r"\\xab"), "\\xab", "\u00ab"),  # an escaped backslash before an x stays one
+])
+def test_characters_printed_as_hex_escapes_read_back_whole(byte_compiler, spec: GrammarSpec, text: str,
+                                                           wrong: str) -> None:
+    # xgrammar prints U+0080-U+00FF as \xHH and read back every hex digit
+    # after it: "é" + "a" became U+0E9A, so "réaction" was refused and the
+    # wrong character allowed.
+    grammar = build_grammar(spec)
+    assert _accepts(byte_compiler, grammar, text.encode())
+    assert not _accepts(byte_compiler, grammar, wrong.encode())
