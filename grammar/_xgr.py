@@ -449,7 +449,7 @@ class XGrammarMatcher(Matcher):
             # what can be used. A cut may split a token: the hold-back below
             # keeps a last token that could still grow.
             text = text[: max(1, max_tokens) * _MAX_CHARS_PER_TOKEN]
-        tokens = self._tok.encode(text)
+        tokens = self._tok.encode_after(text)
         if max_tokens is not None:
             tokens = tokens[: max_tokens + 1]
         n = 0

@@ -28,6 +28,12 @@ import numpy as np
 import torch
 
 
+# What `encode_after` tokenizes a text behind: a newline is its own token (or
+# byte) in every tokenizer family, and no text it precedes merges with it
+# unless that text starts with whitespace.
+_ANCHOR = "\n"
+
+
 class TokenizerData:
     """Vocabulary facts for grammar matching, built from a `transformers` fast tokenizer.
 
@@ -74,6 +80,7 @@ class TokenizerData:
         for text, idx in vocab.items():
             if idx < self.vocab_size and idx not in special:
                 self.encoded_vocab[idx] = text
+        self._anchor_ids = self.encode(_ANCHOR)
         digest = hashlib.sha256(self.tokenizer_json.encode())
         digest.update(json.dumps([self.vocab_size, self.eos_token_ids]).encode())
         self.fingerprint = digest.hexdigest()[:16]
@@ -92,6 +99,18 @@ class TokenizerData:
     def encode(self, text: str) -> list[int]:
         """Canonical tokenization of `text`, without special tokens added."""
         return list(self._encoder.encode(text, add_special_tokens=False).ids)
+
+    def encode_after(self, text: str) -> list[int]:
+        """Tokens of `text` written after earlier text, as a forced run is.
+        SentencePiece-style tokenizers (Llama 2, Mistral) start a text with a
+        space (`\u2581`) that `encode` would put first, a token the grammar
+        refuses, so nothing was ever forced there: `text` is tokenized behind
+        an anchor, whose tokens are then dropped. Where the anchor's tokens
+        merge with the text's (never, for those tokenizers), plain `encode`."""
+        ids = self.encode(_ANCHOR + text)
+        if ids[:len(self._anchor_ids)] == self._anchor_ids:
+            return ids[len(self._anchor_ids):]
+        return self.encode(text)
 
 
 T = TypeVar("T")

@@ -237,6 +237,57 @@ def test_forced_tokens_whole_remaining_output(compiler):
         assert matcher.forced_tokens() == tok.encode("hello world")
 
 
+def _sentencepiece_tokenizer(root, legacy: bool):
+    """A Llama-2-style (`legacy`: a prepended U+2581) or Mistral-style
+    (Metaspace, prepended to the first piece) tokenizer with byte fallback."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for ch in "\u2581abcdefghijklmnopqrstuvwxyz0123456789:{}\",":
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    if legacy:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(),
+                                         decoders.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>") \
+        .save_pretrained(root)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(root)
+
+
+@pytest.mark.parametrize("legacy", [True, False], ids=["llama2-legacy", "metaspace-first"])
+def test_sentencepiece_tokenizers_get_forced_tokens_on_both_backends(tmp_path, legacy):
+    # xgrammar tokenized a forced string as a text of its own, which these
+    # tokenizers start with a space token the grammar refuses: nothing was
+    # ever forced with Llama-2- or Mistral-style tokenizers.
+    from grammar import GrammarCompiler
+
+    hf = _sentencepiece_tokenizer(tmp_path / "tok", legacy)
+    with GrammarCompiler(hf, eos_token_ids=[2], compile_timeout_s=10.0) as comp:
+        tok = comp.tokenizer_data
+        assert tok.encode_after('{"name":') == [hf.convert_tokens_to_ids(c) for c in '{"name":']
+        assert tok.encode_after(" ab") == [hf.convert_tokens_to_ids(c) for c in "\u2581ab"]
+        forced = {}
+        for backend in BACKENDS:
+            matcher = comp.compile(GrammarSpec.json_schema(KEYED), backend=backend)
+            first = matcher.forced_tokens()
+            value = 'bob"' if tok._encoder.decode(first).endswith(':"') else '"bob"'
+            written = [hf.convert_tokens_to_ids(c) for c in value]
+            assert matcher.accept_tokens(first) == len(first)
+            assert matcher.accept_tokens(written) == len(written)
+            forced[backend] = (tok._encoder.decode(first), tok._encoder.decode(matcher.forced_tokens()))
+        assert forced["xgrammar"] == forced["llguidance"]
+        assert forced["xgrammar"][0].startswith('{"name":') and forced["xgrammar"][1] == ',"age":'
+
+
 # ---- whitespace styles ------------------------------------------------------
 
 NESTED = {
