@@ -27,7 +27,6 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-
 # What `encode_after` tokenizes a text behind: a newline is its own token (or
 # byte) in every tokenizer family, and no text it precedes merges with it
 # unless that text starts with whitespace.
