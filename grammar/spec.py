@@ -214,7 +214,8 @@ def _checked_source(kind: str, source: Any) -> Source:
         return choices
     if not isinstance(source, str):
         raise GrammarError(f"{kind} source must be a string, got {type(source).__name__}")
-    if not source.strip():
+    # A regex of spaces alone matches them; any other kind of blank source is empty.
+    if not (source if kind == "regex" else source.strip()):
         raise GrammarError(f"{kind} source is empty")
     if len(source) > MAX_SPEC_SOURCE_CHARS:
         raise GrammarError(f"{kind} source is too large ({len(source)} characters)")

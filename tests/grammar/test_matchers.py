@@ -445,3 +445,12 @@ def test_a_token_reference_past_the_tokenizer_is_refused(compiler):
         with pytest.raises(GrammarError, match="past the tokenizer"):
             compiler.compile(GrammarSpec.lark(source), backend="llguidance")
     compiler.compile(GrammarSpec.lark('start: "a" <[8191]>'), backend="llguidance")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pattern", [" ", "\t", "  "])
+def test_a_regex_of_whitespace_alone_matches_it(compiler, backend, pattern):
+    # It was refused as an empty source (INVALID_ARGUMENT for a valid regex).
+    matcher = compiler.compile(GrammarSpec.regex(pattern), backend=backend)
+    tok = compiler.tokenizer_data
+    assert matcher.accept_tokens(tok.encode(pattern)) == len(tok.encode(pattern)) and matcher.can_terminate()
