@@ -78,6 +78,10 @@ class Tally:
 class Report:
     per_keyword: dict[str, dict[str, Tally]] = field(default_factory=dict)
     seconds: float = 0.0
+    # Schema groups where a backend leaving no more keywords unenforced than
+    # auto's choice accepted more valid instances than auto: a bad choice.
+    # (One enforcing less may accept more, by letting everything through.)
+    auto_behind: list[str] = field(default_factory=list)
 
     def total(self, backend: str) -> Tally:
         out = Tally()
@@ -172,6 +176,8 @@ def evaluate(
                 (t["valid"], tok.encode(json.dumps(t["data"], separators=(",", ":"), ensure_ascii=False)))
                 for t in group["tests"]
             ]
+            accepted: dict[str, int] = {}
+            unenforced: dict[str, float] = {}
             for backend in backends:
                 tally = tallies[backend]
                 tally.groups += 1
@@ -181,6 +187,8 @@ def evaluate(
                     tally.compiled += 1
                 except GrammarError:
                     matcher = None
+                accepted[backend] = 0
+                unenforced[backend] = len(matcher.unenforced_keywords) if matcher is not None else float("inf")
                 if checked and matcher is not None:
                     tally.strict_refused += set(matcher.unenforced_keywords) != set(matcher.resampled_keywords)
                 validator = getattr(matcher, "validator", None)
@@ -191,6 +199,7 @@ def evaluate(
                     if valid:
                         tally.valid += 1
                         tally.valid_accepted += ok
+                        accepted[backend] += ok
                         tally.valid_remote += remote
                         tally.valid_remote_accepted += ok and remote
                     else:
@@ -201,6 +210,10 @@ def evaluate(
                                 test["data"]).valid
                         if ok and matcher is not None and not matcher.unenforced_keywords:
                             tally.invalid_missed_when_enforced += 1
+            if "auto" in accepted and any(
+                    accepted.get(b, 0) > accepted["auto"] and unenforced[b] <= unenforced["auto"]
+                    for b in ("xgrammar", "llguidance")):
+                report.auto_behind.append(f"{keyword}: {group.get('description', '')}")
     report.seconds = time.perf_counter() - start
     return report
 

@@ -50,6 +50,14 @@ _XGR_SCOPED = {
     "minItems": "array", "maxItems": "array", "items": "array", "prefixItems": "array",
     "properties": "object", "required": "object", "additionalProperties": "object",
 }
+# A node without a `type` that has some of those keywords is given to xgrammar
+# with every type listed: alone, `items`, `prefixItems`, `properties` or
+# `additionalProperties` made it read the node as that type only
+# (`{"properties": {...}}` refused 1, "x" and null), and the others it
+# ignored; over a list of types it applies each keyword to its own type, as
+# JSON Schema does. Not where xgrammar reads a node's other keywords alone.
+_EVERY_TYPE = ["null", "boolean", "object", "array", "number", "string"]
+_XGR_READ_ALONE = frozenset({"enum", "const", "anyOf", "oneOf", "allOf", "$ref", "not"})
 # Property names xgrammar mishandles (it does not escape them in its grammar).
 _NEEDS_ESCAPE = frozenset('"\\') | {chr(i) for i in range(0x20)}
 # What xgrammar is not given at all: keywords it would ignore anyway, and
@@ -87,6 +95,9 @@ def _strip(node: Any, drop: frozenset[str], dropped: set[str], backend: str, *, 
         # the patterns it would apply to theirs too, refusing valid instances.
         dropped.add("additionalProperties")
         del kept["additionalProperties"]
+    if backend == "xgrammar" and "type" not in kept and not _XGR_READ_ALONE & kept.keys() \
+            and any(key in _XGR_SCOPED for key in kept):
+        kept["type"] = list(_EVERY_TYPE)
     out = map_subschemas(kept, lambda sub: _strip(sub, drop, dropped, backend, one_of_to_any=one_of_to_any))
     if one_of_to_any and isinstance(out.get("oneOf"), list) and isinstance(out.get("allOf", []), list):
         # llguidance has no oneOf. As anyOf it is exact when at most one branch
@@ -115,7 +126,7 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
             pass  # xgrammar reads oneOf as anyOf: exact for disjoint branches
         elif key in _XGR_SCOPED:
             scope = _XGR_SCOPED[key]
-            if not (declared == scope or (scope == "number" and declared == "integer")) or key in ("properties", "required") and any(
+            if not _declares(declared, scope) or key in ("properties", "required") and any(
                     set(str(name)) & _NEEDS_ESCAPE
                     for name in (value if isinstance(value, dict | list) else ())):
                 gaps.add(key)
@@ -132,6 +143,12 @@ def _xgrammar_gaps(node: Any, gaps: set[str]) -> None:
         elif key in SUBSCHEMA_LISTS and isinstance(value, list):
             for sub in value:
                 _xgrammar_gaps(sub, gaps)
+
+
+def _declares(declared: Any, scope: str) -> bool:
+    """Whether a node's `type` (a name or a list) includes the type `scope`."""
+    names = declared if isinstance(declared, list) else [declared]
+    return scope in names or (scope == "number" and "integer" in names)
 
 
 def _misread_patterns(key: str, value: Any, backend: str) -> bool:

@@ -207,3 +207,26 @@ def test_an_object_that_must_have_a_property_it_cannot_have_is_refused(compiler:
     # Open objects, or objects of no declared type, may have it.
     assert compiler.compile(GrammarSpec.json_schema({"type": "object", "required": ["b"]}))
     assert compiler.compile(GrammarSpec.json_schema({"properties": {"a": False}, "required": ["a"]}))
+
+
+@pytest.mark.parametrize(("schema", "invalid"), [
+    ({"properties": {"a": {"type": "integer"}}}, '{"a":"s"}'),
+    ({"additionalProperties": False}, '{"b":1}'),
+    ({"items": {"type": "integer"}}, '["s"]'),
+    ({"prefixItems": [{"type": "integer"}]}, '["s"]'),
+    ({"minLength": 2}, '"x"'),
+    ({"minimum": 0}, "-3"),
+    ({"maxItems": 1}, "[1,2]"),
+])
+def test_xgrammar_reads_a_node_without_a_type_as_json_schema_does(compiler: GrammarCompiler, schema: Any,
+                                                                  invalid: str) -> None:
+    # xgrammar read an untyped node with an object's or an array's keywords
+    # as that type alone (1, "x" and null, all valid, were refused) and
+    # ignored the other types' keywords there. Each now applies to its own
+    # type, enforced.
+    matcher = compiler.compile(GrammarSpec.json_schema(schema), backend="xgrammar")
+    for text in ("1", '"xy"', "null"):
+        assert matcher.validator.validate_text(text).valid
+        assert grammar_accepts(compiler, matcher, text), text
+    assert not grammar_accepts(compiler, matcher, invalid)
+    assert matcher.unenforced_keywords == ()

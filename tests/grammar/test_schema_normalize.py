@@ -149,7 +149,8 @@ def test_unenforced_keywords_per_backend():
     llg_view, llg = backend_view(schema, "llguidance")
     _, xgr = backend_view(schema, "xgrammar")
     assert llg == ("not", "uniqueItems")
-    assert xgr == ("maxLength", "not", "uniqueItems")  # maxLength without type: string
+    # maxLength without a type: given to xgrammar over every type, enforced on strings.
+    assert xgr == ("not", "uniqueItems")
     # Dropping a keyword only widens the schema: the rest is still there.
     assert "not" not in llg_view and llg_view["properties"]["tags"]["items"] == {"type": "string"}
 
@@ -167,9 +168,9 @@ def test_one_of_is_enforced_only_when_branches_are_disjoint():
 
 
 def test_auto_prefers_the_backend_that_enforces_more(compiler):
-    # Pretty JSON prefers xgrammar, which ignores maxLength without a type;
+    # Pretty JSON prefers xgrammar, which leaves multipleOf unenforced;
     # llguidance enforces it, so auto takes llguidance for this schema.
-    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"maxLength": 2}},
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}},
                                     "required": ["a"]}, options=None)
     from grammar import GrammarOptions
     assert isinstance(spec.source, str)
@@ -177,7 +178,7 @@ def test_auto_prefers_the_backend_that_enforces_more(compiler):
     assert compiler.backends_for(pretty)[0] == "xgrammar"
     matcher = compiler.compile(pretty)
     assert matcher.backend == "llguidance" and matcher.unenforced_keywords == ()
-    assert compiler.compile(pretty, backend="xgrammar").unenforced_keywords == ("maxLength",)
+    assert compiler.compile(pretty, backend="xgrammar").unenforced_keywords == ("multipleOf",)
 
 
 def test_validator_results():
