@@ -187,14 +187,24 @@ def _compact_fixup(ebnf: str) -> str:
 
 
 # xgrammar 0.2.8 writes the characters of length-bounded strings as
-# [^"\\\r\n], which lets raw control characters (U+0000-U+001F) into the
-# string: invalid JSON. Narrow that class to what JSON allows unescaped.
+# [^"\\\r\n]: raw control characters (U+0000-U+001F) get into the string,
+# which is not JSON, and no escape does, so a valid value holding a quote, a
+# backslash or a newline (`x\"y` under maxLength 5) was refused. Each such
+# character becomes what JSON allows unescaped, or one escape (a character
+# counts once either way). A `\u` escape of a UTF-16 surrogate is left out:
+# two of them make one character, which the count would take for two.
 _BOUNDED_CHARS = '[^\\"\\\\\\r\\n]'
-_JSON_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+_BOUNDED_CHAR = '(([^\\0-\\x1f\\"\\\\\\r\\n]) | ("\\\\" stencil_bounded_escape))'
+_BOUNDED_ESCAPE = (
+    'stencil_bounded_escape ::= ([\\"\\\\/bfnrt] | ("u" (([0-9a-cA-CeEfF] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+    ' | ([dD] [0-7] [0-9a-fA-F] [0-9a-fA-F]))))\n'
+)
 
 
 def _string_fixup(ebnf: str) -> str:
-    return ebnf.replace(_BOUNDED_CHARS, _JSON_CHARS)
+    if _BOUNDED_CHARS not in ebnf:
+        return ebnf
+    return ebnf.replace(_BOUNDED_CHARS, _BOUNDED_CHAR).rstrip("\n") + "\n" + _BOUNDED_ESCAPE
 
 
 # xgrammar resolves only JSON-pointer references within the document; any other
@@ -283,7 +293,8 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     if spec.kind == "structural_tag":
         assert isinstance(spec.source, str)
         # Formats naming tokens need the vocabulary: compile_native compiles those.
-        return _scalar(xgr.Grammar.from_structural_tag(_tag_json(spec.source)))
+        # Its schemas' bounded strings as a JSON schema's (`_string_fixup`).
+        return _reparse(_string_fixup(str(xgr.Grammar.from_structural_tag(_tag_json(spec.source)))))
     raise GrammarError(f"{spec.kind} is not supported by xgrammar", backend=BACKEND)
 
 

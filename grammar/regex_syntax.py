@@ -268,6 +268,80 @@ def _xgrammar_unanchored(pattern: str) -> str | None:
     return None
 
 
+# Characters a JSON string holds only escaped: the quote, the backslash and
+# the controls. Where a JSON-schema pattern names one as a literal (`"`,
+# `\\`, `\n`, or a class of nothing else: `["]`, `[\t-\r]`), xgrammar puts it
+# into the string raw, which is not JSON (`^"[a-z]+"$` gave `""ab""`), and
+# refuses its escaped spelling, which is. (From a class with other
+# characters, a negated class or a `.`, xgrammar leaves them out: narrower,
+# never wider.)
+_SIMPLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
+
+
+def _needs_json_escape(code: int | None) -> bool:
+    return code is not None and (code < 0x20 or code in (0x22, 0x5C))
+
+
+def _literal_code(text: str) -> int | None:
+    """The code point a literal (a character or a one-character escape)
+    stands for; None for a class escape or an assertion (`\\d`, `\\b`)."""
+    if not text.startswith("\\"):
+        return ord(text) if len(text) == 1 else None
+    letter, rest = text[1:2], text[2:].strip("{}")
+    if letter in ("x", "u", "U") and rest:
+        try:
+            return int(rest, 16)
+        except ValueError:
+            return None
+    if letter == "c" and rest[:1].isalpha():
+        return ord(rest[0].upper()) % 32
+    if letter in _SIMPLE_ESCAPES:
+        return _SIMPLE_ESCAPES[letter]
+    return ord(letter) if letter and not letter.isalnum() else None
+
+
+def _class_spans(item: Item) -> list[tuple[int, int]] | None:
+    r"""The (first, last) code points of each item of a positive class (a
+    literal or a range); None where an item is neither (`\d`, `[:alpha:]`)."""
+    if item.negated or item.nested or item.set_operator:
+        return None
+    body = item.text[1:-1]
+    parts: list[str] = []
+    j = 0
+    while j < len(body):
+        end = _escape_at(body, j) if body[j] == "\\" else j + 1
+        parts.append(body[j:end])
+        j = end
+    spans: list[tuple[int, int]] = []
+    k = 0
+    while k < len(parts):
+        lo = hi = _literal_code(parts[k])
+        if k + 2 < len(parts) and parts[k + 1] == "-":
+            hi = _literal_code(parts[k + 2])
+            k += 3
+        else:
+            k += 1
+        if lo is None or hi is None:
+            return None
+        spans.append((lo, hi))
+    return spans
+
+
+def _only_escaped(lo: int, hi: int) -> bool:
+    """Whether every character from `lo` to `hi` needs a JSON escape."""
+    return hi < 0x20 or (lo == hi and _needs_json_escape(lo))
+
+
+def _xgrammar_raw_json_char(pattern: str) -> str | None:
+    for item in scan(pattern):
+        if item.kind in ("char", "escape") and _needs_json_escape(_literal_code(item.text)):
+            return f"{item.text!r} at position {item.pos}, which xgrammar writes into the JSON string unescaped"
+        spans = _class_spans(item) if item.kind == "class" else None
+        if spans and all(_only_escaped(lo, hi) for lo, hi in spans):
+            return f"the class {item.text} at position {item.pos}, which xgrammar writes unescaped"
+    return None
+
+
 def json_pattern_misread(pattern: str, backend: str) -> str | None:
     """The first construct of a JSON-schema `pattern` (ECMA-262, as the
     validator reads it) that `backend` would read otherwise, or None:
@@ -276,7 +350,7 @@ def json_pattern_misread(pattern: str, backend: str) -> str | None:
     class or a set operator (`[[:alpha:]]`, `[a-z&&[^a]]`: Rust classes,
     literal characters in ECMA) and look-around, which it refuses."""
     if backend == "xgrammar":
-        return xgrammar_misreads(pattern) or _xgrammar_unanchored(pattern)
+        return xgrammar_misreads(pattern) or _xgrammar_unanchored(pattern) or _xgrammar_raw_json_char(pattern)
     for item in scan(pattern):
         if item.kind == "class" and (item.nested or item.set_operator):
             return f"a class inside a class or a set operator at position {item.pos}"

@@ -230,3 +230,49 @@ def test_xgrammar_reads_a_node_without_a_type_as_json_schema_does(compiler: Gram
         assert grammar_accepts(compiler, matcher, text), text
     assert not grammar_accepts(compiler, matcher, invalid)
     assert matcher.unenforced_keywords == ()
+
+
+@pytest.mark.parametrize(("pattern", "valid", "raw"), [
+    ('^"[a-z]+"$', '"ab"', '""ab""'),
+    ("^a\\nb$", "a\nb", '"a\nb"'),
+    ("^C:\\\\[a-z]+$", "C:\\dir", '"C:\\dir"'),
+    ('^a["]b$', 'a"b', '"a"b"'),
+    ("^a[\\t-\\r]b$", "a\tb", '"a\tb"'),
+])
+def test_xgrammar_leaves_a_pattern_naming_an_escaped_character_to_the_validator(
+        compiler: GrammarCompiler, pattern: str, valid: str, raw: str) -> None:
+    # xgrammar wrote such a character into the string unescaped (not JSON) and
+    # refused the escaped spelling (valid), while reporting the pattern enforced.
+    matcher = compiler.compile(GrammarSpec.json_schema({"type": "string", "pattern": pattern}), backend="xgrammar")
+    assert "pattern" in matcher.unenforced_keywords
+    assert grammar_accepts(compiler, matcher, json.dumps(valid))
+    assert not grammar_accepts(compiler, matcher, raw)
+
+
+@pytest.mark.parametrize("pattern", ["^[ -~]+$", "^a[\\t ]b$", "^[^\"]+$", "^a.b$", "^\\s$"])
+def test_xgrammar_keeps_a_pattern_whose_escaped_characters_it_leaves_out(compiler: GrammarCompiler,
+                                                                         pattern: str) -> None:
+    assert "pattern" not in compiler.compile(GrammarSpec.json_schema({"type": "string", "pattern": pattern}),
+                                             backend="xgrammar").unenforced_keywords
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_length_bounded_string_takes_escapes_as_one_character(compiler: GrammarCompiler, backend: str) -> None:
+    # xgrammar's bounded strings took no escape at all: `x\"y` under maxLength 5 was refused.
+    matcher = compiler.compile(GrammarSpec.json_schema({"type": "string", "minLength": 2, "maxLength": 3}),
+                               backend=backend)
+    assert matcher.unenforced_keywords == ()
+    for value in ('x"y', "\\\\\\", "a\nb", "\u00e9\t"):
+        assert grammar_accepts(compiler, matcher, json.dumps(value, ensure_ascii=False)), value
+    if backend == "xgrammar":  # (llguidance takes no \u escape of a character a string may hold as it is)
+        assert grammar_accepts(compiler, matcher, '"\\u00e9\\t"')
+    for text in ('"\\\\\\\\\\\\\\\\"', '"\\""', '"a\nb"', '"a\x01"'):  # four, one, and raw controls
+        assert not grammar_accepts(compiler, matcher, text), text
+
+
+def test_a_tool_argument_with_a_length_takes_escapes_on_xgrammar(compiler: GrammarCompiler) -> None:
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "object", "properties": {
+        "code": {"type": "string", "maxLength": 50}}, "required": ["code"]}, "end": "</f>"}], "triggers": ["<f>"]}
+    matcher = compiler.compile(GrammarSpec.structural_tag(tag), backend="xgrammar")
+    assert grammar_accepts(compiler, matcher, '<f>{"code":"print(\\"hi\\")"}</f>')
+    assert not grammar_accepts(compiler, matcher, '<f>{"code":"a\nb"}</f>')
