@@ -91,6 +91,9 @@ class IncrementalDecoder:
     waits); `flush` gives what is still held when the response ends, so the
     joined pieces are exactly the rule's text. After `MAX_HELD` tokens the
     text is sent as it stands (only a long stream of stray bytes gets there).
+    The one departure: a byte-fallback decoder that meets an invalid byte
+    turns its whole run into U+FFFD, characters already whole and sent
+    included; those stay sent (docs/api.md).
 
     Only a window of the last tokens is decoded: some prompt tokens as context
     (leading-space rules depend on the token before), then the response's. A
