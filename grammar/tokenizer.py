@@ -65,9 +65,12 @@ class TokenizerData:
         self.eos_token_ids = tuple(sorted({int(t) for t in eos_token_ids}))
         if not self.eos_token_ids or not all(0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"invalid eos_token_ids {eos_token_ids!r}")
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        special = {int(i) for i, t in added.items() if getattr(t, "special", False)}
-        special |= set(getattr(tokenizer, "all_special_ids", []) or [])
+        # Special as the Rust tokenizer's flags say, which is what decoding
+        # skips: a token tokenizer_config.json lists as special but
+        # tokenizer.json does not (`<tool_call>`) is text in every response,
+        # and was kept out of every grammar.
+        added = backend.get_added_tokens_decoder()
+        special = {int(i) for i, t in added.items() if t.special}
 
         # The Rust tokenizer, copied so padding/truncation settings of the
         # caller's object never leak into grammar tokenization.

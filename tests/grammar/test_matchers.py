@@ -454,3 +454,29 @@ def test_a_regex_of_whitespace_alone_matches_it(compiler, backend, pattern):
     matcher = compiler.compile(GrammarSpec.regex(pattern), backend=backend)
     tok = compiler.tokenizer_data
     assert matcher.accept_tokens(tok.encode(pattern)) == len(tok.encode(pattern)) and matcher.can_terminate()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_token_only_the_config_calls_special_is_text_to_the_grammar(tmp_path, backend):
+    # tokenizer_config.json listed `<tool_call>` as special, tokenizer.json
+    # not: every response printed it as text, but the grammar gave it no text
+    # (xgrammar never allowed it where `<tool_call>` was due).
+    from transformers import AutoTokenizer
+
+    from grammar import GrammarCompiler
+    from grammar.vocab import token_bytes
+
+    from .conftest import TOKENIZER_DIR
+
+    hf = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    hf.add_tokens(["<tool_call>"])
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "additional_special_tokens": ["<tool_call>"]}))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    tag = hf.convert_tokens_to_ids("<tool_call>")
+    assert tag in hf.all_special_ids and hf.backend_tokenizer.decode([tag], skip_special_tokens=True) == "<tool_call>"
+    with GrammarCompiler(hf, eos_token_ids=list(STOP_IDS), compile_timeout_s=10.0) as comp:
+        assert token_bytes(comp.tokenizer_data)(tag) == b"<tool_call>"
+        matcher = comp.compile(GrammarSpec.regex("<tool_call>[a-z]*"), backend=backend)
+        assert matcher.accept_token(tag) and matcher.accept_tokens(comp.tokenizer_data.encode("ab")) == 1
