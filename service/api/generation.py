@@ -312,7 +312,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # asked (an id runs on one of them at most: EngineLoop.peers).
         convert.check_abort_ids(request.request_ids)
         aborted = []
-        for rid in request.request_ids:
+        for rid in dict.fromkeys(request.request_ids):  # each id once, however often it is named
             if any([loop.abort(scoped_request_id(rid)) for loop in loops]):  # only the caller's own
                 aborted.append(rid)
         return pb.AbortResponse(aborted_request_ids=aborted)
