@@ -187,8 +187,10 @@ class EngineCore:
             self.graphs = DecodeGraphs(self.model, graph_attention, kv_blocks, dummy_page=num_pages,
                                        max_batch=graph_batch, max_pages=-(-max_len // config.page_size),
                                        vocab_size=mc.vocab_size, capture=graph_mode == "capture")
-        eos = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.eos_token_ids = frozenset(eos)
+        # The checkpoint's EOS ids and the tokenizer's, as vLLM stops on both (a
+        # chat fine-tune may name its end-of-turn token only in the tokenizer).
+        tokenizer_eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None else set())
         # The reasoning parser's markers, resolved once (ValueError: not single tokens).
         self.reasoning: ReasoningParser | None = None
         if config.reasoning_parser is not None:

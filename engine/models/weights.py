@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .config import CheckpointError
+from .config import CheckpointError, read_json
 
 
 class WeightSource:
@@ -19,7 +18,10 @@ class WeightSource:
         root = Path(model_dir)
         index = root / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            data = read_json(index)  # CheckpointError if it is not JSON
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index.name} has no weight_map of tensor names to files")
             files = sorted({root / f for f in weight_map.values()})
         else:
             files = sorted(root.glob("*.safetensors"))

@@ -39,6 +39,17 @@ def test_sharded_safetensors_load(tmp_path):
     assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy("tiny-llama", prompt)
 
 
+@pytest.mark.parametrize("index", ["{not json", '["a"]', '{"metadata": {}}', '{"weight_map": {"x": 1}}'])
+def test_a_broken_shard_index_is_a_checkpoint_error(copy_of, index):
+    # A file that is not JSON raised the decoder's own error (no file named).
+    from engine.models.weights import WeightSource
+
+    d = copy_of("tiny-llama")
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        WeightSource(d)
+
+
 def test_unsupported_architecture_is_named(copy_of):
     d = copy_of("tiny-llama")
     cfg = json.loads((d / "config.json").read_text())

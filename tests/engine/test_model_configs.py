@@ -277,3 +277,20 @@ def test_a_partial_rotation_is_refused(tmp_path, where: str) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="partial_rotary_factor"):
         load_model_config(d)
+
+
+def test_the_tokenizers_eos_ends_generation_beside_the_checkpoints(tmp_path) -> None:
+    # Only when the checkpoint named none was the tokenizer's EOS used: a chat
+    # fine-tune naming its end-of-turn token only there ran past it. vLLM
+    # stops on both.
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-llama"), d)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((d / name).read_text())
+        (d / name).write_text(json.dumps({**cfg, "eos_token_id": 1}))
+    llm = LLM(str(d), kv_cache_gib=0.05)
+    try:
+        assert llm.tokenizer.hf.eos_token_id == 3
+        assert llm.engine.eos_token_ids == {1, 3}
+    finally:
+        llm.close()
