@@ -293,8 +293,6 @@ def _literal_code(text: str) -> int | None:
             return int(rest, 16)
         except ValueError:
             return None
-    if letter == "c" and rest[:1].isalpha():
-        return ord(rest[0].upper()) % 32
     if letter in _SIMPLE_ESCAPES:
         return _SIMPLE_ESCAPES[letter]
     return ord(letter) if letter and not letter.isalnum() else None
