@@ -162,10 +162,9 @@ def build_sampling_batch(contexts: Sequence[TextContext], vocab_size: int, stagi
         # (One whose thought is open gets its EOS block in the grammar mask,
         # filled when the gate's state for the sampled token is known.)
         if c.num_generated < c.sampling_params.min_new_tokens and c.matcher is None:
-            blocked = set(c.sampling_params.stop_token_ids)
-            if not c.sampling_params.ignore_eos:
-                blocked |= c.eos_token_ids
-            for tok in blocked:
+            # EOS too under ignore_eos, as vLLM's min-tokens block (which
+            # decides only whether EOS stops, not whether it may come first).
+            for tok in set(c.sampling_params.stop_token_ids) | c.eos_token_ids:
                 if tok < vocab_size:
                     rows.append(r)
                     cols_eos.append(tok)

@@ -419,15 +419,13 @@ _DEAD_END = Failure("the grammar allows no token after this output: it cannot be
 
 
 def _stops_held_back(ctx: TextContext) -> frozenset[int]:
-    """The stop tokens (stop ids, and EOS unless ignored) a constrained row may
-    not sample yet: its output has fewer than min_new_tokens tokens."""
+    """The stop tokens (stop ids and EOS, under ignore_eos too, as the
+    sampler's block) a constrained row may not sample yet: its output has
+    fewer than min_new_tokens tokens."""
     params = ctx.sampling_params
     if ctx.num_final_tokens - ctx.prompt_len >= params.min_new_tokens:
         return frozenset()
-    stops = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stops |= ctx.eos_token_ids
-    return frozenset(stops)
+    return frozenset(params.stop_token_ids) | ctx.eos_token_ids
 
 
 def _thought_row(ctx: TextContext) -> frozenset[int]:

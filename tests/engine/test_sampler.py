@@ -181,6 +181,12 @@ def test_logit_bias_and_min_new_tokens_block_eos():
     out = torch.zeros(1, VOCAB)
     apply_penalties_and_bias(out, batch_for(done))
     assert torch.isfinite(out).all()
+    # ignore_eos decides whether EOS stops, not whether it may come before
+    # min_new_tokens (vLLM's block; it was left open).
+    ignoring = ctx(SamplingParams(min_new_tokens=2, ignore_eos=True), generated=(4,))
+    out = torch.zeros(1, VOCAB)
+    apply_penalties_and_bias(out, batch_for(ignoring))
+    assert out[0, 9] == -math.inf
 
 
 def test_greedy_is_argmax_and_logprobs_are_raw():
