@@ -74,7 +74,7 @@ def test_backend_and_whitespace_options() -> None:
     ({"json_object": False}, "constraint.json_object"),
     ({"json_schema": "{oops"}, "constraint.json_schema"),
     ({"json_schema": "[1, 2]"}, "constraint.json_schema"),
-    ({"regex": "  "}, "constraint.regex"),
+    ({"regex": ""}, "constraint.regex"),  # (spaces alone are a regex)
     ({"choice": []}, "constraint.choice.choices"),
     ({"json_object": True, "indent": 2}, "constraint.indent"),
     ({"json_object": True, "whitespace": C.WHITESPACE_FLEXIBLE, "max_whitespace": 65},
