@@ -26,7 +26,6 @@ cannot read gives a result with `checked` False.
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from collections.abc import Callable
 from functools import lru_cache
@@ -36,7 +35,9 @@ import xgrammar as xgr
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from . import structural_tag
+from ._xgr import build_grammar
 from .errors import clean_message
+from .schema_plan import tag_view
 from .spec import GrammarSpec
 from .tag_segments import TagShape, contents, shapes_of
 from .validation import VALID, SchemaValidator, ValidationResult
@@ -118,9 +119,15 @@ class OutputCheck:
             return lambda text: self._xgr_verdict(compiled, text)
         if spec.kind == "structural_tag":
             assert isinstance(spec.source, str)
-            tag = json.dumps(structural_tag.normalize(spec.source))
+            # The grammar xgrammar generates with (each content's schema cut to
+            # what it enforces, opened out of its strict mode, bounded strings
+            # taking escapes): a tag read straight from the source refused
+            # answers that grammar wrote (an extra key, "Zürich" under a
+            # maxLength). What the cut left out the content checks below see.
+            left_out: set[str] = set()
+            view = tag_view(spec, "xgrammar", unenforced=left_out)
             try:
-                tag_grammar = xgr.Grammar.from_structural_tag(tag)
+                tag_grammar = build_grammar(view)
             except xgr.exception.InvalidStructuralTagError as e:
                 if "tokenizer_info" in str(e):
                     raise ValueError("it names tokens, which a check over the output's bytes cannot "
@@ -129,11 +136,18 @@ class OutputCheck:
             tag_compiled = _xgr_compiler().compile_grammar(tag_grammar)
             shapes = shapes_of(structural_tag.normalize(spec.source))
             validators = _content_validators(shapes or ())
+            # Contents the scanner cannot find (sequences, empty ends, ...):
+            # the grammar's verdict holds only if it enforces their whole schemas.
+            unseen = None if shapes is not None or not left_out else ValidationResult(
+                True, checked=False, message="the contents of this structural tag cannot be located to "
+                f"check {', '.join(sorted(left_out))}, which its grammar leaves out")
 
             def verdict(text: str) -> ValidationResult:
                 result = self._xgr_verdict(tag_compiled, text)
-                if not result.valid or shapes is None:
+                if not result.valid:
                     return result
+                if shapes is None:
+                    return unseen or result
                 return _contents_verdict(shapes, validators, text)
             return verdict
         assert isinstance(spec.source, str)

@@ -141,12 +141,20 @@ def normalized_schema(schema: Any, store: SchemaStore | None = None) -> Any:
         return schema
 
 
-def tag_view(spec: GrammarSpec, backend: str, store: SchemaStore | None = None) -> GrammarSpec:
+def tag_view(spec: GrammarSpec, backend: str, store: SchemaStore | None = None,
+             unenforced: set[str] | None = None) -> GrammarSpec:
     """A structural tag as `backend` compiles it: each JSON-schema content
     normalized and cut to the library's view as a JSON-schema spec's is, so
     the grammar enforces what the tag's value checks (tag_watch.TagPlan)
-    take as enforced. Run where the compile runs (a worker, with isolation)."""
+    take as enforced; the keywords cut go into `unenforced` when given. Run
+    where the compile runs (a worker, with isolation)."""
     assert spec.kind == "structural_tag" and isinstance(spec.source, str)
-    tag = structural_tag.map_schemas(structural_tag.normalize(spec.source),
-                                     lambda schema: backend_view(normalized_schema(schema, store), backend)[0])
+
+    def view(schema: Any) -> Any:
+        cut, left_out = backend_view(normalized_schema(schema, store), backend)
+        if unenforced is not None:
+            unenforced.update(left_out)
+        return cut
+
+    tag = structural_tag.map_schemas(structural_tag.normalize(spec.source), view)
     return GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False), spec.options)

@@ -97,16 +97,25 @@ def map_schemas(node: Any, fn: Callable[[Any], Any]) -> Any:
 def _check_tag_list(fmt: Any) -> None:
     """GrammarError for a list of tags the libraries would read apart: one
     trigger the prefix of another (xgrammar refuses it; in llguidance the
-    shorter always fires first, so the other tags are never reached), or two
+    shorter always fires first, so the other tags are never reached) or
+    inside another, triggers that are not a list of strings, or two
     tags with one begin (which tag's schema a text follows is then unknown:
     the output's check reads the first's)."""
     if not isinstance(fmt, dict) or not isinstance(fmt.get("tags"), list):
         return
-    triggers = [t for t in fmt.get("triggers") or [] if isinstance(t, str)]
-    for a in triggers:
-        for b in triggers:
-            if a is not b and b.startswith(a):
+    raw = fmt.get("triggers", [])
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        # llguidance would take a string's characters for the triggers.
+        raise _error("triggers must be a list of strings")
+    triggers = [t for t in raw if t]
+    for i, a in enumerate(triggers):
+        for j, b in enumerate(triggers):
+            if i != j and b.startswith(a):
                 raise _error(f"trigger {a!r} is the start of trigger {b!r}: give each tag one trigger")
+            if i != j and a in b:
+                # The libraries read it apart: llguidance fires the inner one
+                # (free text, then that tag), xgrammar the outer.
+                raise _error(f"trigger {a!r} is inside trigger {b!r}: give each tag one trigger")
     begins = [t.get("begin") for t in fmt["tags"] if isinstance(t, dict) and isinstance(t.get("begin"), str)]
     repeated = next((b for i, b in enumerate(begins) if b in begins[:i]), None)
     if repeated is not None:

@@ -85,21 +85,24 @@ def _tag(tool: Tool) -> dict[str, Any]:
             "end": f"}}\n{CALL_END}"}
 
 
-def call_constraint(tools: list[Tool], choice: str) -> GrammarSpec | None:
+def call_constraint(tools: list[Tool], choice: str, function: str | None = None) -> GrammarSpec | None:
     """The structural tag of `choice` ("auto", "required", "none" or a tool's
-    name) over `tools`; None for "none". GrammarError for a choice that names
-    no tool, or calls without tools."""
+    name) over `tools`, or of the one tool `function` names (a tool may be
+    called "none" or "auto": as `function` it is a name); None for "none".
+    GrammarError for a name no tool has, or calls without tools."""
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise GrammarError("tool names must be unique")
-    if choice == "none":
+    if function is not None:
+        choice = function
+    elif choice == "none":
         return None
     if not tools:
         raise GrammarError("tool calls need at least one tool")
-    if choice == "auto":
+    if function is None and choice == "auto":
         fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": [CALL_START],
                                "tags": [_tag(t) for t in tools]}
-    elif choice == "required":
+    elif function is None and choice == "required":
         fmt = {"type": "tags_with_separator", "separator": "\n", "at_least_one": True,
                "tags": [_tag(t) for t in tools]}
     else:

@@ -184,12 +184,11 @@ def tools_spec(req: pb.GenerateRequest) -> ToolsSpec | None:
     choice = _MODES.get(tc.mode)
     if choice is None:
         raise invalid_argument("tool_choice.mode", f"unknown value {tc.mode}")
-    if tc.function_name:
-        if tc.mode != pb.ToolChoice.MODE_UNSPECIFIED:
-            raise invalid_argument("tool_choice.function_name", "names the one tool to call: leave mode unset")
-        choice = tc.function_name
+    if tc.function_name and tc.mode != pb.ToolChoice.MODE_UNSPECIFIED:
+        raise invalid_argument("tool_choice.function_name", "names the one tool to call: leave mode unset")
     try:
-        spec = call_constraint(tools, choice)
+        # A name, never a mode: a tool may be called "none" or "required".
+        spec = call_constraint(tools, choice, function=tc.function_name or None)
     except GrammarError as e:
         field = "tool_choice.function_name" if "no tool is named" in str(e) else "tools"
         raise invalid_argument(field, str(e)) from None

@@ -93,6 +93,38 @@ def test_the_output_verdict():
     assert not result.checked and "names tokens" in (result.message or "")
 
 
+@pytest.mark.parametrize(("schema", "content"), [
+    ({"type": "object", "properties": {"city": {"type": "string"}}}, '{"city": "Oslo", "unit": "c"}'),
+    ({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}, '{"city": "Z\\u00fcrich"}'),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, "[1, 2]"),
+])
+def test_the_verdict_reads_the_tag_as_its_grammar_does(compiler, schema, content):
+    # The verdict built its grammar from the tag as written (xgrammar's strict
+    # mode, no escapes in bounded strings): answers the generating grammar
+    # wrote, valid by their schema, were INVALID.
+    tag = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f>"]}
+    spec = GrammarSpec.structural_tag(tag)
+    text = f"<f>{content}</f>"
+    ids = compiler.tokenizer_data.encode(text)
+    matcher = compiler.compile(spec, backend="xgrammar")
+    assert matcher.accept_tokens(ids) == len(ids) and matcher.can_terminate()
+    assert OutputCheck(spec).validate_text(text).valid
+
+
+def test_contents_the_verdict_cannot_find_are_not_checked():
+    # A sequence's (or an empty end's) contents cannot be located: a keyword
+    # the grammar leaves out (uniqueItems) went unchecked, and the verdict said VALID.
+    unique = {"type": "json_schema", "json_schema": {"type": "array", "uniqueItems": True}}
+    sequence = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "<f>", "content": unique, "end": "</f>"}]}}
+    result = OutputCheck(GrammarSpec.structural_tag(sequence)).validate_text("<f>[1, 1]</f>")
+    assert not result.checked and "uniqueItems" in result.message
+    enforced = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "array"}},
+         "end": "</f>"}]}}
+    assert OutputCheck(GrammarSpec.structural_tag(enforced)).validate_text("<f>[1, 1]</f>").checked
+
+
 def test_the_spec_keeps_its_text_as_the_cache_key():
     a = GrammarSpec.structural_tag(LEGACY)
     assert a == GrammarSpec.structural_tag(json.dumps(LEGACY, ensure_ascii=False))
@@ -133,6 +165,22 @@ def test_tool_choices_compile_to_structural_tags(compiler):
         call_constraint([WEATHER, WEATHER], "auto")
     with pytest.raises(GrammarError, match="must be 1-128"):
         Tool("bad name")
+
+
+@pytest.mark.parametrize("name", ["none", "auto", "required"])
+def test_a_tool_named_like_a_mode_is_called_by_name(compiler, name):
+    # As a tool's name they switched the mode: "none" left the answer free,
+    # "required" let the model call another tool.
+    tools = [Tool(name, {"type": "object"}), Tool("other", {"type": "object"})]
+    spec = call_constraint(tools, "auto", function=name)
+    assert spec is not None
+    matcher = compiler.compile(spec, backend="xgrammar")
+    tok = compiler.tokenizer_data
+    own = tok.encode(f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>')
+    assert matcher.accept_tokens(own) == len(own) and matcher.can_terminate()
+    matcher.reset()
+    other = tok.encode('<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>')
+    assert matcher.accept_tokens(other) < len(other)
 
 
 def test_a_named_call_is_forced_up_to_its_arguments(compiler):
@@ -183,11 +231,25 @@ def test_a_call_is_read_as_json_not_up_to_the_first_end_marker(compiler):
     # Which schema a text follows was unknown; the output's check took the first's.
     ({"structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"},
                      {"begin": "<f>", "schema": {"type": "string"}, "end": "</f>"}], "triggers": ["<f"]}, "two tags"),
+    # llguidance read "x<a>" as free text x, then the tag <a>; xgrammar as the tag x<a>.
+    ({"structures": [{"begin": "<a>", "schema": {"type": "integer"}, "end": "</a>"},
+                     {"begin": "x<a>", "schema": {"type": "string"}, "end": "</a>"}], "triggers": ["<a>", "x<a>"]},
+     "inside"),
 ])
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_tags_the_libraries_would_read_apart_are_refused(compiler, tag, problem, backend):
     with pytest.raises(GrammarError, match=problem):
         compiler.compile(GrammarSpec.structural_tag({"type": "structural_tag", **tag}), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "auto"])
+def test_triggers_given_as_a_string_are_refused(compiler, backend):
+    # llguidance took the string's characters for the triggers ("<" alone)
+    # and auto fell back to it.
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": "<f>", "tags": [
+        {"type": "tag", "begin": "<f>", "content": {"type": "any_text"}, "end": "</f>"}]}}
+    with pytest.raises(GrammarError, match="list of strings"):
+        compiler.compile(GrammarSpec.structural_tag(tag), backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])

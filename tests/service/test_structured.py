@@ -149,6 +149,19 @@ def test_json_inside_tags_and_tool_calls_follows_the_servers_resample_default() 
     assert regex is not None and not regex.resamples(True)
 
 
+def test_a_tool_choice_naming_a_tool_called_like_a_mode_calls_that_tool() -> None:
+    # function_name "none" left the answer free; "required" allowed any tool.
+    for name in ("none", "auto", "required"):
+        req = pb.GenerateRequest(text="x")
+        req.tools.add(name=name, parameters='{"type": "object"}')
+        req.tools.add(name="other", parameters='{"type": "object"}')
+        req.tool_choice.function_name = name
+        tools = tools_spec(req)
+        assert tools is not None and tools.constraint is not None
+        source = str(tools.constraint.spec.source)
+        assert f'\\"name\\": \\"{name}\\"' in source and "other" not in source, name
+
+
 def test_compile_result_and_errors() -> None:
     async def go() -> None:
         fake = FakeStructured()
