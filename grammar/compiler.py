@@ -511,7 +511,8 @@ class GrammarCompiler:
                 else:  # its finished outputs are checked by a matcher of the spec's own semantics
                     tags = TagPlan(str(spec.source), b, self.config.schema_store) \
                         if spec.kind == "structural_tag" else None
-                    artifact = dataclasses.replace(artifact, validator=OutputCheck(spec), tags=tags)
+                    artifact = dataclasses.replace(artifact, validator=OutputCheck(spec, self.config.schema_store),
+                                                   tags=tags)
                 artifact = dataclasses.replace(artifact, compile_seconds=time.monotonic() - started)
             except GrammarError as e:
                 if e.reason == "timeout":

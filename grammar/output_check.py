@@ -38,6 +38,7 @@ from . import structural_tag
 from ._xgr import build_grammar
 from .errors import clean_message
 from .schema_plan import tag_view
+from .schema_store import SchemaStore
 from .spec import GrammarSpec
 from .tag_segments import TagShape, contents, shapes_of
 from .validation import VALID, SchemaValidator, ValidationResult
@@ -83,10 +84,11 @@ class OutputCheck:
     """A verdict on finished outputs of one regex, choice or grammar spec
     (thread-safe; the same interface as `SchemaValidator`)."""
 
-    def __init__(self, spec: GrammarSpec):
+    def __init__(self, spec: GrammarSpec, store: SchemaStore | None = None):
         if spec.kind not in ("regex", "choice", "ebnf", "lark", "structural_tag"):
             raise ValueError(f"no output check for {spec.kind}")
         self.spec = spec
+        self.store = store  # where a tag's schemas find the documents they name, as compiled
         self._lock = threading.Lock()
         self._check: Callable[[str], ValidationResult] | None = None
         self._failed: str | None = None
@@ -125,7 +127,7 @@ class OutputCheck:
             # answers that grammar wrote (an extra key, "Zürich" under a
             # maxLength). What the cut left out the content checks below see.
             left_out: set[str] = set()
-            view = tag_view(spec, "xgrammar", unenforced=left_out)
+            view = tag_view(spec, "xgrammar", self.store, unenforced=left_out)
             try:
                 tag_grammar = build_grammar(view)
             except xgr.exception.InvalidStructuralTagError as e:

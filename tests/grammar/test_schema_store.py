@@ -119,3 +119,17 @@ def test_compiled_grammar_enforces_a_stored_document(tokenizer, store, isolation
     with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS,
                          isolation=isolation) as compiler, pytest.raises(GrammarError):
         compiler.compile(spec)
+
+
+def test_a_tags_verdict_reads_the_store(tokenizer, store):
+    # The verdict builds the tag's grammar as the compile did: without the
+    # store its remote $ref was unreadable and the verdict NOT_CHECKED.
+    tag = {"structures": [{"begin": "<a>", "schema": {"$ref": BASE + "address.json"}, "end": "</a>"}],
+           "triggers": ["<a>"]}
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation="thread",
+                         schema_store=store) as compiler:
+        matcher = compiler.compile(GrammarSpec.structural_tag(tag))
+        assert matcher.validator is not None
+        assert matcher.validator.validate_text('<a>{"street": "Main", "zip": "12345"}</a>').valid
+        bad = matcher.validator.validate_text('<a>{"street": "Main", "zip": "1234"}</a>')
+        assert bad.checked and not bad.valid
