@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -198,11 +199,22 @@ def counted_call(method: Handler) -> Handler:
     return wrapper  # type: ignore[return-value]
 
 
+@dataclass
+class _Preparing:
+    """A Generate call not yet handed to the engine."""
+
+    aborted: bool = False
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Generate, Tokenize, Detokenize, GetModelInfo and Abort over an EngineLoop."""
 
     def __init__(self, state: ServingState):
         self.state = state
+        # Calls still tokenized or compiled, by scoped request id: an Abort
+        # then marks them, and they start aborted (a router's Abort right
+        # after its Generate found no stream, and the request ran in full).
+        self._preparing: dict[str, _Preparing] = {}
 
     @rpc_guard
     @counted_call
@@ -210,16 +222,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         rid = convert.check_request_id(request.request_id)
         current_request_id.set(rid)  # failures from here on carry it
         loop = self.state.require_engine()
-        # 1. Check the request and tokenize its prompt (a long one off the loop).
-        prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
-                                             request, loop.engine, scoped_request_id(rid))
-        # 2. Compile its constraint before the engine sees it (a cache hit
-        # returns at once); a failure ends only this call.
-        [matcher] = await self.state.compile_constraint(prepared.constraint)
+        scoped = scoped_request_id(rid)
+        preparing = _Preparing()
+        own = self._preparing.setdefault(scoped, preparing) is preparing  # (a duplicate id fails at submit)
+        try:
+            # 1. Check the request and tokenize its prompt (a long one off the loop).
+            prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
+                                                 request, loop.engine, scoped)
+            # 2. Compile its constraint before the engine sees it (a cache hit
+            # returns at once); a failure ends only this call.
+            [matcher] = await self.state.compile_constraint(prepared.constraint)
+        finally:
+            if own:
+                del self._preparing[scoped]
         # 3. Build its context, once, and hand it to the engine thread.
         assert self.state.constraints is not None
         stream = loop.submit_request(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint),
                                      prepared.reasoning)
+        if preparing.aborted:  # ends CANCELLED at once, as any aborted request
+            loop.abort(stream.request_id)
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             field = prepared.constraint.field if prepared.constraint is not None else None
@@ -313,6 +334,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         convert.check_abort_ids(request.request_ids)
         aborted = []
         for rid in dict.fromkeys(request.request_ids):  # each id once, however often it is named
-            if any([loop.abort(scoped_request_id(rid)) for loop in loops]):  # only the caller's own
+            scoped = scoped_request_id(rid)  # only the caller's own
+            running = any([loop.abort(scoped) for loop in loops])
+            preparing = self._preparing.get(scoped)
+            if preparing is not None:
+                preparing.aborted = running = True
+            if running:
                 aborted.append(rid)
         return pb.AbortResponse(aborted_request_ids=aborted)

@@ -3,6 +3,10 @@ the engine and its KV pages freed; Abort does the same by id."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 
@@ -86,3 +90,33 @@ def test_abort_with_server_assigned_id(slow_server: ServerHandle) -> None:
     # Aborting a finished request is a no-op.
     assert list(stub.Abort(pb.AbortRequest(request_ids=[rid])).aborted_request_ids) == []
     generate(stub, greedy("still serving", max_new_tokens=2))
+
+
+def test_abort_while_the_constraint_compiles(make_server) -> None:  # type: ignore[no-untyped-def]
+    # A router's Abort right after its Generate found no stream while the
+    # constraint compiled: it answered [] and the request ran in full.
+    server = make_server()
+    state = server.server.state
+    compiling, release = threading.Event(), threading.Event()
+    compile_constraint = state.compile_constraint
+
+    async def slow_compile(*args):  # type: ignore[no-untyped-def]
+        compiling.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return await compile_constraint(*args)
+
+    state.compile_constraint = slow_compile
+    req = _long_request("compile me", request_id="early-abort")
+    req.constraint.regex = "[a-z ]+"
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(lambda: list(server.stub.Generate(req, timeout=TIMEOUT)))
+        assert compiling.wait(TIMEOUT)
+        resp = server.stub.Abort(pb.AbortRequest(request_ids=["early-abort"]), timeout=TIMEOUT)
+        assert list(resp.aborted_request_ids) == ["early-abort"]
+        release.set()
+        msgs = call.result(TIMEOUT)
+    assert msgs[-1].complete.finish_reason == Finish.CANCELLED
+    assert msgs[-1].complete.usage.completion_tokens < 400
+    assert server.wait_no_pages() == (0, 0)
+    generate(server.stub, greedy("still serving", max_new_tokens=2))
