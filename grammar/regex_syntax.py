@@ -356,4 +356,6 @@ def json_pattern_misread(pattern: str, backend: str) -> str | None:
             return f"\\S inside a class at position {item.pos} (ECMA's \\S is another set)"
         if item.kind == "open" and pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), item.pos):
             return f"a look-around at position {item.pos}"
+        if item.kind == "escape" and item.text in ("\\b", "\\B"):
+            return f"a word boundary at position {item.pos} (llguidance has none)"
     return None

@@ -114,6 +114,7 @@ def test_any_of_beside_one_of_compiles_with_llguidance(compiler: GrammarCompiler
     ("^\\z$", '"z"', "xgrammar"),
     ("^[[:alpha:]]$", '"a"', "llguidance"),  # a Rust class; in ECMA-262 a class, then "]"
     ("^[a-z&&[^a]]$", '"b"', "llguidance"),  # a set operator only Rust has
+    ("^a\\b", '"ab"', "llguidance"),  # a word boundary: llguidance refused the schema
 ])
 def test_a_pattern_a_library_reads_otherwise_is_left_to_the_validator(compiler: GrammarCompiler, pattern: str,
                                                                      text: str, backend: str) -> None:
