@@ -103,6 +103,7 @@ class CallRecord:
     code: str | None = None  # status code name once ended
     end: float | None = None
     refusal: str | None = None  # why admission refused it (RESOURCE_EXHAUSTED)
+    key: str | None = None  # the name of the API key it came with (with keys configured)
     compile: CompileNote | None = None
     # The engine requests the call submitted: one, or n for a vLLM n > 1 request.
     requests: list[RequestStats] = field(default_factory=list)
@@ -162,6 +163,14 @@ def note_request(stats: RequestStats) -> None:
     call = _CURRENT.get()
     if call is not None:
         call.requests.append(stats)
+
+
+def note_key(name: str) -> None:
+    """The current call came with the API key named `name` (its name only: a
+    secret is never logged)."""
+    call = _CURRENT.get()
+    if call is not None:
+        call.key = name
 
 
 def note_refusal(reason: str) -> None:
@@ -292,6 +301,8 @@ def log_fields(record: CallRecord) -> dict[str, Any]:
     if record.refusal is not None:
         fields["refused"] = record.refusal
     fields["peer"] = record.peer
+    if record.key is not None:
+        fields["key"] = record.key
     if record.trace_id is not None:
         fields["trace_id"] = record.trace_id
     return fields

@@ -43,7 +43,7 @@ import grpc
 
 from service.errors import Reason, ServiceError, resource_exhausted
 from service.interceptors import rewrap
-from service.ops.request_log import note_refusal
+from service.ops.request_log import note_key, note_refusal
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,9 @@ def load_keys(path: Path | None, env_value: str | None) -> list[ApiKey]:
     refused: serving without keys is never what it asked for (a secret that
     starts with '#' reads as a comment)."""
     if path is not None:
-        keys, source = parse_keys(path.read_text().splitlines(), str(path)), str(path)
-    elif env_value:
+        # utf-8-sig: a byte-order mark (Windows editors) is not part of the first secret.
+        keys, source = parse_keys(path.read_text(encoding="utf-8-sig").splitlines(), str(path)), str(path)
+    elif env_value is not None:  # set, even empty (an empty Secret): never served without keys
         keys, source = parse_keys(env_value.split(","), f"${API_KEYS_ENV}"), f"${API_KEYS_ENV}"
     else:
         return []
@@ -168,6 +169,7 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
             err = ServiceError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, Reason.UNAUTHENTICATED)
             await err.abort(context)
         assert key is not None
+        note_key(key.name)
         if router_only and not key.router:
             await ServiceError(grpc.StatusCode.PERMISSION_DENIED, "this RPC sees every key's requests: it needs "
                                "an API key marked 'router'", Reason.ROUTER_KEY_REQUIRED).abort(context)

@@ -59,6 +59,9 @@ def test_every_rpc_but_health_needs_a_key(keyed: ServerHandle, caplog: pytest.Lo
         response_deserializer=None)(iter([b"\x3a\x00"]), timeout=TIMEOUT)))
     assert code == grpc.StatusCode.UNAUTHENTICATED  # reflection too, unless --public-reflection
     assert all(secret not in caplog.text for secret in (ALICE, BOB, CAROL, "sk-wrong"))
+    # Each call's line names its key (it named none: the log could not say whose a call was).
+    lines = [r.getMessage() for r in caplog.records if r.name == "stencild.requests" and "Tokenize" in r.getMessage()]
+    assert any("key=alice" in line for line in lines)
 
 
 def test_a_key_may_cap_its_calls_in_flight(keyed: ServerHandle) -> None:

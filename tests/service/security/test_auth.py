@@ -28,6 +28,16 @@ def test_a_key_file_with_no_key_is_refused_not_served_without_authentication(tmp
         load_keys(path, None)
     with pytest.raises(ValueError, match="holds no API key"):
         load_keys(None, " , ")
+    # Set but empty (an empty Kubernetes Secret) served without keys.
+    with pytest.raises(ValueError, match="holds no API key"):
+        load_keys(None, "")
+
+
+def test_a_key_files_byte_order_mark_is_not_part_of_its_first_secret(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Windows editors write one; the first key then never matched.
+    path = tmp_path / "keys"
+    path.write_bytes(b"\xef\xbb\xbfsk-first alice\nsk-second bob\n")
+    assert [k.secret for k in load_keys(path, None)] == ["sk-first", "sk-second"]
 
 
 @pytest.mark.parametrize("entries, problem", [
