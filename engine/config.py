@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from grammar import SchemaStore
@@ -75,8 +76,8 @@ class EngineConfig(DeviceOptions):
 
     def __post_init__(self) -> None:
         validate_device_dtype(self.device, self.dtype)
-        if self.kv_cache_gib <= 0:
-            raise ValueError("kv_cache_gib must be > 0")
+        if not 0 < self.kv_cache_gib < math.inf:
+            raise ValueError("kv_cache_gib must be > 0 and finite")
         if not 1 <= self.page_size <= 64:
             raise ValueError("page_size must be in [1, 64]")
         if self.attention not in ("auto", "torch", "triton"):
@@ -92,8 +93,8 @@ class EngineConfig(DeviceOptions):
                 raise ValueError("gpu_memory_utilization applies to CUDA devices only")
         if self.grammar_backend not in ("auto", "xgrammar", "llguidance"):
             raise ValueError("grammar_backend must be auto, xgrammar or llguidance")
-        if self.grammar_compile_timeout_s <= 0:
-            raise ValueError("grammar_compile_timeout_s must be > 0")
+        if not 0 < self.grammar_compile_timeout_s < math.inf:
+            raise ValueError("grammar_compile_timeout_s must be > 0 and finite")
         if self.grammar_mask_threads is not None and self.grammar_mask_threads < 1:
             raise ValueError("grammar_mask_threads must be >= 1")
         SchemaStore.parse(self.schema_store)  # ValueError: a bad mapping or a missing directory

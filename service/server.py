@@ -112,8 +112,8 @@ class KeepalivePolicy:
 
     def options(self) -> list[tuple[str, int]]:
         """grpc server channel arguments."""
-        def ms(seconds: float) -> int:
-            return int(seconds * 1000)
+        def ms(seconds: float) -> int:  # rounded up: 0.0001 s is not 0 (which means off or never)
+            return math.ceil(seconds * 1000)
 
         options = [
             ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -45,8 +46,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 picks a free one)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size in GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+    p.add_argument("--kv-cache-gib", type=_POSITIVE, default=1.0, help="KV cache size in GiB")
+    p.add_argument("--gpu-memory-utilization", type=_POSITIVE, default=None, metavar="FRACTION",
                    help="CUDA: size the KV cache to fill this share of the GPU's memory, weights "
                         "included (vLLM's option; replaces --kv-cache-gib for the generation model)")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"],
@@ -54,10 +55,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    p.add_argument("--max-num-seqs", type=_COUNT, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=_COUNT, default=2048, help="tokens per engine step")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
-    p.add_argument("--num-steps", type=int, default=1, help="decode steps per schedule")
+    p.add_argument("--num-steps", type=_COUNT, default=1, help="decode steps per schedule")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty come "
@@ -70,18 +71,18 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     # "module:function" names the engine process calls before it builds the engine
     # (benchmarks emulate a device with one).
     p.add_argument("--engine-setup", action="append", default=[], help=argparse.SUPPRESS)
-    p.add_argument("--max-pending-requests", type=int, default=256,
+    p.add_argument("--max-pending-requests", type=_COUNT, default=256,
                    help="requests in flight before new ones get RESOURCE_EXHAUSTED")
-    p.add_argument("--max-pending-tokens", type=int, default=None,
+    p.add_argument("--max-pending-tokens", type=_COUNT, default=None,
                    help="token budget of requests in flight (default: 4x the KV cache)")
-    p.add_argument("--grace-period", type=float, default=30.0,
+    p.add_argument("--grace-period", type=_NON_NEGATIVE, default=30.0,
                    help="seconds in-flight streams may finish after SIGTERM")
-    p.add_argument("--max-message-mb", type=float, default=16.0, help="max gRPC message size")
-    p.add_argument("--stream-messages-per-second", type=float, default=4000.0, metavar="N",
+    p.add_argument("--max-message-mb", type=_POSITIVE, default=16.0, help="max gRPC message size")
+    p.add_argument("--stream-messages-per-second", type=_NON_NEGATIVE, default=4000.0, metavar="N",
                    help="messages a second all Generate streams may send together; past it each "
                         "stream's tokens are batched into fewer messages (0: one per step)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
-    p.add_argument("--watchdog-timeout", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--watchdog-timeout", type=_NON_NEGATIVE, default=60.0, metavar="SECONDS",
                    help="an engine with work that completes no step for this long reports "
                         "NOT_SERVING and logs what it is doing (0: off)")
     p.add_argument("--log-level", default="INFO", type=_log_level, help="DEBUG, INFO, WARNING, ERROR")
@@ -107,15 +108,15 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--health-host", default="127.0.0.1",
                    help="address of --health-port (0.0.0.0 for kubelet probes on the pod IP)")
     k = p.add_argument_group("connections")
-    k.add_argument("--min-ping-interval", type=float, default=5.0, metavar="SECONDS",
+    k.add_argument("--min-ping-interval", type=_POSITIVE, default=5.0, metavar="SECONDS",
                    help="accept client keepalive pings this often, even on idle connections")
-    k.add_argument("--keepalive-time", type=float, default=60.0, metavar="SECONDS",
+    k.add_argument("--keepalive-time", type=_POSITIVE, default=60.0, metavar="SECONDS",
                    help="ping idle connections this often")
-    k.add_argument("--keepalive-timeout", type=float, default=20.0, metavar="SECONDS",
+    k.add_argument("--keepalive-timeout", type=_POSITIVE, default=20.0, metavar="SECONDS",
                    help="close a connection whose ping is not answered within this")
-    k.add_argument("--max-connection-age", type=float, default=1800.0, metavar="SECONDS",
+    k.add_argument("--max-connection-age", type=_NON_NEGATIVE, default=1800.0, metavar="SECONDS",
                    help="ask older connections to reconnect, so load spreads again (0: never)")
-    k.add_argument("--max-connection-age-grace", type=float, default=300.0, metavar="SECONDS",
+    k.add_argument("--max-connection-age-grace", type=_NON_NEGATIVE, default=300.0, metavar="SECONDS",
                    help="how long calls on such a connection may still run")
     o = p.add_argument_group("observability")
     o.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -131,10 +132,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("structured output")
     g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
                    help="default grammar library for constrained requests (a request may pick one)")
-    g.add_argument("--grammar-mask-threads", type=int, default=None, metavar="N",
+    g.add_argument("--grammar-mask-threads", type=_COUNT, default=None, metavar="N",
                    help="threads filling a step's grammar masks (default: 1 on the CPU, else a quarter "
                         "of the usable cores, 1 to 8; the start-up log says how many)")
-    g.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+    g.add_argument("--grammar-timeout", type=_POSITIVE, default=10.0, metavar="SECONDS",
                    help="longest a constraint may compile; slower ones fail with INVALID_ARGUMENT")
     g.add_argument("--schema-store", action="append", default=[], metavar="URI_PREFIX=DIR",
                    help="serve the JSON schema documents under DIR for $refs that start with "
@@ -167,7 +168,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--codec", type=Path, default=None, metavar="DIR",
                    help="SNAC 24 kHz decoder directory (config.json and model.safetensors or "
                         "pytorch_model.bin), with --speech-model")
-    s.add_argument("--speech-kv-cache-gib", type=float, default=None,
+    s.add_argument("--speech-kv-cache-gib", type=_POSITIVE, default=None,
                    help="KV cache of a separate speech engine in GiB (default: --kv-cache-gib)")
     e = p.add_argument_group("embeddings")
     emb = e.add_mutually_exclusive_group()
@@ -178,7 +179,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                      help="serve no embedding model (Embed answers FAILED_PRECONDITION)")
     e.add_argument("--embedding-only", action="store_true",
                    help="serve only the embedding model, no generation or speech model")
-    e.add_argument("--embedding-max-pending-tokens", type=int, default=256 * 1024,
+    e.add_argument("--embedding-max-pending-tokens", type=_COUNT, default=256 * 1024,
                    help="input tokens queued for embedding before new calls get RESOURCE_EXHAUSTED "
                         "(a single call of more is INVALID_ARGUMENT)")
 
@@ -192,6 +193,29 @@ class ServePlan:
     config: ServerConfig
     embedding: EmbeddingOptions | None
     speech: SpeechOptions | None
+
+
+def _at_least(low: float, cast: Callable[[str], float] = float, above: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a finite number >= `low` (> with `above`), so a bad
+    value is refused naming its flag, before anything starts (NaN passed every
+    `<= 0` check: the server bound its port, then failed to load, or served
+    with every constrained request failing)."""
+    def parse(text: str) -> float:
+        kind = "a whole number" if cast is int else "a finite number"
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be {kind} {'>' if above else '>='} {low:g}, got {text!r}")
+        return value
+    parse.__name__ = cast.__name__
+    return parse
+
+
+_POSITIVE = _at_least(0, above=True)
+_NON_NEGATIVE = _at_least(0)
+_COUNT = _at_least(1, int)
 
 
 def _log_level(value: str) -> str:

@@ -70,8 +70,9 @@ def test_serve_rejects_bad_embedding_and_grammar_options(tmp_path: Path,
     assert main(["serve", "--embedding-only", "--preset", "tiny-llama"]) == 2
     assert main(["serve", "--embedding-model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["serve", "--preset", "tiny-llama", "--grammar-timeout", "0"]) == 2
-    assert "grammar_compile_timeout_s" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--preset", "tiny-llama", "--grammar-timeout", "0"])
+    assert exit_.value.code == 2 and "--grammar-timeout" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--grammar-backend", "outlines"])
     with pytest.raises(SystemExit):
@@ -109,15 +110,37 @@ def test_client_flags_a_field_cannot_hold_exit_2(argv: list[str], flag: str,
     (["--max-message-mb", "2048"], "--max-message-mb"),
     (["--max-message-mb", "inf"], "--max-message-mb"),
     (["--keepalive-time", "1e8"], "ping_interval_s must be at most"),
-    (["--max-connection-age", "nan"], "max_connection_age_s"),
-    (["--grace-period", "nan"], "grace_period_s"),
+    (["--max-connection-age", "nan"], "--max-connection-age"),
+    (["--grace-period", "nan"], "--grace-period"),
+    # These failed only once the server had bound its port (the model could
+    # not load), or served with every constrained request failing INTERNAL.
+    (["--kv-cache-gib", "nan"], "--kv-cache-gib"),
+    (["--kv-cache-gib", "inf"], "--kv-cache-gib"),
+    (["--grammar-timeout", "nan"], "--grammar-timeout"),
+    # Refused naming an internal field, not the flag.
+    (["--grace-period", "-1"], "--grace-period"),
+    (["--keepalive-time", "0"], "--keepalive-time"),
+    (["--max-pending-requests", "0"], "--max-pending-requests"),
 ])
 def test_serve_refuses_values_grpc_cannot_take(flags: list[str], says: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Past a C int grpc's channel arguments overflowed inside the starting server
-    (a traceback, exit 1); NaN passed every `< 0` check."""
-    assert main(["serve", "--embedding-only", "--metrics-port", "0", *flags]) == 2
+    (a traceback, exit 1); NaN passed every `< 0` check. Each is refused before
+    anything starts, exit 2, naming its flag."""
+    try:
+        code = main(["serve", "--embedding-only", "--metrics-port", "0", *flags])
+    except SystemExit as exit_:  # argparse's refusal
+        code = exit_.code  # type: ignore[assignment]
+    assert code == 2
     assert says in capsys.readouterr().err
+
+
+def test_keepalive_times_below_a_millisecond_are_not_zero() -> None:
+    # grpc reads 0 ms as "off" (max connection age) or as no interval at all.
+    from service.server import KeepalivePolicy
+
+    options = dict(KeepalivePolicy(ping_interval_s=0.0001, max_connection_age_s=0.0001).options())
+    assert options["grpc.keepalive_time_ms"] == 1 and options["grpc.max_connection_age_ms"] == 1
 
 
 def test_generate_system_implies_chat(monkeypatch: pytest.MonkeyPatch) -> None:
