@@ -294,3 +294,13 @@ def test_the_tokenizers_eos_ends_generation_beside_the_checkpoints(tmp_path) -> 
         assert llm.engine.eos_token_ids == {1, 3}
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("field", ["kv_cache_gib", "grammar_compile_timeout_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0])
+def test_engine_config_refuses_a_size_or_time_that_is_no_number(field: str, value: float) -> None:
+    # NaN passed `<= 0`: the cache size failed at load, the timeout at every compile.
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model=str(ensure_preset("tiny-llama")), **{field: value})
