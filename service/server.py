@@ -224,6 +224,7 @@ class StencilServer:
         self._force = asyncio.Event()
         self._draining: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._watchdog: asyncio.Task[None] | None = None  # polls until the server stops
 
     @property
     def engine_loop(self) -> EngineLoop | None:
@@ -281,10 +282,11 @@ class StencilServer:
         """Re-read the TLS files (SIGHUP): new connections use them, open ones carry on."""
         return self._tls.reload() if self._tls is not None else False
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, coro) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _build_models(self) -> LoadedModels:
         cfg = self.config
@@ -356,7 +358,7 @@ class StencilServer:
         if self.config.watchdog_timeout_s > 0:
             watchdog = Watchdog(self.config.watchdog_timeout_s, self._watched, self.health,
                                 lambda: self.state.draining)
-            self._spawn(watchdog.run())
+            self._watchdog = self._spawn(watchdog.run())
         self._ready.set()
 
     def _watched(self) -> list[Watched]:
@@ -466,6 +468,8 @@ class StencilServer:
         # The speech engine first: it may run on the generation engine's device thread.
         for loop in reversed(loops):
             await loop.stop()
+        if self._watchdog is not None:  # it kept polling, and the engines alive, after a stop
+            self._watchdog.cancel()
         # Last: a scrape during the drain still sees the server.
         await asyncio.to_thread(self.telemetry.close)
         log.info("stopped")

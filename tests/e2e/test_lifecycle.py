@@ -214,3 +214,16 @@ def test_a_drain_waits_for_unary_calls_that_work(method: str, make_server, monke
         release.set()
         assert answer.result(TIMEOUT), "the call was answered"
     stopped.result(TIMEOUT)
+
+
+def test_nothing_of_the_server_runs_on_after_it_stops(make_server) -> None:  # type: ignore[no-untyped-def]
+    # The watchdog polled for ever after a stop, keeping the engines alive
+    # (in-process uses: tests, an embedding application).
+    server = make_server()
+    server.stop()
+
+    async def others() -> list[str]:
+        return sorted(str(t.get_coro()) for t in asyncio.all_tasks() if t is not asyncio.current_task())
+
+    leftover = server.runner.run(others())
+    assert not any("Watchdog" in name for name in leftover), leftover
