@@ -15,6 +15,7 @@ from .context import TokenLogprobs
 from .engine import EngineCore
 from .errors import RequestFailed
 from .output import RequestOutput
+from .postprocess import EngineBroken
 from .reasoning import ReasoningOptions
 from .sampling_params import SamplingParams, default_length
 
@@ -89,6 +90,11 @@ class SpeechOutput:
             self.finish_reason = delta.finish_reason
 
 
+# Steps an aborted call's drain may take (a few: the steps in flight, then
+# the aborted requests' final outputs) before the engine counts as broken.
+_MAX_DRAIN_STEPS = 64
+
+
 class LLM:
     """Load a checkpoint and generate for batches of prompts, offline.
 
@@ -106,6 +112,15 @@ class LLM:
         # An LLM dropped without close() still stops its device thread and
         # grammar worker (the engine itself holds no reference back to us).
         self._finalizer = weakref.finalize(self, self.engine.close)
+        # Why no call can run any more (set when a failed call could not be undone).
+        self._broken: BaseException | None = None
+
+    def _check_usable(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM is closed")
+        if self._broken is not None:
+            raise EngineBroken(f"an earlier call left the engine broken ({type(self._broken).__name__}: "
+                               f"{self._broken}); make a new LLM") from self._broken
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -131,6 +146,7 @@ class LLM:
         cannot follow is the input's fault: that result has finish_reason
         "error", `error` and error_cause "constraint", and nothing is raised.
         """
+        self._check_usable()
         if isinstance(prompts, str):
             prompts = [prompts]
         model_params = params is None
@@ -178,19 +194,44 @@ class LLM:
         return outputs
 
     def _run(self, results: Mapping[str, CompletionOutput | SpeechOutput]) -> None:
-        """Step the engine until every request in `results` has finished."""
+        """Step the engine until every request in `results` has finished. A call
+        that does not finish (Ctrl-C, `EngineBroken`) is undone first: see `_undo`."""
         pending = set(results)
-        while pending:
-            for delta in self.engine.step():
-                out = results.get(delta.request_id)
-                if out is None:
-                    continue
-                out._add(delta)
-                if delta.finished:
-                    pending.discard(delta.request_id)
-        # With overlap a speculative step may still be in flight: finish it.
-        while self.engine.has_work():
-            self.engine.step()
+        try:
+            while pending:
+                for delta in self.engine.step():
+                    out = results.get(delta.request_id)
+                    if out is None:
+                        continue
+                    out._add(delta)
+                    if delta.finished:
+                        pending.discard(delta.request_id)
+            # With overlap a speculative step may still be in flight: finish it.
+            while self.engine.has_work():
+                self.engine.step()
+        except BaseException as exc:
+            self._undo(pending, exc)
+            raise
+
+    def _undo(self, request_ids: set[str], exc: BaseException) -> None:
+        """Abort an unfinished call's requests and drain the engine, so the
+        next call starts clean. A step cut off mid-way (Ctrl-C) left them
+        holding tokens it would never deliver, and the next call stepped an
+        engine that scheduled nothing, for ever. If the engine cannot be
+        drained (or broke), every later call raises EngineBroken instead."""
+        if isinstance(exc, EngineBroken):
+            self._broken = exc
+            return
+        try:
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+            for _ in range(_MAX_DRAIN_STEPS):
+                if not self.engine.has_work():
+                    return
+                self.engine.step()
+            raise EngineBroken(f"the engine still had work {_MAX_DRAIN_STEPS} steps after its call was aborted")
+        except BaseException as again:  # noqa: BLE001 - whatever it was, no call may run on this engine
+            self._broken = again
 
     def synthesize(self, texts: Sequence[str] | str, params: SamplingParams | None = None,
                    **kwargs: Any) -> list[SpeechOutput]:
@@ -199,17 +240,17 @@ class LLM:
         Keyword arguments go to `EngineCore.make_speech_context`
         (chunk_frames, max_audio_seconds, audio_prompt_codes, ...).
         """
+        self._check_usable()
         if isinstance(texts, str):
             texts = [texts]
-        outs: dict[str, SpeechOutput] = {}
-        order = []
-        for text in texts:
-            ctx = self.engine.make_speech_context(text, params, **kwargs)
+        # Every request made (and checked) before any is added, as in generate:
+        # a bad text leaves no others queued behind it.
+        contexts = [self.engine.make_speech_context(text, params, **kwargs) for text in texts]
+        outs = {ctx.request_id: SpeechOutput(ctx.request_id) for ctx in contexts}
+        for ctx in contexts:
             self.engine.add_request(ctx)
-            outs[ctx.request_id] = SpeechOutput(ctx.request_id)
-            order.append(ctx.request_id)
         self._run(outs)
-        return [outs[r] for r in order]
+        return [outs[ctx.request_id] for ctx in contexts]
 
     def close(self) -> None:
         self._finalizer()

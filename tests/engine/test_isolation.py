@@ -264,5 +264,35 @@ def test_steps_that_fail_whatever_runs_in_them_break_the_engine():
         with pytest.raises(EngineBroken):
             llm.generate(prompts(8) * 2, GREEDY)
         assert llm.engine.postprocessor.failed_steps == MAX_FAILED_STEPS + 1
+        # The next call says so at once: it stepped, for ever, an engine whose
+        # requests held tokens of a step that was gone.
+        with pytest.raises(EngineBroken, match="make a new LLM"):
+            llm.generate(prompts(1), GREEDY)
     finally:
         llm.close()
+    with pytest.raises(RuntimeError, match="closed"):  # was a RequestFailed with no cause
+        llm.generate(prompts(1), GREEDY)
+
+
+@pytest.mark.timeout(120)  # the old code's next call never returned
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_call_cut_off_by_ctrl_c_leaves_the_engine_ready_for_the_next(make_llm, monkeypatch, overlap):
+    from engine import step_run
+
+    llm = make_llm("tiny-llama", overlap=overlap)
+    real = step_run.LaunchedStep.result
+    calls = {"n": 0}
+
+    def result(self):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # where Ctrl-C lands: waiting for the device
+        return real(self)
+
+    monkeypatch.setattr(step_run.LaunchedStep, "result", result)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts(4), GREEDY)
+    eng = llm.engine
+    assert not eng.has_work() and eng.allocator.num_used == 0
+    out = llm.generate(prompts(1), GREEDY)[0]
+    assert out.token_ids == hf_greedy("tiny-llama", prompts(1)[0])[:NEW_TOKENS]

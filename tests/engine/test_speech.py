@@ -304,3 +304,12 @@ def test_executor_refuses_work_after_close():
     with pytest.raises(RuntimeError, match="stopped"):
         ex.submit(lambda: 1).result(timeout=5)
     ex.close()  # twice is fine
+
+
+def test_a_bad_text_in_a_batch_leaves_nothing_queued(speech_llm) -> None:
+    # The texts were added one by one: the good ones before the bad one stayed
+    # queued, and ran unseen inside the next call.
+    llm = speech_llm()
+    with pytest.raises(InvalidRequest):
+        llm.synthesize(["fine", ""], max_audio_seconds=0.5)
+    assert not llm.engine.has_work() and llm.engine.allocator.num_used == 0
