@@ -36,3 +36,7 @@ class RequestFailed(RuntimeError):
                          + "; ".join(f"{o.request_id}: {o.error}" for o in outputs if o.request_id in failed))
         self.outputs = outputs
         self.failed = failed
+
+    def __reduce__(self) -> tuple[type, tuple[list[Any], list[str]]]:
+        # As InvalidRequest's: a call run in a worker process raises it intact.
+        return type(self), (self.outputs, self.failed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import weakref
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,7 @@ import numpy as np
 from .config import EngineConfig
 from .context import TokenLogprobs
 from .engine import EngineCore
-from .errors import RequestFailed
+from .errors import InvalidRequest, RequestFailed
 from .output import RequestOutput
 from .postprocess import EngineBroken
 from .reasoning import ReasoningOptions
@@ -147,8 +148,9 @@ class LLM:
         "error", `error` and error_cause "constraint", and nothing is raised.
         """
         self._check_usable()
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        if isinstance(prompts, str | Mapping) or (
+                isinstance(prompts, Sequence) and prompts and all(isinstance(t, numbers.Integral) for t in prompts)):
+            prompts = [prompts]  # type: ignore[assignment]  # one prompt (text, ids or a dict), as vLLM reads it
         model_params = params is None
         if params is None or isinstance(params, SamplingParams):
             # None: the model's own defaults (generation_config.json), as vLLM's LLM.
@@ -175,11 +177,11 @@ class LLM:
         # Every request is made (and checked) before any is added: a bad one
         # leaves no others queued behind it.
         for prompt, p, matcher, option in zip(prompts, params, matchers, options, strict=True):
-            ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else \
-                [int(t) for t in cast(Sequence[int], prompt)]
+            ids = self._prompt_ids(prompt)
             if model_params:
                 p = default_length(p, self.engine.default_max_new_tokens, len(ids), self.engine.max_model_len)
             ctx = self.engine.make_context(ids, p, matcher=matcher, resample=resample, reasoning=option)
+            ids = [int(t) for t in ids]  # checked: integers in the vocabulary
             contexts.append(ctx)
             results[ctx.request_id] = CompletionOutput(ctx.request_id, ids,
                                                        logprobs=[] if p.logprobs is not None else None)
@@ -192,6 +194,25 @@ class LLM:
         if failed:
             raise RequestFailed(outputs, failed)
         return outputs
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        """A prompt's token ids: from its text, its ids, or vLLM's dict forms
+        (`{"prompt": text}`, `{"prompt_token_ids": ids}`). Ids are checked
+        as the request is made (requests.check_token_ids), not converted
+        here: `int()` truncated a float, and b"Hi" was read as its bytes."""
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequest("prompt", 'a dict prompt needs "prompt" (text) or "prompt_token_ids"')
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence | np.ndarray) or isinstance(prompt, bytes | bytearray):
+            raise InvalidRequest("prompt", f"give a prompt as text or a list of token ids, not {type(prompt).__name__} "
+                                 "(several prompts: a list of them)")
+        return list(prompt)
 
     def _run(self, results: Mapping[str, CompletionOutput | SpeechOutput]) -> None:
         """Step the engine until every request in `results` has finished. A call

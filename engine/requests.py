@@ -8,6 +8,7 @@ twice.
 
 from __future__ import annotations
 
+import numbers
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,8 +20,24 @@ from .sampling_params import SamplingParams
 
 
 def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> np.ndarray:
-    """`ids` as an int64 array; InvalidRequest (with the index) for one outside [0, vocab_size)."""
-    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64).reshape(-1)
+    """`ids` as an int64 array; InvalidRequest (with the index) for one outside
+    [0, vocab_size) or not an integer (a float was truncated, b"Hi" read as
+    its bytes, 2**70 overflowed with a bare OverflowError)."""
+    if isinstance(ids, str | bytes | bytearray):
+        raise InvalidRequest(field, f"give token ids as a list of integers, not {type(ids).__name__}")
+    if isinstance(ids, np.ndarray):
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequest(field, f"token ids must be integers, got an array of {ids.dtype}")
+        listed: Iterable[int] = ids
+    else:
+        listed = list(ids)
+        for i, t in enumerate(listed):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                raise InvalidRequest(field, f"token ids must be integers, got {t!r}", index=i)
+            if not -2**63 <= int(t) < 2**63:
+                raise InvalidRequest(field, f"token id {int(t)} is outside the vocabulary [0, {vocab_size})",
+                                     index=i)
+    arr = np.asarray(listed, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
         i = int(bad[0])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +32,13 @@ MAX_TOP_K = 2**31 - 1
 
 class InvalidSamplingParams(InvalidRequest):
     """A sampling or stopping value out of range; `field` names it."""
+
+
+def _check_integers(name: str, values: Iterable[Any]) -> None:
+    """InvalidSamplingParams unless every value is an integer (not a bool)."""
+    for value in values:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise InvalidSamplingParams(name, f"must be an integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -69,15 +78,39 @@ class SamplingParams:
         # Normalise containers so the object stays immutable and hashable-ish.
         # A lone string is one stop string, as vLLM takes it (a tuple of it
         # would be one stop string per character).
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "logit_bias",
-                           MappingProxyType({int(k): float(v) for k, v in dict(self.logit_bias).items()}))
+        # None for a collection is "none given", as vLLM reads it. Ids are
+        # checked to be integers before they are converted (`int()` truncated 1.5).
+        stop = self.stop if self.stop is not None else ()
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))
+        ids = self.stop_token_ids if self.stop_token_ids is not None else ()
+        if isinstance(ids, str | bytes):
+            raise InvalidSamplingParams("stop_token_ids", "give a list of token ids")
+        _check_integers("stop_token_ids", ids)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        bias = dict(self.logit_bias) if self.logit_bias is not None else {}
+        _check_integers("logit_bias", bias)
+        for v in bias.values():
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                raise InvalidSamplingParams("logit_bias", f"biases must be numbers, got {v!r}")
+        object.__setattr__(self, "logit_bias", MappingProxyType({int(k): float(v) for k, v in bias.items()}))
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, msg: str) -> None:
             raise InvalidSamplingParams(name, msg)
+
+        # Counts and seeds must be integers: logprobs=1.5 failed inside the
+        # sampler (reported as the server's fault), max_new_tokens=2.5 ran 3.
+        for name in ("top_k", "min_new_tokens"):
+            _check_integers(name, [getattr(self, name)])
+        for name in ("seed", "max_new_tokens", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_integers(name, [getattr(self, name)])
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                bad(name, f"must be a number, got {value!r}")
 
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
@@ -100,8 +133,8 @@ class SamplingParams:
             bad("repetition_penalty",
                 f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         for tok, bias in self.logit_bias.items():
-            if tok < 0:
-                bad("logit_bias", f"token id {tok} is negative")
+            if not 0 <= tok < 2**31:
+                bad("logit_bias", f"token id {tok} is outside [0, 2^31)")
             if not -100.0 <= bias <= 100.0:
                 bad("logit_bias", f"bias for token {tok} must be in [-100, 100], got {bias}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -119,8 +152,8 @@ class SamplingParams:
                 bad("stop", f"stop strings must be at most {MAX_STOP_STRING_LENGTH} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
-        if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "token ids must be >= 0")
+        if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
+            bad("stop_token_ids", "token ids must be in [0, 2^31)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -117,6 +117,67 @@ def test_engine_rejects_bad_requests(make_llm):
     assert torch.get_num_threads() >= 1
 
 
+@pytest.mark.parametrize(("prompt", "says"), [
+    ([[1.9, 2.9]], "integers"),  # int() truncated them to [1, 2]
+    ([["12", "7"]], "integers"),
+    ([[5, 2**70]], "outside the vocabulary"),  # a bare OverflowError
+    ([b"Hello"], "not bytes"),  # read as its bytes
+    ([None], "not NoneType"),
+    ([{"messages": []}], '"prompt"'),
+])
+def test_a_prompt_that_is_no_text_or_token_ids_is_refused(make_llm, prompt, says):
+    from engine import InvalidRequest
+
+    llm = make_llm("tiny-llama")
+    with pytest.raises(InvalidRequest, match=says) as err:
+        llm.generate(prompt, SamplingParams(max_new_tokens=2))
+    assert err.value.field == "prompt"
+
+
+def test_vllm_prompt_forms(make_llm):
+    # A dict of text or ids (vLLM's TextPrompt / TokensPrompt), and one id
+    # list as a single prompt, as vLLM reads them.
+    llm = make_llm("tiny-llama")
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    ids = llm.tokenizer.encode("Hello there")
+    want = llm.generate([ids], params)[0].token_ids
+    assert llm.generate(ids, params)[0].token_ids == want
+    assert llm.generate({"prompt_token_ids": ids}, params)[0].token_ids == want
+    assert llm.generate([{"prompt": "Hello there"}], params)[0].token_ids == want
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"logprobs": 1.5}, "logprobs"),  # failed inside the sampler, reported as the server's fault
+    ({"max_new_tokens": 2.5}, "max_new_tokens"),  # ran 3 tokens
+    ({"seed": 1.5}, "seed"),  # the same as seed=1
+    ({"top_k": 2.5}, "top_k"),
+    ({"stop_token_ids": [2**70]}, "stop_token_ids"),  # a bare OverflowError
+    ({"stop_token_ids": "12"}, "stop_token_ids"),  # became (1, 2)
+    ({"logit_bias": {1.5: 1.0}}, "logit_bias"),
+    ({"temperature": "hot"}, "temperature"),
+])
+def test_sampling_params_of_the_wrong_type_are_refused(fields, field):
+    from engine import InvalidRequest
+
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(**fields)
+    assert err.value.field == field
+
+
+def test_sampling_params_take_none_for_no_stops_or_biases():
+    params = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)  # type: ignore[arg-type]
+    assert params.stop == () and params.stop_token_ids == () and dict(params.logit_bias) == {}
+
+
+def test_request_failed_pickles_as_itself():
+    import pickle
+
+    from engine import RequestFailed
+
+    err = pickle.loads(pickle.dumps(RequestFailed([], [])))
+    assert isinstance(err, RequestFailed) and err.failed == []
+
+
 def test_a_bad_prompt_in_a_batch_leaves_none_of_the_others_running(make_llm):
     from engine import InvalidRequest
 
