@@ -226,6 +226,23 @@ class ServerHandle:
         self.runner.run(self.server.stop())
 
 
+def hold_compiles(handle: ServerHandle) -> tuple[threading.Event, threading.Event]:
+    """Make `handle`'s constraint compiles wait: returns (set once a call waits
+    in its compile, set it to let them go on)."""
+    state = handle.server.state
+    compiling, release = threading.Event(), threading.Event()
+    compile_constraint = state.compile_constraint
+
+    async def held(*args: Any) -> Any:
+        compiling.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return await compile_constraint(*args)
+
+    state.compile_constraint = held  # type: ignore[method-assign]
+    return compiling, release
+
+
 def generate(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest,
              timeout: float = TIMEOUT) -> tuple[str, list[int], pb.GenerateComplete, list[pb.GenerateChunk]]:
     """Run a stream to its end: (text, token ids, the complete message, the chunks)."""

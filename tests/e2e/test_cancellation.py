@@ -3,8 +3,6 @@ the engine and its KV pages freed; Abort does the same by id."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,7 +11,7 @@ import pytest
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 
-from .helpers import TIMEOUT, ServerHandle, generate, greedy
+from .helpers import TIMEOUT, ServerHandle, generate, greedy, hold_compiles
 
 Finish = pb.GenerateComplete.FinishReason
 
@@ -96,17 +94,7 @@ def test_abort_while_the_constraint_compiles(make_server) -> None:  # type: igno
     # A router's Abort right after its Generate found no stream while the
     # constraint compiled: it answered [] and the request ran in full.
     server = make_server()
-    state = server.server.state
-    compiling, release = threading.Event(), threading.Event()
-    compile_constraint = state.compile_constraint
-
-    async def slow_compile(*args):  # type: ignore[no-untyped-def]
-        compiling.set()
-        while not release.is_set():
-            await asyncio.sleep(0.01)
-        return await compile_constraint(*args)
-
-    state.compile_constraint = slow_compile
+    compiling, release = hold_compiles(server)
     req = _long_request("compile me", request_id="early-abort")
     req.constraint.regex = "[a-z ]+"
     with ThreadPoolExecutor(1) as pool:

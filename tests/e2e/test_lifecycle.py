@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from service.gen.stencil.v1 import generate_pb2 as pb
 
-from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy
+from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy, hold_compiles
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -79,17 +79,7 @@ def test_a_drain_waits_for_a_call_still_compiling_its_constraint(make_server) ->
     began while it compiled stopped the server under it after a second
     (CANCELLED). Now the drain waits, and the call ends UNAVAILABLE."""
     server = make_server()
-    state = server.server.state
-    compiling, release = threading.Event(), threading.Event()
-    compile_constraint = state.compile_constraint
-
-    async def slow_compile(*args):  # type: ignore[no-untyped-def]
-        compiling.set()
-        while not release.is_set():
-            await asyncio.sleep(0.01)
-        return await compile_constraint(*args)
-
-    state.compile_constraint = slow_compile
+    compiling, release = hold_compiles(server)
     req = greedy("compile me", max_new_tokens=4)
     req.constraint.regex = "[a-z]+"
     with ThreadPoolExecutor(1) as pool:
