@@ -239,7 +239,7 @@ def hold_compiles(handle: ServerHandle) -> tuple[threading.Event, threading.Even
             await asyncio.sleep(0.01)
         return await compile_constraint(*args)
 
-    state.compile_constraint = held  # type: ignore[method-assign]
+    state.compile_constraint = held  # type: ignore[method-assign,assignment]
     return compiling, release
 
 

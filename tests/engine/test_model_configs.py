@@ -303,4 +303,4 @@ def test_engine_config_refuses_a_size_or_time_that_is_no_number(field: str, valu
     from engine.config import EngineConfig
 
     with pytest.raises(ValueError, match=field):
-        EngineConfig(model=str(ensure_preset("tiny-llama")), **{field: value})
+        EngineConfig(model=str(ensure_preset("tiny-llama")), **{field: value})  # type: ignore[arg-type]

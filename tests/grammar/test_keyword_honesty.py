@@ -226,6 +226,7 @@ def test_xgrammar_reads_a_node_without_a_type_as_json_schema_does(compiler: Gram
     # ignored the other types' keywords there. Each now applies to its own
     # type, enforced.
     matcher = compiler.compile(GrammarSpec.json_schema(schema), backend="xgrammar")
+    assert matcher.validator is not None
     for text in ("1", '"xy"', "null"):
         assert matcher.validator.validate_text(text).valid
         assert grammar_accepts(compiler, matcher, text), text
