@@ -77,6 +77,7 @@ class SpeechOutput:
     token_ids: list[int] = field(default_factory=list)
     chunks: list[np.ndarray] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # set with finish_reason "error"
 
     @property
     def audio(self) -> np.ndarray:
@@ -89,6 +90,7 @@ class SpeechOutput:
             self.chunks.append(delta.audio)
         if delta.finished:
             self.finish_reason = delta.finish_reason
+            self.error = delta.error
 
 
 # Steps an aborted call's drain may take (a few: the steps in flight, then
@@ -259,7 +261,9 @@ class LLM:
         """Speak every text (needs a speech model and `speech_codec`); in order.
 
         Keyword arguments go to `EngineCore.make_speech_context`
-        (chunk_frames, max_audio_seconds, audio_prompt_codes, ...).
+        (chunk_frames, max_audio_seconds, audio_prompt_codes, ...). A request
+        that fails (a failed decode) makes the call raise `RequestFailed` once
+        every request has ended, its `outputs` holding every result, as `generate`.
         """
         self._check_usable()
         if isinstance(texts, str):
@@ -271,7 +275,11 @@ class LLM:
         for ctx in contexts:
             self.engine.add_request(ctx)
         self._run(outs)
-        return [outs[ctx.request_id] for ctx in contexts]
+        results = [outs[ctx.request_id] for ctx in contexts]
+        failed = [o.request_id for o in results if o.finish_reason == "error"]
+        if failed:  # as generate: a server-side fault is raised, not returned silently
+            raise RequestFailed(results, failed)
+        return results
 
     def close(self) -> None:
         self._finalizer()

@@ -313,3 +313,19 @@ def test_a_bad_text_in_a_batch_leaves_nothing_queued(speech_llm) -> None:
     with pytest.raises(InvalidRequest):
         llm.synthesize(["fine", ""], max_audio_seconds=0.5)
     assert not llm.engine.has_work() and llm.engine.allocator.num_used == 0
+
+
+def test_a_failed_speech_request_is_raised_as_generate_does(speech_llm) -> None:
+    # It came back silently: finish_reason "error", no audio, no message.
+    from engine import RequestFailed
+
+    llm = speech_llm()
+
+    def broken_drain(contexts):  # type: ignore[no-untyped-def]
+        raise RuntimeError("codec fault")
+
+    llm.engine.audio.drain = broken_drain  # type: ignore[method-assign,union-attr]
+    with pytest.raises(RequestFailed) as failed:
+        llm.synthesize(["Hello there."], max_audio_seconds=0.5)
+    [out] = failed.value.outputs
+    assert out.finish_reason == "error" and out.error and "audio" in out.error
