@@ -158,8 +158,10 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         key = self.match(handler_call_details.invocation_metadata)
         router_only = handler_call_details.method in self._router_methods
         # An Abort (either protocol's) frees what the key holds: a key at its
-        # cap must still be able to stop its own requests.
-        counted = not handler_call_details.method.endswith("/Abort")
+        # cap must still be able to stop its own requests. A router's KV-event
+        # subscription lives as long as the router: counted, it took one of
+        # its key's slots for good.
+        counted = not handler_call_details.method.endswith(("/Abort", "/SubscribeKvEvents"))
         return rewrap(handler, scope=lambda _request, context: self._call(key, router_only, counted, context))
 
     @contextlib.asynccontextmanager

@@ -21,8 +21,9 @@ from service.security.auth import ApiKey
 from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy
 
 ALICE, BOB, CAROL, ROUTER = "sk-alice-0123456789", "sk-bob-9876543210", "sk-carol-limited", "sk-router-42"
+CAPPED_ROUTER = "sk-router-capped-7"
 KEYS = (ApiKey("alice", ALICE), ApiKey("bob", BOB), ApiKey("carol", CAROL, max_inflight=1),
-        ApiKey("smg", ROUTER, router=True))
+        ApiKey("smg", ROUTER, router=True), ApiKey("smg-capped", CAPPED_ROUTER, max_inflight=1, router=True))
 
 
 def bearer(secret: str) -> tuple[tuple[str, str], ...]:
@@ -150,3 +151,18 @@ def test_clients_see_a_model_name_not_a_server_path(tmp_path) -> None:  # type: 
     keys.write_text(f"# team keys\n{ALICE} alice:4\n{BOB}\n")
     assert [(k.name, k.max_inflight) for k in plan("--api-key-file", str(keys)).config.api_keys] == \
         [("alice", 4), ("key-2", None)]
+
+
+def test_a_routers_event_subscription_takes_none_of_its_keys_calls(keyed: ServerHandle) -> None:
+    # The subscription lives as long as the router: counted, it held one of
+    # the key's MAX_INFLIGHT slots for good (here the only one).
+    from service.gen.vllm import common_pb2 as cpb
+    from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
+
+    events = vpb_grpc.VllmEngineStub(keyed.channel).SubscribeKvEvents(
+        cpb.SubscribeKvEventsRequest(), metadata=bearer(CAPPED_ROUTER), timeout=TIMEOUT)
+    try:
+        events.initial_metadata()  # the subscription is taken
+        assert tokenize(keyed, bearer(CAPPED_ROUTER))
+    finally:
+        events.cancel()
