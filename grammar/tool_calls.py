@@ -93,22 +93,22 @@ def call_constraint(tools: list[Tool], choice: str, function: str | None = None)
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise GrammarError("tool names must be unique")
-    if function is not None:
-        choice = function
-    elif choice == "none":
+    mode = choice if function is None else None  # a name given as `function` is never a mode
+    if mode == "none":
         return None
     if not tools:
         raise GrammarError("tool calls need at least one tool")
-    if function is None and choice == "auto":
+    if mode == "auto":
         fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": [CALL_START],
                                "tags": [_tag(t) for t in tools]}
-    elif function is None and choice == "required":
+    elif mode == "required":
         fmt = {"type": "tags_with_separator", "separator": "\n", "at_least_one": True,
                "tags": [_tag(t) for t in tools]}
     else:
-        named = [t for t in tools if t.name == choice]
+        name = choice if function is None else function
+        named = [t for t in tools if t.name == name]
         if not named:
-            raise GrammarError(f"no tool is named {choice!r}")
+            raise GrammarError(f"no tool is named {name!r}")
         fmt = {"type": "tags_with_separator", "separator": "\n", "at_least_one": True,
                "stop_after_first": True, "tags": [_tag(named[0])]}
     return GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
