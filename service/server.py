@@ -262,21 +262,33 @@ class StencilServer:
         port = _bind(server, self.config.host, self.config.port,
                      self._tls.credentials if self._tls is not None else None)
         await server.start()
+        try:
+            await self._start_side_ports()
+        except OSError:
+            # Nothing may keep listening after a failed start: the caller
+            # gets the error and has no server to stop.
+            await server.stop(None)
+            if self._health_server is not None:
+                await self._health_server.stop(None)
+                self._health_server = None
+            raise
+        self._server, self.port = server, port
+        self._spawn(self._load())
+        return port
+
+    async def _start_side_ports(self) -> None:
+        """The plaintext health port and the metrics endpoint, if asked for."""
         if self.config.health_port:
             health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             self.health.add_to_server(health_server)
             self.health_port = _bind(health_server, self.config.health_host, self.config.health_port, None)
             await health_server.start()
             self._health_server = health_server
-        self._server, self.port = server, port
         try:
             self.telemetry.start()
         except OSError as exc:
-            await server.stop(None)
             address = host_port(self.config.telemetry.metrics_host, self.config.telemetry.metrics_port or 0)
             raise OSError(f"cannot serve metrics on {address}: {exc}") from None
-        self._spawn(self._load())
-        return port
 
     def reload_tls(self) -> bool:
         """Re-read the TLS files (SIGHUP): new connections use them, open ones carry on."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +16,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from service.gen.stencil.v1 import generate_pb2 as pb
+from service.ops.telemetry import TelemetryConfig
+from service.server import ServerConfig, StencilServer
 
-from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy, hold_compiles
+from .helpers import TIMEOUT, LoopThread, ServerHandle, engine_factory, greedy, hold_compiles
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -215,3 +218,23 @@ def test_nothing_of_the_server_runs_on_after_it_stops(make_server) -> None:  # t
     server.stop()
     server.runner.run(asyncio.sleep(0.05))  # the cancellation lands
     assert watchdog.done()
+
+
+@pytest.mark.parametrize("side", ["health", "metrics"])
+def test_a_side_port_that_cannot_bind_leaves_nothing_listening(side: str, loop_thread: LoopThread) -> None:
+    # The main port was left serving (a health port taken) when a later port
+    # failed: the caller got the error and no server to stop.
+    with socket.socket() as taken, socket.socket() as probe:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        probe.bind(("127.0.0.1", 0))
+        main_port = probe.getsockname()[1]
+        probe.close()
+        busy = taken.getsockname()[1]
+        extra = {"health_port": busy} if side == "health" else \
+            {"telemetry": TelemetryConfig(metrics_host="127.0.0.1", metrics_port=busy)}
+        server = StencilServer(engine_factory(), "m", ServerConfig(port=main_port, **extra))
+        with pytest.raises(OSError):
+            loop_thread.run(server.start())
+    with socket.socket() as again:  # free again: nothing listens there
+        again.bind(("127.0.0.1", main_port))
