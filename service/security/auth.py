@@ -3,7 +3,8 @@
 With keys configured (`--api-key-file FILE` or `$STENCILD_API_KEYS`), every RPC
 except grpc.health.v1 (and reflection, with --public-reflection) needs
 `authorization: Bearer <key>` metadata. A missing or wrong key gets
-UNAUTHENTICATED with the same message either way. Keys are compared in
+UNAUTHENTICATED with the same message either way, for a method that does not
+exist too (only a key holder learns which names exist). Keys are compared in
 constant time (digests of equal length, every key compared) and never logged;
 the log names a key by its name.
 
@@ -153,9 +154,13 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(self._public):
+        if handler_call_details.method.startswith(self._public):
             return handler
         key = self.match(handler_call_details.invocation_metadata)
+        if handler is None:
+            # Only a caller with a key learns that a method does not exist
+            # (UNIMPLEMENTED): without one every name is refused alike.
+            return handler if key is not None else _REFUSE_UNKNOWN
         router_only = handler_call_details.method in self._router_methods
         # An Abort (either protocol's) frees what the key holds: a key at its
         # cap must still be able to stop its own requests. A router's KV-event
@@ -188,3 +193,12 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
             # A streaming handler finalized in another context cannot reset it (ValueError).
             with contextlib.suppress(ValueError):
                 current_key.reset(token)
+
+
+async def _unauthenticated(_requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Any call shape: a stream-stream handler answers without reading a message."""
+    await ServiceError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, Reason.UNAUTHENTICATED).abort(context)
+    yield None  # unreachable: makes this an async generator, as a stream handler must be
+
+
+_REFUSE_UNKNOWN = grpc.stream_stream_rpc_method_handler(_unauthenticated)

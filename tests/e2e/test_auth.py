@@ -166,3 +166,16 @@ def test_a_routers_event_subscription_takes_none_of_its_keys_calls(keyed: Server
         assert tokenize(keyed, bearer(CAPPED_ROUTER))
     finally:
         events.cancel()
+
+
+@pytest.mark.parametrize("method", ["/stencil.v1.Generation/NoSuchMethod", "/no.such.Service/Call"])
+def test_without_a_key_no_method_name_is_told_apart(keyed: ServerHandle, method: str) -> None:
+    # An unknown method answered UNIMPLEMENTED to anyone: probing told which names exist.
+    unary = keyed.channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+    streaming = keyed.channel.stream_stream(method, request_serializer=None, response_deserializer=None)
+    without = code_and_reason(lambda: unary(b"", timeout=TIMEOUT))
+    assert without[:2] == code_and_reason(tokenize, keyed)[:2] == \
+        (grpc.StatusCode.UNAUTHENTICATED, Reason.UNAUTHENTICATED)
+    assert code_and_reason(lambda: list(streaming(iter([]), timeout=TIMEOUT)))[0] == grpc.StatusCode.UNAUTHENTICATED
+    # A caller with a key is told the truth.
+    assert code_and_reason(lambda: unary(b"", metadata=bearer(ALICE), timeout=TIMEOUT))[0] == grpc.StatusCode.UNIMPLEMENTED
