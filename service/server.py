@@ -31,6 +31,7 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -52,7 +53,7 @@ from service.ops.health import OVERALL_HEALTH, HealthState
 from service.ops.reflection import enable_reflection
 from service.ops.telemetry import Telemetry, TelemetryConfig
 from service.ops.watchdog import Watchdog, Watched
-from service.security.auth import ApiKey, ApiKeyAuth
+from service.security.auth import ApiKey, ApiKeyAuth, load_keys
 from service.security.tls import ServerTLS, TLSConfig
 from service.structured import ConstraintCompiler
 from service.vllm_protocol.kv_events import KvEventHub
@@ -156,6 +157,8 @@ class ServerConfig:
     health_host: str = "127.0.0.1"
     # With keys, every RPC but health (and reflection, if public) needs one (see auth.py).
     api_keys: tuple[ApiKey, ...] = ()
+    # The file api_keys were read from: SIGHUP reads it again (None: the keys are fixed).
+    api_key_file: Path | None = None
     public_reflection: bool = False
     # Metrics endpoint and trace export (service/ops/telemetry.py); none by default.
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -219,6 +222,7 @@ class StencilServer:
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         self._tls = ServerTLS(self.config.tls) if self.config.tls is not None else None
+        self._auth: ApiKeyAuth | None = None  # with API keys, from start()
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
         self._force = asyncio.Event()
@@ -238,8 +242,8 @@ class StencilServer:
         # key is checked, then the request parsed.
         interceptors: list[grpc.aio.ServerInterceptor] = [self.telemetry.interceptor, UnparsableRequests()]
         if self.config.api_keys:
-            interceptors.insert(1, ApiKeyAuth(list(self.config.api_keys), self.config.public_reflection,
-                                              ROUTER_METHODS))
+            self._auth = ApiKeyAuth(list(self.config.api_keys), self.config.public_reflection, ROUTER_METHODS)
+            interceptors.insert(1, self._auth)
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
@@ -293,6 +297,31 @@ class StencilServer:
     def reload_tls(self) -> bool:
         """Re-read the TLS files (SIGHUP): new connections use them, open ones carry on."""
         return self._tls.reload() if self._tls is not None else False
+
+    def reload_keys(self) -> bool:
+        """Re-read the API key file (SIGHUP): new calls are checked against
+        its keys, calls in flight carry on. False, and the current keys kept,
+        if there is no file or it holds no usable key."""
+        path = self.config.api_key_file
+        if self._auth is None or path is None:
+            return False
+        try:
+            keys = load_keys(path, None)
+        except (OSError, ValueError) as err:
+            log.error("API key reload failed, keeping the current keys: %s", err)
+            return False
+        self._auth.replace_keys(keys)
+        log.info("API keys reloaded from %s: %d keys", path, len(keys))
+        return True
+
+    def reload(self) -> None:
+        """SIGHUP: read again what can be read again (TLS files, the API key file)."""
+        reloadable = self._tls is not None or (self._auth is not None and self.config.api_key_file is not None)
+        if not reloadable:
+            log.info("SIGHUP: nothing to reload (no TLS, no API key file); SIGTERM drains and stops")
+            return
+        self.reload_tls()
+        self.reload_keys()
 
     def _spawn(self, coro) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)
@@ -530,12 +559,12 @@ async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    # SIGHUP reloads what can be reloaded (the TLS files). Without TLS there is
-    # nothing, but its default action would end the server on the spot, streams
-    # cut and nothing drained (a closed terminal, an operator's habitual
-    # `kill -HUP`): it is logged and ignored, as the engine process ignores it.
-    loop.add_signal_handler(signal.SIGHUP, server.reload_tls if config.tls is not None else
-                            lambda: log.info("SIGHUP: nothing to reload (no TLS); SIGTERM drains and stops"))
+    # SIGHUP reloads what can be reloaded (the TLS files, the API key file).
+    # With neither there is nothing, but its default action would end the
+    # server on the spot, streams cut and nothing drained (a closed terminal,
+    # an operator's habitual `kill -HUP`): it is logged and ignored, as the
+    # engine process ignores it.
+    loop.add_signal_handler(signal.SIGHUP, server.reload)
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(server.wait_stopped())
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)

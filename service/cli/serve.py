@@ -94,7 +94,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="require client certificates signed by this CA (mTLS)")
     t.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                    help="require 'authorization: Bearer KEY' on every RPC but health; one key per line: "
-                        "'KEY [NAME[:MAX_INFLIGHT] [router]]' (default: $STENCILD_API_KEYS, comma-separated)")
+                        "'KEY [NAME[:MAX_INFLIGHT] [router]]'; read again on SIGHUP "
+                        "(default: $STENCILD_API_KEYS, comma-separated)")
     t.add_argument("--public-reflection", action="store_true",
                    help="serve reflection without an API key (it needs one otherwise)")
     t.add_argument("--no-vllm-protocol", action="store_true",
@@ -370,7 +371,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
         stream_messages_per_s=args.stream_messages_per_second,
         resample=not args.no_resample,
         tls=tls, health_port=args.health_port, health_host=args.health_host,
-        api_keys=tuple(api_keys), public_reflection=args.public_reflection,
+        api_keys=tuple(api_keys), api_key_file=args.api_key_file, public_reflection=args.public_reflection,
         vllm_protocol=not args.no_vllm_protocol,
         telemetry=TelemetryConfig(metrics_host=args.metrics_host or args.host,
                                   metrics_port=args.metrics_port or None,

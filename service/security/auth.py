@@ -139,6 +139,16 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         self._router_methods = router_methods  # full method names only a router key may call
         self._inflight: dict[str, int] = {k.name: 0 for k in keys}
 
+    def replace_keys(self, keys: list[ApiKey]) -> None:
+        """Take these keys from the next call on (a key file read again on
+        SIGHUP). Calls in flight run on, still counted under their key's name,
+        so a key kept across the change keeps its count against its cap."""
+        if not keys:
+            raise ValueError("ApiKeyAuth needs at least one key")
+        self._keys = [(_digest(k.secret), k) for k in keys]
+        for key in keys:
+            self._inflight.setdefault(key.name, 0)
+
     def match(self, metadata: Any) -> ApiKey | None:
         """The key the metadata carries, if it is one of ours (constant time over keys)."""
         value = next((v for k, v in metadata or () if k == "authorization"), None)

@@ -16,7 +16,7 @@ from service.cli import build_parser, main
 from service.cli.serve import ServePlan, plan_serve
 from service.errors import Reason, error_reason
 from service.gen.stencil.v1 import generate_pb2 as pb
-from service.security.auth import ApiKey
+from service.security.auth import ApiKey, load_keys
 
 from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy
 
@@ -179,3 +179,26 @@ def test_without_a_key_no_method_name_is_told_apart(keyed: ServerHandle, method:
     assert code_and_reason(lambda: list(streaming(iter([]), timeout=TIMEOUT)))[0] == grpc.StatusCode.UNAUTHENTICATED
     # A caller with a key is told the truth.
     assert code_and_reason(lambda: unary(b"", metadata=bearer(ALICE), timeout=TIMEOUT))[0] == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_sighup_reads_the_key_file_again(make_server: Callable[..., ServerHandle], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Rotating a key needed a restart (SIGHUP reloaded only the TLS files).
+    path = tmp_path / "keys.txt"
+    path.write_text(f"{ALICE} alice\n")
+    handle = make_server(engine_factory(), api_keys=tuple(load_keys(path, None)), api_key_file=path)
+    assert tokenize(handle, bearer(ALICE))
+    path.write_text(f"{BOB} bob\n")
+    handle.runner.run(_on_loop(handle.server.reload))  # on the event loop, as the SIGHUP handler runs
+    assert tokenize(handle, bearer(BOB))
+    assert code_and_reason(tokenize, handle, bearer(ALICE))[0] == grpc.StatusCode.UNAUTHENTICATED
+    # A file that holds no key (or is gone) keeps the current keys: never served without keys.
+    path.write_text("# nothing\n")
+    assert not handle.runner.run(_on_loop(handle.server.reload_keys))
+    path.unlink()
+    assert not handle.runner.run(_on_loop(handle.server.reload_keys))
+    assert tokenize(handle, bearer(BOB))
+    assert code_and_reason(tokenize, handle)[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def _on_loop(fn: Callable[[], Any]) -> Any:
+    return fn()
