@@ -13,6 +13,7 @@ import grpc
 from engine import GenerationStatus, RequestOutput
 from grammar import GrammarError, Matcher
 from service.api import convert
+from service.api.calls import CallRegistry
 from service.api.schema_check import check_output, tool_calls, wants_validation
 from service.engine_loop import EngineFailed, EngineLoop, RequestStream
 from service.errors import (
@@ -107,6 +108,7 @@ class ServingState:
         self.constraints: ConstraintCompiler | None = None
         self.validate_output = True  # check finished constrained outputs (--no-validate-output)
         self.draining = False
+        self.generate_calls = CallRegistry()  # by request id, both protocols: what Abort reaches
         self._calls = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -200,21 +202,11 @@ def counted_call(method: Handler) -> Handler:
 
 
 @dataclass
-class _Preparing:
-    """A Generate call not yet handed to the engine."""
-
-    aborted: bool = False
-
-
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Generate, Tokenize, Detokenize, GetModelInfo and Abort over an EngineLoop."""
 
     def __init__(self, state: ServingState):
         self.state = state
-        # Calls still tokenized or compiled, by scoped request id: an Abort
-        # then marks them, and they start aborted (a router's Abort right
-        # after its Generate found no stream, and the request ran in full).
-        self._preparing: dict[str, _Preparing] = {}
 
     @rpc_guard
     @counted_call
@@ -223,8 +215,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         current_request_id.set(rid)  # failures from here on carry it
         loop = self.state.require_engine()
         scoped = scoped_request_id(rid)
-        preparing = _Preparing()
-        own = self._preparing.setdefault(scoped, preparing) is preparing  # (a duplicate id fails at submit)
+        # Registered while it prepares: an Abort meanwhile marks it (calls.py).
+        call = self.state.generate_calls.open(scoped)
         try:
             # 1. Check the request and tokenize its prompt (a long one off the loop).
             prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
@@ -233,13 +225,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # returns at once); a failure ends only this call.
             [matcher] = await self.state.compile_constraint(prepared.constraint)
         finally:
-            if own:
-                del self._preparing[scoped]
+            # No await from here to the submission: the engine finds it next.
+            self.state.generate_calls.close(scoped, call)
         # 3. Build its context, once, and hand it to the engine thread.
         assert self.state.constraints is not None
         stream = loop.submit_request(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint),
                                      prepared.reasoning)
-        if preparing.aborted:  # ends CANCELLED at once, as any aborted request
+        if call.aborted:  # ends CANCELLED at once, as any aborted request
             loop.abort(stream.request_id)
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
@@ -334,11 +326,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         convert.check_abort_ids(request.request_ids)
         aborted = []
         for rid in dict.fromkeys(request.request_ids):  # each id once, however often it is named
-            scoped = scoped_request_id(rid)  # only the caller's own
-            running = any([loop.abort(scoped) for loop in loops])
-            preparing = self._preparing.get(scoped)
-            if preparing is not None:
-                preparing.aborted = running = True
-            if running:
+            # Only the caller's own; a vLLM call's other sequences too.
+            if self.state.generate_calls.abort(scoped_request_id(rid), loops):
                 aborted.append(rid)
         return pb.AbortResponse(aborted_request_ids=aborted)

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,10 @@ import numpy as np
 
 from engine import EngineCore
 from service.api import convert
+from service.api.calls import CallHandle
 from service.api.embeddings import EmbeddingRuntime, EmbeddingSlot
 from service.api.generation import ServingState, counted_call, next_outputs, run_maybe_off_loop
-from service.engine_loop import RequestStream
+from service.engine_loop import EngineLoop, RequestStream
 from service.errors import (
     REQUEST_ID_METADATA,
     Reason,
@@ -69,16 +69,6 @@ class _Sequence:
         self.state = state
 
 
-@dataclass
-class _Call:
-    """A running n > 1 call: how many sequences it has, and whether an Abort named it (an
-    Abort that comes after its first sequence ended and before the others
-    start finds no stream to stop: the call starts them aborted)."""
-
-    n: int
-    aborted: bool = False
-
-
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     """VllmEngine over the server's EngineLoop, embedding model and KV event hub.
 
@@ -93,8 +83,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.health = health  # grpc.health.v1's view, which the watchdog keeps
         self.started_at = time.monotonic()
         self.last_receive = 0.0
-        # The running n > 1 calls, by their first sequence's engine id (for Abort).
-        self._sequences: dict[str, _Call] = {}
 
     # -- Generate ---------------------------------------------------------------
     @rpc_guard
@@ -104,8 +92,20 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         current_request_id.set(rid)
         self.last_receive = time.time()
         loop = self.state.require_engine()
+        scoped = scoped_request_id(rid)
+        # Registered from now to its end: an Abort while it prepares, or
+        # between its sequences' starts, reaches it (service/api/calls.py).
+        call = self.state.generate_calls.open(scoped)
+        try:
+            await self._generate(request, context, rid, loop, call)
+        finally:
+            self.state.generate_calls.close(scoped, call)
+
+    async def _generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext, rid: str,
+                        loop: EngineLoop, call: CallHandle) -> None:
+        scoped = scoped_request_id(rid)
         prepared = await run_maybe_off_loop(request.ByteSize(), vllm_convert.prepare_generate,
-                                             request, loop.engine, scoped_request_id(rid))
+                                             request, loop.engine, scoped)
         matchers = await self.state.compile_constraint(prepared.constraint, len(prepared.specs))
         compiler = self.state.constraints
         assert compiler is not None
@@ -125,10 +125,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             sequences.append(seq)
             pumps.append(asyncio.ensure_future(self._pump(seq, field, merged)))
 
+        call.others = [vllm_convert.sequence_id(scoped, i) for i in range(1, len(prepared.specs))]
         start(0)
-        call = _Call(len(prepared.specs))
-        if call.n > 1:
-            self._sequences[sequences[0].engine_id] = call
+        call.submitted = True
+        if call.aborted:  # named by an Abort while it prepared: ends "abort" at once
+            loop.abort(sequences[0].engine_id)
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             running = 1
@@ -177,8 +178,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                         self._check_fits(msg, prepared)
                     await context.write(msg)
         finally:
-            if len(prepared.specs) > 1:
-                self._sequences.pop(sequences[0].engine_id, None)
             if sequences and len(sequences) < len(prepared.specs):
                 # Admitted, ended before the others started: their room is free.
                 loop.release(len(prepared.specs) - len(sequences), prepared.specs[0].max_length)
@@ -223,14 +222,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         loop = self.state.engine_loop
         if loop is None:
             return vpb.AbortResponse()
-        for rid in request.request_ids:
-            engine_id = scoped_request_id(rid)
-            loop.abort(engine_id)
-            call = self._sequences.get(engine_id)
-            if call is not None:  # the others of a running n > 1 call
-                call.aborted = True
-                for i in range(1, call.n):
-                    loop.abort(vllm_convert.sequence_id(engine_id, i))
+        for rid in dict.fromkeys(request.request_ids):
+            # A call still preparing, and every sequence of an n > 1 call, too.
+            self.state.generate_calls.abort(scoped_request_id(rid), [loop])
         return vpb.AbortResponse()
 
     # -- Embed ------------------------------------------------------------------

@@ -9,6 +9,7 @@ import io
 import json
 import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -18,11 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import EngineCore
 from service.errors import Reason, bad_request_violations, error_reason
+from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.vllm import common_pb2 as cpb
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
 
-from .helpers import TIMEOUT, engine_factory, process_factory
+from .helpers import TIMEOUT, engine_factory, hold_compiles, process_factory
 
 
 def _num_cached(engine: EngineCore) -> int:
@@ -112,6 +114,49 @@ def test_abort_ends_every_sequence_of_an_n_request(vllm) -> None:  # type: ignor
         if seen == {0, 1, 2}:
             break
     stub.Abort(vpb.AbortRequest(request_ids=["nb"]), timeout=TIMEOUT)
+    finals = [m.complete for m in call if m.HasField("complete")]
+    assert sorted((c.index, c.finish_reason) for c in finals) == [(0, "abort"), (1, "abort"), (2, "abort")]
+    assert handle.wait_no_pages() == (0, 0)
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "stencil.v1"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_an_abort_while_the_constraint_compiles_ends_the_call(make_server, protocol: str, n: int) -> None:  # type: ignore[no-untyped-def]
+    # A vLLM call has nothing in the engine while its constraint compiles: an
+    # Abort then (a router's, right after its Generate) was lost and the
+    # request ran to max_tokens.
+    handle = make_server(engine_factory(page_size=4))
+    stub = vpb_grpc.VllmEngineStub(handle.channel)
+    compiling, release = hold_compiles(handle)
+    req = _req("early", list(range(5, 30)), max_tokens=400, temperature=1.0, ignore_eos=True, n=n, regex="[a-z ]+")
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(lambda: list(stub.Generate(req, timeout=TIMEOUT)))
+        assert compiling.wait(TIMEOUT)
+        if protocol == "vllm":
+            stub.Abort(vpb.AbortRequest(request_ids=["early"]), timeout=TIMEOUT)
+        else:
+            answer = handle.stub.Abort(pb.AbortRequest(request_ids=["early"]), timeout=TIMEOUT)
+            assert list(answer.aborted_request_ids) == ["early"]
+        release.set()
+        finals = [m.complete for m in call.result(TIMEOUT)]
+    assert sorted((c.index, c.finish_reason) for c in finals) == [(i, "abort") for i in range(n)]
+    assert all(c.completion_tokens < 400 for c in finals)
+    assert handle.wait_no_pages() == (0, 0)
+
+
+def test_a_stencil_abort_ends_every_sequence_of_a_vllm_n_request(vllm) -> None:  # type: ignore[no-untyped-def]
+    # Both protocols share one engine and its ids: stencil.v1's Abort answered
+    # the id as aborted but stopped only the first sequence.
+    handle, stub = vllm
+    req = _req("nc", list(range(5, 30)), max_tokens=400, stream=True, temperature=1.0, ignore_eos=True, n=3)
+    call = stub.Generate(req, timeout=TIMEOUT)
+    seen: set[int] = set()
+    for msg in call:
+        seen.add(msg.chunk.index)
+        if seen == {0, 1, 2}:
+            break
+    answer = handle.stub.Abort(pb.AbortRequest(request_ids=["nc"]), timeout=TIMEOUT)
+    assert list(answer.aborted_request_ids) == ["nc"]
     finals = [m.complete for m in call if m.HasField("complete")]
     assert sorted((c.index, c.finish_reason) for c in finals) == [(0, "abort"), (1, "abort"), (2, "abort")]
     assert handle.wait_no_pages() == (0, 0)
