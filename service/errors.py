@@ -29,6 +29,10 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+# What grpc raises from an operation on a call whose client has gone. Not in
+# grpc's public API, but grpcio is pinned, and grpc's own server loop reads it so.
+from grpc._cython.cygrpc import ExecuteBatchError
+
 from service.ops.request_log import REQUEST_ID_METADATA, current_call
 
 log = logging.getLogger(__name__)
@@ -208,6 +212,11 @@ def rpc_guard(method: Handler) -> Handler:
             await err.abort(context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise  # an abort already under way, or the call ended (cancel, deadline)
+        except ExecuteBatchError:
+            # A write (or another call operation) failed because the client
+            # left while it was under way (cancel, deadline, connection gone;
+            # grpc's own handler loop reads it so): not a bug, nothing to send.
+            raise asyncio.CancelledError() from None
         except Exception:
             log.exception("internal error in %s (request %s)", method.__name__, current_request_id.get())
             try:

@@ -10,8 +10,10 @@ import pytest
 
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from service.ops.telemetry import TelemetryConfig
 
 from .helpers import TIMEOUT, ServerHandle, generate, greedy, hold_compiles
+from .metrics_helpers import wait_for
 
 Finish = pb.GenerateComplete.FinishReason
 
@@ -108,3 +110,25 @@ def test_abort_while_the_constraint_compiles(make_server) -> None:  # type: igno
     assert msgs[-1].complete.usage.completion_tokens < 400
     assert server.wait_no_pages() == (0, 0)
     generate(server.stub, greedy("still serving", max_new_tokens=2))
+
+
+def test_a_cancel_while_a_write_waits_on_flow_control_is_no_internal_error(
+        make_server, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    # A client that stops reading, then cancels: the server's blocked write
+    # failed with grpc's batch error, which was logged as an internal error and
+    # counted INTERNAL.
+    server = make_server(telemetry=TelemetryConfig(metrics_port=0))
+    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]  # a 1 KiB window
+    with grpc.insecure_channel(server.address, options=options) as channel:
+        req = _long_request("slow " * 50, request_id="never-read")
+        req.response.logprobs = 20
+        req.response.prompt_logprobs = 20  # messages far over the window
+        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=TIMEOUT)
+        # The engine runs ahead while the server's writes wait for the client.
+        wait_for(server, lambda s: s.get("vllm:generation_tokens_total") >= 40)
+        call.cancel()
+    method = "stencil.v1.Generation/Generate"
+    after = wait_for(server, lambda s: s.get("stencil_rpcs_total", method=method) >= 1)
+    assert after.get("stencil_rpcs_total", method=method, code="CANCELLED") == 1
+    assert "internal error" not in caplog.text
+    assert server.wait_no_pages() == (0, 0)

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from grpc._cython.cygrpc import ExecuteBatchError
 
 from service.errors import (
     ERROR_DOMAIN,
@@ -59,6 +60,12 @@ class Servicer:
         raise KeyError("secret")
 
 
+    @rpc_guard
+    async def WriteToALeftClient(self, request: Any, context: Any) -> None:
+        # What grpc raises from a write the client left during (flow control held it).
+        raise ExecuteBatchError('Failed "execute_batch"')
+
+
 class BrokenContext(FakeContext):
     """A call that already failed: grpc refuses to abort it again."""
 
@@ -95,6 +102,16 @@ def test_bugs_become_internal_without_details(caplog: pytest.LogCaptureFixture) 
 
 def test_an_internal_error_on_a_broken_call_does_not_raise_again() -> None:
     asyncio.run(Servicer().BugOnBrokenCall(None, BrokenContext()))  # returns quietly
+
+
+def test_a_write_to_a_client_that_left_is_a_cancellation_not_a_bug(caplog: pytest.LogCaptureFixture) -> None:
+    # It was logged as an internal error with a traceback, and the call
+    # counted INTERNAL, for an ordinary client cancel or deadline.
+    ctx = FakeContext()
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(Servicer().WriteToALeftClient(None, ctx))
+    assert ctx.aborted is None
+    assert "internal error" not in caplog.text
 
 
 def test_success_passes_through() -> None:
