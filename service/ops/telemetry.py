@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 STENCIL_PREFIX = "/stencil.v1."
 EMBED_METHOD = "/stencil.v1.Embeddings/Embed"
+VLLM_EMBED_METHOD = "/vllm.grpc.engine.VllmEngine/Embed"  # the same model, a router's way in
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,8 @@ class Telemetry:
                 record.trace_id, record.span_id = ids
         if method == EMBED_METHOD:
             record.inputs = len(getattr(request, "inputs", ()))
+        elif method == VLLM_EMBED_METHOD:
+            record.inputs = 1  # a router's Embed carries one input
         return record
 
     def finish(self, record: CallRecord) -> None:
@@ -158,10 +161,8 @@ class Telemetry:
             log_call(record, level_of(record.method))
             if record.span is not None and self.tracer is not None:
                 stages = _stages(record)
-                attributes = _span_attributes(record)
-                attributes["rpc.grpc.status_code"] = record.code or "UNKNOWN"
-                self.tracer.finish(record.span, record.end, record.code == "OK", record.code or "",
-                                   stages, attributes)
+                self.tracer.finish(record.span, record.end, record.code or "UNKNOWN", stages,
+                                   _span_attributes(record))
         except Exception:  # noqa: BLE001 - telemetry must never fail a call
             log.exception("telemetry failed for %s", record.method)
 
@@ -187,7 +188,7 @@ class Telemetry:
                     m.compile_timeouts.labels(note.kind).inc()
         if record.schema is not None:
             m.schema_validations.labels(record.schema).inc()
-        if record.method == EMBED_METHOD and code == "OK":
+        if record.method in (EMBED_METHOD, VLLM_EMBED_METHOD) and code == "OK":
             name = self.embedding_model
             m.embed_requests.labels(name).inc()
             m.embed_inputs.labels(name).inc(record.inputs or 0)

@@ -23,10 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 # version "00": 2 hex version, 32 hex trace id, 16 hex parent id, 2 hex flags.
 # Later versions may append fields after a dash; the first four still read.
+# The codes that mark a server span ERROR (OpenTelemetry's gRPC conventions):
+# the others (a bad request, a client's cancel) are no fault of the server's.
+SERVER_FAULTS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"})
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 
 
@@ -176,9 +181,12 @@ class Tracer:
         return self._tracer.start_span(name, context=context, kind=SpanKind.SERVER,
                                        start_time=wall_ns(start), attributes=attributes)
 
-    def finish(self, span: Any, end: float, ok: bool, status: str, stages: Sequence[Stage],
+    def finish(self, span: Any, end: float, code: str, stages: Sequence[Stage],
                attributes: dict[str, Any]) -> None:
-        """Add the stage spans under `span`, then end it at `end` with its status."""
+        """Add the stage spans under `span`, then end it at `end` with the
+        call's gRPC status (a StatusCode name) as OpenTelemetry's gRPC server
+        conventions have it: `rpc.grpc.status_code` its number, the span's
+        status ERROR only for a server's fault, else left unset."""
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
@@ -186,8 +194,10 @@ class Tracer:
         for stage in stages:
             child = self._tracer.start_span(stage.name, context=parent, start_time=wall_ns(stage.start))
             child.end(end_time=wall_ns(max(stage.end, stage.start)))
-        span.set_attributes(attributes)
-        span.set_status(Status(StatusCode.OK) if ok else Status(StatusCode.ERROR, status))
+        status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+        span.set_attributes({**attributes, "rpc.grpc.status_code": status.value[0]})
+        if status.name in SERVER_FAULTS:
+            span.set_status(Status(StatusCode.ERROR, status.name))
         span.end(end_time=wall_ns(end))
 
     @staticmethod

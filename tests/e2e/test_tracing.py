@@ -65,9 +65,11 @@ def test_a_request_is_a_span_with_its_stages(traced: ServerHandle, exporter: InM
     assert f"{root.context.trace_id:032x}" == TRACE_ID
     assert root.parent is not None and f"{root.parent.span_id:016x}" == PARENT_ID
     assert root.context.trace_state.get("vendor") == "abc"
-    assert root.status.status_code is StatusCode.OK
+    # OpenTelemetry's gRPC conventions: a success is left unset, the code is a number.
+    assert root.status.status_code is StatusCode.UNSET
     attributes = root.attributes
     assert attributes is not None
+    assert attributes["rpc.grpc.status_code"] == 0
     assert attributes["gen_ai.usage.output_tokens"] == complete.usage.completion_tokens
     assert attributes["stencil.constraint.kind"] == "regex"
     stages = [spans[name] for name in ("grammar_compile", "queue", "prefill", "decode")]
@@ -131,7 +133,10 @@ def test_a_failure_before_streaming_carries_and_logs_its_request_id(
         assert line["status"] == "INVALID_ARGUMENT"
         assert "completion_tokens" not in line  # it never reached the engine
     errors = [s for s in exporter.get_finished_spans() if s.name.endswith("/Generate")]
-    assert len(errors) == 2 and all(s.status.status_code is StatusCode.ERROR for s in errors)
+    # A bad request is no fault of the server's: no ERROR status (OpenTelemetry's gRPC conventions).
+    assert len(errors) == 2
+    assert all(s.status.status_code is StatusCode.UNSET for s in errors)
+    assert all(s.attributes is not None and s.attributes["rpc.grpc.status_code"] == 3 for s in errors)
 
 
 def test_a_gateway_request_id_is_used(traced: ServerHandle, caplog: pytest.LogCaptureFixture) -> None:
