@@ -29,6 +29,7 @@ from service.errors import (
 )
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
+from service.ops.request_log import note_sent
 from service.security.auth import scoped_request_id
 from service.structured import ConstraintCompiler, ConstraintSpec, compile_error, constraint_spec
 
@@ -248,8 +249,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     self.state.check_fits(chunk, "response.prompt_logprobs", "ask for fewer top tokens")
                 if chunk is not None:
                     await context.write(chunk)
-                    if final is None:
-                        await loop.pace(stream)  # what comes meanwhile goes out in the next chunk
+                note_sent(stream.observed, outputs[-1])
+                if chunk is not None and final is None:
+                    await loop.pace(stream)  # what comes meanwhile goes out in the next chunk
                 if final is not None:
                     done = convert.complete_response(rid, final)
                     if validate:

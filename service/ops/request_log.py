@@ -83,6 +83,20 @@ class RequestStats:
     audio_samples: int = 0
     sample_rate: int = 0
     ttfa: float | None = None  # seconds to the first audio
+    # The running totals of the last output written to the client: a call
+    # that ends before its request finishes reports these (what the engine
+    # delivered may be ahead of what the client got, behind a paced or slow
+    # stream).
+    sent_completion_tokens: int = 0
+    sent_forced_tokens: int = 0
+
+    @property
+    def reported_tokens(self) -> tuple[int, int]:
+        """(completion, forced) tokens its call reports: all of them once the
+        request finished; what the client was sent if the call left first."""
+        if self.finish_reason is not None:
+            return self.completion_tokens, self.forced_tokens
+        return self.sent_completion_tokens, self.sent_forced_tokens
 
     @property
     def constraint(self) -> tuple[str, str] | None:
@@ -163,6 +177,15 @@ def note_request(stats: RequestStats) -> None:
     call = _CURRENT.get()
     if call is not None:
         call.requests.append(stats)
+
+
+def note_sent(observed: Any, output: Any) -> None:
+    """The call wrote everything up to `output` (a RequestOutput) of the
+    engine request whose statistics `observed` holds (a RequestStream's
+    `observed`; None or anything else when telemetry is off)."""
+    if isinstance(observed, RequestStats):
+        observed.sent_completion_tokens = output.completion_tokens
+        observed.sent_forced_tokens = output.forced_tokens
 
 
 def note_key(name: str) -> None:
@@ -256,11 +279,11 @@ def request_fields(requests: Sequence[RequestStats]) -> dict[str, Any]:
     if len(requests) > 1:
         out["n"] = len(requests)
     out["prompt_tokens"] = first.prompt_tokens
-    out["completion_tokens"] = sum(r.completion_tokens for r in requests)
+    out["completion_tokens"] = sum(r.reported_tokens[0] for r in requests)
     out["cached_tokens"] = first.cached_tokens
     constraint = first.constraint
     if constraint is not None:
-        out["forced_tokens"] = sum(r.forced_tokens for r in requests)
+        out["forced_tokens"] = sum(r.reported_tokens[1] for r in requests)
         out["constraint"], out["backend"] = constraint
     ttfts = [r.ttft for r in requests if r.ttft is not None]
     if ttfts:

@@ -45,7 +45,7 @@ from service.gen.vllm import common_pb2 as cpb
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
 from service.ops.health import SERVING, HealthState
-from service.ops.request_log import note_refusal
+from service.ops.request_log import note_refusal, note_sent
 from service.security.auth import scoped_request_id
 from service.vllm_protocol import convert as vllm_convert
 from service.vllm_protocol import info as vllm_info
@@ -169,6 +169,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                         if msg.chunk.HasField("input_logprobs"):  # the one chunk that can grow so large
                             self._check_fits(msg, prepared)
                         await context.write(msg)
+                        note_sent(seq.stream.observed, outputs[-1])
                         if final is None and running == 1:
                             await loop.pace(seq.stream)
                 if final is not None:

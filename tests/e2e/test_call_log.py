@@ -17,7 +17,7 @@ from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
 
-from .helpers import TIMEOUT, ServerHandle, greedy
+from .helpers import TIMEOUT, ServerHandle, engine_factory, greedy
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = (("traceparent", f"00-{TRACE_ID}-00f067aa0ba902b7-01"),)
@@ -190,3 +190,26 @@ def test_a_cut_vllm_generate_logs_what_it_produced(slow_server: ServerHandle, ca
     assert line["prompt_tokens"] == len(PROMPT)
     assert seen <= line["completion_tokens"] < 400
     _settled(slow_server)
+
+
+@pytest.mark.parametrize("protocol", ["stencil.v1", "vllm"])
+def test_a_cut_paced_stream_logs_the_tokens_it_was_sent(make_server, caplog: pytest.LogCaptureFixture,  # type: ignore[no-untyped-def]
+                                                        protocol: str) -> None:
+    # One message a second: the engine runs ahead of what the client is sent.
+    # The line counted every token delivered to the call, sent or not.
+    caplog.set_level(logging.INFO, logger="stencild.requests")
+    server = make_server(engine_factory(slow_s=0.02), stream_messages_per_s=1.0)
+    rid = f"paced-{protocol}"
+    if protocol == "vllm":
+        call = _stub(server).Generate(_vreq(rid, PROMPT, max_tokens=400, stream=True, ignore_eos=True), timeout=2.5)
+    else:
+        call = server.stub.Generate(_long(rid), timeout=2.5)
+    seen = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for msg in call:
+            seen += len(msg.chunk.token_ids)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    line = _line(caplog, request_id=rid)
+    assert line["status"] == "DEADLINE_EXCEEDED"
+    assert line["completion_tokens"] == seen > 0
+    server.wait_pending(0)
