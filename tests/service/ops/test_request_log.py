@@ -226,9 +226,11 @@ def test_n_sequences_make_one_line() -> None:
     assert log_fields(record)["finish_reason"] == "length"
     record.requests = [_stats(25, 4, "length"), _stats(25, 1, None)]  # cut short: one still ran
     assert log_fields(record)["finish_reason"] == "length,-"
-    record.requests = [_stats(25, 3, None)]
+    cut = _stats(25, 3, None)  # delivered 3 tokens, of which the client was sent 2
+    cut.sent_completion_tokens = 2
+    record.requests = [cut]
     fields = log_fields(record)
-    assert "finish_reason" not in fields and "n" not in fields and fields["completion_tokens"] == 3
+    assert "finish_reason" not in fields and "n" not in fields and fields["completion_tokens"] == 2
 
 
 def test_a_call_keeps_its_first_compile() -> None:
