@@ -140,7 +140,12 @@ class EngineCore:
         if wrap_model is not None:
             self.model = wrap_model(self.model)
 
-        max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            # As vLLM: past the positions the model was trained for its output
+            # is not to be trusted, and a silent cut hid what was asked for.
+            raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context "
+                             f"(max_position_embeddings={mc.max_position_embeddings})")
+        max_len = config.max_model_len or mc.max_position_embeddings
         kv_gib = config.kv_cache_gib if config.gpu_memory_utilization is None else \
             kv_budget_gib(device, config.gpu_memory_utilization, config.max_num_batched_tokens,
                           config.max_num_seqs, mc.hidden_size, mc.intermediate_size, mc.vocab_size)

@@ -195,6 +195,17 @@ def test_the_rotation_table_covers_the_served_context_only(make_llm) -> None:
     assert llm.engine.model.rotations.shape[0] == llm.engine.max_model_len == 64
 
 
+def test_a_context_longer_than_the_models_is_refused() -> None:
+    # It was cut to the model's without a word (vLLM refuses it): a prompt
+    # the caller thought fitted then failed at request time.
+    context = json.loads((ensure_preset("tiny-llama") / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ValueError, match=f"max_model_len={context + 1} is longer than the model's context"):
+        LLM(str(ensure_preset("tiny-llama")), kv_cache_gib=0.05, max_model_len=context + 1)
+    llm = LLM(str(ensure_preset("tiny-llama")), kv_cache_gib=0.05, max_model_len=context)
+    assert llm.engine.max_model_len == context
+    llm.close()
+
+
 def test_generation_config_sampling_values_are_a_requests_defaults(tmp_path) -> None:
     from engine import SamplingParams
 
