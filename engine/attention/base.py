@@ -147,6 +147,8 @@ def gathered_attention(q: torch.Tensor, rows: CacheRows, layer: int, item: Gathe
     0..cache_len + i, a mask made on the device (a host-built one would be
     q_len x ctx_len bytes to copy every step)."""
     span = item.span
+    if span.q_len == 0:  # a sequence with nothing to compute this step, as the other backends allow
+        return q[span.q_start:span.q_end]
     keys = rows.flat.index_select(0, rows.key_rows(item.rows, layer))
     values = rows.flat.index_select(0, rows.value_rows(item.rows, layer))
     queries = q[span.q_start:span.q_end]
