@@ -1,9 +1,10 @@
-"""Generate calls by request id, across both protocols: what an Abort must reach.
+"""Generate and Synthesize calls by request id, across both protocols: what an Abort must reach.
 
 A Generate call (stencil.v1's or vLLM's) is known to the engine only once its
-prompt is tokenized and its constraint compiled; before that an Abort that
-asked only the engine found nothing, and the request then ran in full (a
-router sends its Abort right after its Generate when its own client leaves).
+prompt is tokenized and its constraint compiled, a Synthesize once its text is
+tokenized; before that an Abort that asked only the engine found nothing, and
+the request then ran in full (a router sends its Abort right after its
+Generate when its own client leaves).
 A vLLM call with n > 1 runs as several engine requests, started one after the
 other. Both Abort RPCs therefore go through one registry, which the servicers
 fill while their calls prepare (and, for n > 1, while they run): an Abort marks
@@ -21,7 +22,7 @@ from service.engine_loop import EngineLoop
 
 @dataclass
 class CallHandle:
-    """One Generate call, registered under its scoped request id."""
+    """One call, registered under its scoped request id."""
 
     # An Abort named it: what the call starts from now on, it starts aborted.
     aborted: bool = False
@@ -32,7 +33,7 @@ class CallHandle:
 
 
 class CallRegistry:
-    """The Generate calls an Abort may name, owned by the event loop (no lock)."""
+    """The calls an Abort may name, owned by the event loop (no lock)."""
 
     def __init__(self) -> None:
         self._calls: dict[str, CallHandle] = {}

@@ -109,7 +109,7 @@ class ServingState:
         self.constraints: ConstraintCompiler | None = None
         self.validate_output = True  # check finished constrained outputs (--no-validate-output)
         self.draining = False
-        self.generate_calls = CallRegistry()  # by request id, both protocols: what Abort reaches
+        self.calls_by_id = CallRegistry()  # Generate and Synthesize calls: what Abort reaches
         self._calls = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -217,7 +217,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         loop = self.state.require_engine()
         scoped = scoped_request_id(rid)
         # Registered while it prepares: an Abort meanwhile marks it (calls.py).
-        call = self.state.generate_calls.open(scoped)
+        call = self.state.calls_by_id.open(scoped)
         try:
             # 1. Check the request and tokenize its prompt (a long one off the loop).
             prepared = await run_maybe_off_loop(request.ByteSize(), convert.prepare_generate,
@@ -227,7 +227,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             [matcher] = await self.state.compile_constraint(prepared.constraint)
         finally:
             # No await from here to the submission: the engine finds it next.
-            self.state.generate_calls.close(scoped, call)
+            self.state.calls_by_id.close(scoped, call)
         # 3. Build its context, once, and hand it to the engine thread.
         assert self.state.constraints is not None
         stream = loop.submit_request(prepared.spec, matcher, self.state.constraints.resamples(prepared.constraint),
@@ -329,6 +329,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         aborted = []
         for rid in dict.fromkeys(request.request_ids):  # each id once, however often it is named
             # Only the caller's own; a vLLM call's other sequences too.
-            if self.state.generate_calls.abort(scoped_request_id(rid), loops):
+            if self.state.calls_by_id.abort(scoped_request_id(rid), loops):
                 aborted.append(rid)
         return pb.AbortResponse(aborted_request_ids=aborted)

@@ -90,11 +90,17 @@ class SpeechServicer(pb_grpc.SpeechServicer):
         current_request_id.set(rid)  # failures from here on carry it
         loop = self._require()
         engine = loop.engine
-        prepared = await run_maybe_off_loop(request.ByteSize(), prepare_synthesize, request, engine,
-                                            scoped_request_id(rid))
+        scoped = scoped_request_id(rid)
+        call = self.state.calls_by_id.open(scoped)  # an Abort while it prepares marks it (calls.py)
+        try:
+            prepared = await run_maybe_off_loop(request.ByteSize(), prepare_synthesize, request, engine, scoped)
+        finally:
+            self.state.calls_by_id.close(scoped, call)  # no await from here to the submission
         if self.state.draining:  # the drain began while the text was tokenized
             raise unavailable("the server is shutting down", Reason.DRAINING)
         stream = loop.submit(prepared.context)
+        if call.aborted:  # ends CANCELLED at once, as any aborted request
+            loop.abort(prepared.context.request_id)
         try:
             await context.send_initial_metadata(((REQUEST_ID_METADATA, rid),))
             assert engine.audio is not None and engine.speech_layout is not None

@@ -95,11 +95,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         scoped = scoped_request_id(rid)
         # Registered from now to its end: an Abort while it prepares, or
         # between its sequences' starts, reaches it (service/api/calls.py).
-        call = self.state.generate_calls.open(scoped)
+        call = self.state.calls_by_id.open(scoped)
         try:
             await self._generate(request, context, rid, loop, call)
         finally:
-            self.state.generate_calls.close(scoped, call)
+            self.state.calls_by_id.close(scoped, call)
 
     async def _generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext, rid: str,
                         loop: EngineLoop, call: CallHandle) -> None:
@@ -225,7 +225,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             return vpb.AbortResponse()
         for rid in dict.fromkeys(request.request_ids):
             # A call still preparing, and every sequence of an n > 1 call, too.
-            self.state.generate_calls.abort(scoped_request_id(rid), [loop])
+            self.state.calls_by_id.abort(scoped_request_id(rid), [loop])
         return vpb.AbortResponse()
 
     # -- Embed ------------------------------------------------------------------

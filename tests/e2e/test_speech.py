@@ -4,6 +4,7 @@ cancellation frees pages, errors name the field, `stencild say` writes a WAV."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import wave
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from service.api import speech as speech_module
 from service.api.speech import SpeechOptions
 from service.api.speech_convert import SPEECH_SAMPLING_DEFAULTS
 from service.cli import main
@@ -375,3 +377,30 @@ def test_never_more_audio_than_asked(speech_server: ServerHandle, seconds: float
     assert samples <= seconds * 24000
     if chunks[-1].finish_reason == pb.AudioChunk.LENGTH:
         assert samples == frames * SAMPLES_PER_FRAME
+
+
+def test_an_abort_while_the_text_is_prepared_ends_the_speech(speech_server: ServerHandle,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before its text is tokenized a Synthesize is unknown to the engine: the
+    # Abort found nothing (answered []) and the speech ran in full.
+    preparing, release = threading.Event(), threading.Event()
+    prepare = speech_module.run_maybe_off_loop
+
+    async def held(*args: Any) -> Any:
+        preparing.set()
+        await asyncio.to_thread(release.wait, TIMEOUT)
+        return await prepare(*args)
+
+    monkeypatch.setattr(speech_module, "run_maybe_off_loop", held)
+    rid = "abort-while-prepared"
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(lambda: list(speech_server.speech_stub.Synthesize(
+            speech_request(seconds=30.0, request_id=rid), timeout=TIMEOUT)))
+        assert preparing.wait(TIMEOUT)
+        aborted = speech_server.stub.Abort(generate_pb2.AbortRequest(request_ids=[rid]), timeout=TIMEOUT)
+        assert list(aborted.aborted_request_ids) == [rid]
+        release.set()
+        last = call.result(TIMEOUT)[-1]
+    assert last.final and last.finish_reason == Finish.CANCELLED
+    assert last.usage.audio_seconds < 30
+    assert speech_server.wait_no_pages(speech=True) == (0, 0)
