@@ -272,6 +272,8 @@ class LLM:
         # a bad text leaves no others queued behind it.
         contexts = [self.engine.make_speech_context(text, params, **kwargs) for text in texts]
         outs = {ctx.request_id: SpeechOutput(ctx.request_id) for ctx in contexts}
+        if len(outs) < len(contexts):  # a request_id= given for several texts: the second was refused, the first ran on
+            raise InvalidRequest("request_id", "one id names one request: give request_id with a single text")
         for ctx in contexts:
             self.engine.add_request(ctx)
         self._run(outs)

@@ -313,6 +313,11 @@ def test_a_bad_text_in_a_batch_leaves_nothing_queued(speech_llm) -> None:
     with pytest.raises(InvalidRequest):
         llm.synthesize(["fine", ""], max_audio_seconds=0.5)
     assert not llm.engine.has_work() and llm.engine.allocator.num_used == 0
+    # One request_id for two texts: the second was refused as a duplicate, the first left queued.
+    with pytest.raises(InvalidRequest, match="request_id"):
+        llm.synthesize(["one", "two"], max_audio_seconds=0.5, request_id="x")
+    assert not llm.engine.has_work() and llm.engine.allocator.num_used == 0
+    assert llm.synthesize("three", max_audio_seconds=0.5, request_id="x")[0].request_id == "x"
 
 
 def test_a_failed_speech_request_is_raised_as_generate_does(speech_llm) -> None:
