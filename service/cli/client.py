@@ -72,14 +72,18 @@ def add_embed(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--usage", action="store_true", help="print the model and token count to stderr")
 
 
-def _read(path: Path) -> str:
-    return sys.stdin.read() if str(path) == "-" else path.read_text()
+def _read(path: Path, flag: str) -> str:
+    """A schema or grammar file's text ("-": stdin); BadFlag if it cannot be read as UTF-8 text."""
+    try:
+        return sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise BadFlag(flag, err) from None
 
 
 def _constraint(args: argparse.Namespace, pb: Any) -> Any | None:
     c = pb.Constraint()
     if args.json_schema is not None:
-        c.json_schema = _read(args.json_schema)
+        c.json_schema = _read(args.json_schema, "--json-schema")
     elif args.json_object:
         c.json_object = True
     elif args.regex is not None:
@@ -87,12 +91,20 @@ def _constraint(args: argparse.Namespace, pb: Any) -> Any | None:
     elif args.choice:
         c.choice.choices.extend(args.choice)
     elif args.ebnf is not None:
-        c.ebnf = _read(args.ebnf)
+        c.ebnf = _read(args.ebnf, "--ebnf")
     elif args.lark is not None:
-        c.lark = _read(args.lark)
+        c.lark = _read(args.lark, "--lark")
     elif args.structural_tag is not None:
-        c.structural_tag = _read(args.structural_tag)
-    elif args.grammar_backend is None and args.whitespace is None and not (args.strict or args.no_resample):
+        c.structural_tag = _read(args.structural_tag, "--structural-tag")
+    else:
+        # The constraint's options alone: the server would refuse a constraint
+        # with no kind without naming any flag.
+        given = [flag for flag, on in (("--grammar-backend", args.grammar_backend is not None),
+                                       ("--whitespace", args.whitespace is not None),
+                                       ("--strict", args.strict), ("--no-resample", args.no_resample)) if on]
+        if given:
+            raise BadFlag(given[0], ValueError("needs a constraint: --json-schema, --json-object, --regex, "
+                                               "--choice, --ebnf, --lark or --structural-tag"))
         return None
     if args.grammar_backend is not None:
         c.backend = pb.Constraint.Backend.Value(f"BACKEND_{args.grammar_backend.upper()}")
@@ -134,8 +146,8 @@ def _error(err: Any) -> int:
 
 
 def _generate_request(args: argparse.Namespace, pb: Any) -> Any:
-    """The GenerateRequest of `args`; BadFlag names a flag its field cannot hold,
-    OSError a schema or grammar file that cannot be read."""
+    """The GenerateRequest of `args`; BadFlag names a flag its field cannot
+    hold, or whose schema or grammar file cannot be read."""
     req = pb.GenerateRequest()
     if args.chat or args.system is not None:
         if args.system:
@@ -163,14 +175,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         req = _generate_request(args, pb)
+        metadata = call_metadata(args)
     except BadFlag as err:
         return refuse(err)
-    except OSError as err:
-        print(f"stencild: {err}", file=sys.stderr)
-        return 2
     constrained = req.HasField("constraint")
     with open_channel(args) as channel:
-        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=args.timeout, metadata=call_metadata(args))
+        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=args.timeout, metadata=metadata)
         try:
             for msg in call:
                 if msg.HasField("chunk"):
@@ -211,11 +221,12 @@ def cmd_embed(args: argparse.Namespace) -> int:
         req.normalize = False
     try:
         set_flags(args, [("--dimensions", req, "dimensions")])
+        metadata = call_metadata(args)
     except BadFlag as err:
         return refuse(err)
     with open_channel(args) as channel:
         try:
-            resp = pb_grpc.EmbeddingsStub(channel).Embed(req, timeout=args.timeout, metadata=call_metadata(args))
+            resp = pb_grpc.EmbeddingsStub(channel).Embed(req, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as err:
             return _error(err)
     vectors = [list(e.values) for e in resp.embeddings]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from service.address import host_port
+from service.cli.flags import BadFlag
 
 DEFAULT_PORT = 50051
 API_KEY_ENV = "STENCILD_API_KEY"
@@ -57,6 +58,12 @@ def open_channel(args: argparse.Namespace) -> Any:
 
 
 def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    """The metadata every call sends (the API key, if any)."""
+    """The metadata every call sends (the API key, if any). BadFlag for a key
+    gRPC cannot send (metadata is printable ASCII): it failed as INTERNAL."""
     key = args.api_key or os.environ.get(API_KEY_ENV)
-    return (("authorization", f"Bearer {key}"),) if key else ()
+    if not key:
+        return ()
+    if not all(" " < c <= "~" for c in key):
+        flag = "--api-key" if args.api_key else f"${API_KEY_ENV}"
+        raise BadFlag(flag, ValueError("an API key is printable ASCII without spaces"))
+    return (("authorization", f"Bearer {key}"),)

@@ -80,6 +80,18 @@ def _write_wav(chunks: Iterable[Any], out: BinaryIO) -> Any:
     return final
 
 
+def _check_output(output: Path) -> None:
+    """Refuse, before the server speaks, an output that cannot be written
+    (a folder that does not exist, a folder itself): the audio was made, then
+    lost to a traceback."""
+    if str(output) == "-":
+        return
+    if output.is_dir():
+        raise BadFlag("--output", ValueError(f"{output} is a folder; give a file name"))
+    if not output.parent.is_dir():
+        raise BadFlag("--output", ValueError(f"no folder {output.parent}"))
+
+
 def cmd_say(args: argparse.Namespace) -> int:
     import grpc
 
@@ -88,6 +100,8 @@ def cmd_say(args: argparse.Namespace) -> int:
 
     try:
         req = _request(args, pb)
+        metadata = call_metadata(args)
+        _check_output(args.output)
     except BadFlag as err:
         return refuse(err)
     # A file is written under a temporary name and renamed once complete; stdout
@@ -95,7 +109,7 @@ def cmd_say(args: argparse.Namespace) -> int:
     part = None if str(args.output) == "-" else Path(f"{args.output}.part")
     try:
         with open_channel(args) as channel:
-            call = pb_grpc.SpeechStub(channel).Synthesize(req, timeout=args.timeout, metadata=call_metadata(args))
+            call = pb_grpc.SpeechStub(channel).Synthesize(req, timeout=args.timeout, metadata=metadata)
             if part is None:
                 buffer = io.BytesIO()
                 final = _write_wav(call, buffer)
@@ -110,6 +124,9 @@ def cmd_say(args: argparse.Namespace) -> int:
         return 130
     except grpc.RpcError as err:
         print(f"stencild: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except OSError as err:  # the file could not be written after all (full disk, permissions)
+        print(f"stencild: cannot write {args.output}: {err}", file=sys.stderr)
         return 1
     finally:
         if part is not None and part.exists():

@@ -106,6 +106,27 @@ def test_client_flags_a_field_cannot_hold_exit_2(argv: list[str], flag: str,
     assert capsys.readouterr().err.startswith(f"stencild: {flag}: ")
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "x", "--json-schema", "{bad_utf8}"], "--json-schema"),
+    (["generate", "x", "--lark", "{missing}"], "--lark"),
+    (["generate", "x", "--strict"], "--strict"),
+    (["generate", "x", "--whitespace", "compact"], "--whitespace"),
+    (["generate", "x", "--api-key", "two\nlines"], "--api-key"),
+    (["embed", "x", "--api-key", "clé"], "--api-key"),
+    (["say", "x", "-o", "{tmp}"], "--output"),
+    (["say", "x", "-o", "{missing}/x.wav"], "--output"),
+])
+def test_client_flags_it_cannot_use_exit_2_before_any_call(argv: list[str], flag: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Each ended in a traceback, an INTERNAL from grpc, or (say -o a folder)
+    after the whole speech was made; a lone --strict got the server's refusal
+    naming no flag."""
+    (tmp_path / "bad.json").write_bytes(b'{"type": "\xff"}')
+    names = {"bad_utf8": str(tmp_path / "bad.json"), "missing": str(tmp_path / "nothing"), "tmp": str(tmp_path)}
+    assert main([a.format(**names) for a in argv] + ["--port", "1"]) == 2
+    assert capsys.readouterr().err.startswith(f"stencild: {flag}: ")
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--max-message-mb", "2048"], "--max-message-mb"),
     (["--max-message-mb", "inf"], "--max-message-mb"),
