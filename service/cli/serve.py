@@ -33,8 +33,21 @@ log = logging.getLogger("stencild")
 DEFAULT_METRICS_PORT = 9090
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """`serve --help` gives each flag's default, unless its help already
+    speaks of one (a flag off or unset by default says nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == [] \
+            or action.default == argparse.SUPPRESS
+        if not action.option_strings or unset or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over gRPC",
+    p = sub.add_parser("serve", help="serve a model over gRPC", formatter_class=_DefaultsShown,
                        description="Serve a generation model, a speech model and an embedding model "
                        "over gRPC (stencil.v1.Generation, stencil.v1.Speech, stencil.v1.Embeddings, "
                        "health, reflection).")
