@@ -42,8 +42,12 @@ def open_channel(args: argparse.Namespace) -> Any:
     import grpc
 
     target = host_port(args.host, args.port)
+    # Take whatever the server may send (its own limit, --max-message-mb,
+    # bounds it): grpc's 4 MiB default failed a large Embed answer here
+    # after the server had computed and sent it.
+    options = [("grpc.max_receive_message_length", -1)]
     if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
-        return grpc.insecure_channel(target)
+        return grpc.insecure_channel(target, options=options)
     try:
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
@@ -54,7 +58,7 @@ def open_channel(args: argparse.Namespace) -> Any:
     except (OSError, ValueError) as err:
         print(f"stencild: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    return grpc.secure_channel(target, credentials)
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:

@@ -230,6 +230,10 @@ def test_cli_embed(embed_server: ServerHandle, capsys: pytest.CaptureFixture[str
     assert matrix[0][1] > matrix[0][2], "a cat is nearer a kitten than stock prices"
     assert main(["embed", LONG, "--port", port]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    # An answer over grpc's default 4 MiB client limit (the server allows 16):
+    # the server did the work, then the client refused it (RESOURCE_EXHAUSTED).
+    assert main(["embed", *["a b"] * 3000, "--port", port]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3000
 
 
 def test_answers_over_the_message_limit_are_refused_by_name(make_server: Callable[..., ServerHandle]) -> None:
