@@ -30,6 +30,7 @@ class HealthState:
         self.services = (OVERALL_HEALTH, *services)
         self.servicer = aio.HealthServicer()
         self._status: dict[str, health_pb2.HealthCheckResponse.ServingStatus] = {}
+        self._shut_down = False
 
     def status(self, name: str = OVERALL_HEALTH) -> health_pb2.HealthCheckResponse.ServingStatus:
         """What `name` reports now (NOT_SERVING before anything was set)."""
@@ -43,7 +44,9 @@ class HealthState:
             await self.set(name, status)
 
     async def set(self, name: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        """One service's status (ignored once draining)."""
+        """One service's status (ignored once draining, as the servicer ignores it)."""
+        if self._shut_down:
+            return
         self._status[name] = status
         await self.servicer.set(name, status)
 
@@ -59,4 +62,5 @@ class HealthState:
     async def shut_down(self) -> None:
         """NOT_SERVING for every service, permanently (draining)."""
         await self.set_all(NOT_SERVING)
+        self._shut_down = True
         await self.servicer.enter_graceful_shutdown()
