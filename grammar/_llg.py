@@ -183,8 +183,11 @@ def _error(spec: GrammarSpec, raw: str) -> GrammarError:
     lowered = msg.lower()
     limit_hit = any(word in lowered for word in ("too large", "too complex", "too many"))
     reason = "too_large" if limit_hit else "invalid"
+    # A regex the Rust syntax refuses is refused by every backend (xgrammar's
+    # parser would read `\Q.\E` its own way): no fallback.
+    final = spec.kind == "regex" and "regex parse error" in raw
     return GrammarError(
-        f"cannot compile {KIND_LABELS[spec.kind]}: {msg}", reason=reason, backend=BACKEND
+        f"cannot compile {KIND_LABELS[spec.kind]}: {msg}", reason=reason, backend=BACKEND, final=final
     )
 
 

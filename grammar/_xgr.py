@@ -31,7 +31,7 @@ from . import structural_tag
 from .errors import GrammarError, accepts_nothing, clean_message
 from .matcher import Matcher
 from .productive import RECURSIVE_KINDS, check_completable
-from .regex_syntax import xgrammar_misreads, xgrammar_pattern
+from .regex_syntax import rust_syntax_error, xgrammar_misreads, xgrammar_pattern
 from .schema_normalize import map_subschemas
 from .spec import KIND_LABELS
 from .tokenizer import PerTokenizer
@@ -267,6 +267,24 @@ def _scalar(grammar: xgr.Grammar) -> xgr.Grammar:
     return _reparse(str(grammar))
 
 
+# A Lark grammar's items, for `xgrammar_lark_misread`: a string literal, a
+# comment, a regex literal, or any other run of text.
+_LARK_ITEM = re.compile(r'"(?:[^"\\\n]|\\.)*"i?|//[^\n]*|/(?:[^/\\\n]|\\.)+/[imsux]*|[^"/]+|.', re.S)
+
+
+def xgrammar_lark_misread(grammar: str) -> str | None:
+    """What of a Lark grammar xgrammar reads otherwise than llguidance (whose
+    Lark the docs and the verdict follow) so that its outputs break it, or
+    None: `%ignore`, whose text xgrammar lets trail the last token. (xgrammar
+    also has no lexer, so a terminal that could run on into what follows it
+    is not matched greedily there; the verdict tells such an output apart.)"""
+    rest = "".join(item.group() for item in _LARK_ITEM.finditer(grammar)
+                   if not item.group().startswith(('"', "//", "/")) or item.group() == "/")
+    if re.search(r"^[ \t]*%ignore\b", rest, re.M):
+        return "%ignore (its text may trail the last token)"
+    return None
+
+
 def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     """`spec` as an xgrammar Grammar (converted, not compiled); library errors raise."""
     if spec.kind == "json_schema":
@@ -276,6 +294,10 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
         return _json_grammar('{"type": "object"}', spec)
     if spec.kind == "regex":
         assert isinstance(spec.source, str)
+        refused = rust_syntax_error(spec.source)
+        if refused is not None:  # not a regex of the documented syntax: no backend may read it its own way
+            raise GrammarError(f"cannot compile regex: {clean_message(refused, keep_positions=False)}",
+                               backend=BACKEND, final=True)
         misread = xgrammar_misreads(spec.source)
         if misread is not None:
             raise GrammarError(f"cannot compile regex: xgrammar reads {misread} differently from the "
@@ -289,6 +311,10 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
         return _scalar(xgr.Grammar.from_ebnf(spec.source, root_rule_name="root"))
     if spec.kind == "lark":
         assert isinstance(spec.source, str)
+        misread = xgrammar_lark_misread(spec.source)
+        if misread is not None:
+            raise GrammarError(f"cannot compile Lark grammar: xgrammar reads {misread} otherwise than "
+                               "llguidance's Lark; use llguidance", backend=BACKEND)
         return _scalar(xgr.Grammar.from_lark(spec.source))
     if spec.kind == "structural_tag":
         assert isinstance(spec.source, str)
@@ -358,8 +384,11 @@ def compile_native(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Comp
             raise GrammarError(
                 "grammar is too large", reason="too_large", backend=BACKEND
             ) from None
+        # EBNF is xgrammar's dialect: what its parser refuses is no EBNF, and
+        # another library's laxer reader must not make something of it.
+        final = spec.kind == "ebnf" and any(w in str(e) for w in ("EBNF parser error", "EBNF lexer error"))
         raise GrammarError(
-            f"cannot compile {KIND_LABELS[spec.kind]}: {clean_message(str(e))}", backend=BACKEND
+            f"cannot compile {KIND_LABELS[spec.kind]}: {clean_message(str(e))}", backend=BACKEND, final=final
         ) from None
     except MemoryError:
         raise GrammarError("grammar is too large", reason="too_large", backend=BACKEND) from None

@@ -125,6 +125,36 @@ def test_invalid_specs_fail_fast_with_clean_messages(compiler, spec, backend):
     assert len(msg) <= 300
 
 
+# Regexes the Rust syntax refuses: xgrammar's parser read them its own way
+# (`\\Q.\\E` as Q, any character, E) and auto fell back to it. EBNF (xgrammar's
+# dialect) its parser refuses: llguidance's laxer reader made something of it
+# under auto (the first of two `root` rules silently dropped).
+_REFUSED_BY_THEIR_DIALECT = [
+    *[(GrammarSpec.regex(p), b) for p in (r"\0", r"\Q.\E", r"a\Z", r"[\w-z]{2}", r"\o{101}")
+      for b in ("auto", "xgrammar", "llguidance")],
+    *[(GrammarSpec.ebnf(g), b) for g in ('root ::= "a" | ', 'root ::= "a"\nroot ::= "b"', "root ::= .",
+                                         'root ::= | "a"') for b in ("auto", "xgrammar")],
+]
+
+
+@pytest.mark.parametrize("spec, backend", _REFUSED_BY_THEIR_DIALECT)
+def test_a_spec_its_own_dialect_refuses_is_refused_by_every_backend(compiler, spec, backend):
+    with pytest.raises(GrammarError) as info:
+        compiler.compile(spec, backend=backend)
+    assert info.value.reason == "invalid"
+
+
+def test_lark_ignore_that_xgrammar_reads_otherwise_is_refused_there(compiler):
+    # xgrammar lets %ignore text trail the last token: its outputs ("ax" under
+    # `%ignore "x"`) ended EOS where llguidance's Lark (and the verdict) say INVALID.
+    spec = GrammarSpec.lark('start: "a" | "b"\n%ignore "x"  // the comment\n')
+    with pytest.raises(GrammarError, match="%ignore"):
+        compiler.compile(spec, backend="xgrammar")
+    assert compiler.compile(spec).backend == "llguidance"
+    quoted = GrammarSpec.lark('start: "%ignore" | "b"\n// %ignore "x"\n')
+    assert compiler.compile(quoted, backend="xgrammar").backend == "xgrammar"
+
+
 def test_cached_failures_are_not_recompiled(compiler):
     spec = GrammarSpec.regex("unclosed[")
     with pytest.raises(GrammarError):
