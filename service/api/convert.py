@@ -207,10 +207,14 @@ def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat",
     except RecursionError:  # template variables (or tools) nested past what the renderer walks
         raise invalid_argument(f"{field}.template_kwargs" if kwargs else "tools",
                                "nested too deeply for the chat template") from None
-    except TypeError as err:  # a variable the renderer sets too
-        if not kwargs:
-            raise
-        raise invalid_argument(f"{field}.template_kwargs", f"not usable as template variables: {err}") from None
+    except TypeError as err:
+        if kwargs and "multiple values" in str(err):  # a variable the renderer sets too
+            raise invalid_argument(f"{field}.template_kwargs", f"not usable as template variables: {err}") from None
+        raise invalid_argument(f"{field}.messages", f"the chat template failed on them: {err}") from None
+    except (ValueError, ArithmeticError, LookupError) as err:
+        # Python's own errors raised by the template's code on these messages
+        # (vLLM answers them 400, as a template's raise_exception).
+        raise invalid_argument(f"{field}.messages", f"the chat template failed on them: {err}") from None
 
 
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer,

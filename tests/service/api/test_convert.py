@@ -198,3 +198,27 @@ def test_an_unset_max_new_tokens_takes_the_models_default_within_the_room_left(e
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.violations[0][0] == "stopping.min_new_tokens"
     assert "generation_config.json" in info.value.violations[0][1]
+
+
+@pytest.mark.parametrize("template", ["{% for m in messages %}{{ m.content + 1 }}{% endfor %}",  # TypeError
+                                      "{{ 1 // (messages|length - 1) }}",  # ZeroDivisionError
+                                      "{{ messages[5].content }}{{ {}['x'] + 1 }}"])  # the like of Python's
+def test_a_chat_template_failing_on_the_messages_is_invalid_argument(tmp_path, template: str) -> None:  # type: ignore[no-untyped-def]
+    # Python errors raised by the template's own code escaped as INTERNAL
+    # (only jinja's TemplateError was a client error; vLLM answers 400).
+    import json
+    import shutil
+
+    from engine.presets import ensure_preset
+    from engine.tokenizer import Tokenizer
+
+    source = ensure_preset("tiny-qwen3")
+    shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="a")])
+    with pytest.raises(ServiceError) as info:
+        convert.chat_prompt(chat, Tokenizer(tmp_path))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.violations[0][0] == "chat.messages"
