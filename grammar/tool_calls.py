@@ -60,10 +60,13 @@ class Tool:
             raise GrammarError(f"tool {self.name}: parameters must be a JSON schema (an object)")
 
     def template_entry(self) -> dict[str, Any]:
-        """The tool as chat templates read it (OpenAI's layout)."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        """The tool as chat templates read it: OpenAI's layout, keys in its
+        order (templates that print a tool as JSON keep the order, and the
+        prompt is then the one vLLM or an OpenAI client's tools give)."""
+        function: dict[str, Any] = {"name": self.name}
         if self.description:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 

@@ -283,3 +283,25 @@ def test_one_caller_holds_at_most_half_the_compile_places() -> None:
         assert await asyncio.gather(*mine, *others) == ["matcher"] * 4
 
     asyncio.run(go())
+
+
+def test_tools_reach_the_chat_template_as_an_openai_client_sends_them() -> None:
+    # Templates that print a tool as JSON keep its key order: "parameters"
+    # came before "description", so the prompt differed from vLLM's for the
+    # same request (another layout for the model; no shared prefix-cache pages).
+    import json
+
+    from engine.presets import ensure_preset
+    from engine.tokenizer import Tokenizer
+    from service.api.convert import chat_prompt
+    from service.structured import tools_spec
+
+    tokenizer = Tokenizer(ensure_preset("tiny-reasoning"))
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    req = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="weather?")]),
+                             tools=[pb.Tool(name="get_weather", description="Get it", parameters=json.dumps(params)),
+                                    pb.Tool(name="now", parameters=json.dumps(params))])
+    ours = chat_prompt(req.chat, tokenizer, tools=tools_spec(req).template_entries)
+    openai = [{"type": "function", "function": {"name": "get_weather", "description": "Get it", "parameters": params}},
+              {"type": "function", "function": {"name": "now", "parameters": params}}]
+    assert ours == tokenizer.apply_chat_template([{"role": "user", "content": "weather?"}], tools=openai)
