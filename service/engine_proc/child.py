@@ -65,6 +65,9 @@ class EngineChild:
         self._sent: dict[str, tuple[TextContext, Times | None]] = {}
         # Requests whose constraint is compiling: True once aborted meanwhile.
         self._compiling: dict[str, bool] = {}
+        # Those whose compile the server was told of ("compiling"): it tells
+        # the server's watchdog that the engine does not hold them yet.
+        self._announced: set[str] = set()
         self._lock = threading.Lock()
 
     # -- the reader thread ----------------------------------------------------
@@ -133,11 +136,16 @@ class EngineChild:
             else:
                 self._enqueue(sub, done.result())
 
+        with self._lock:  # before "compiled" (sent under this lock), whichever thread sends that
+            if not future.done():
+                self._announced.add(sub.request_id)
+                self.outbox.send(("compiling", sub.request_id))
         future.add_done_callback(compiled)  # at once on this thread when the compiler has it
 
     def _compiled_failed(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
             self._compiling.pop(request_id, None)
+            self._announced.discard(request_id)
         self.outbox.send(("reject", request_id, portable_error(exc)))
 
     def _enqueue(self, sub: Submission, matcher: Matcher | None) -> None:
@@ -152,6 +160,9 @@ class EngineChild:
             return
         with self._lock:
             aborted = self._compiling.pop(sub.request_id, False)
+            if sub.request_id in self._announced:
+                self._announced.discard(sub.request_id)
+                self.outbox.send(("compiled", sub.request_id))  # the engine holds it from now on
             self._sent[ctx.request_id] = (ctx, None)
             self.driver.put(("add", ctx))
             if aborted:  # aborted while it compiled: it ends, with its output, as any abort

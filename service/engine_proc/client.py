@@ -187,6 +187,9 @@ class ProcessLink:
         self._reader: threading.Thread | None = None
         # The server's contexts of requests in the engine: their times mirror the process's.
         self._contexts: dict[str, TextContext] = {}
+        # Those whose constraint the process compiles before its engine gets
+        # them: no engine work, so no stall however long the compile takes.
+        self._compiling: set[str] = set()
         # Calls awaiting their result, with what runs on the reader thread just before.
         self._calls: dict[int, tuple[concurrent.futures.Future[Any], Callable[[], None] | None]] = {}
         self._kv_listener: Callable[[list[KVEvent]], None] | None = None
@@ -253,7 +256,8 @@ class ProcessLink:
         return not self._gone and self.process.proc.poll() is None
 
     def stalled_for(self) -> float:
-        return max(0.0, time.monotonic() - self._heard) if self._contexts else 0.0
+        working = len(self._contexts) > len(self._compiling)
+        return max(0.0, time.monotonic() - self._heard) if working else 0.0
 
     @property
     def threads(self) -> list[threading.Thread | None]:
@@ -313,7 +317,13 @@ class ProcessLink:
             self._step(sink, *msg[1:])
         elif kind == "reject":
             self._contexts.pop(msg[1], None)
+            self._compiling.discard(msg[1])
             sink.rejected(msg[1], msg[2])
+        elif kind == "compiling":
+            if msg[1] in self._contexts:
+                self._compiling.add(msg[1])
+        elif kind == "compiled":
+            self._compiling.discard(msg[1])  # the stall clock runs from this message on
         elif kind == "kv":
             if self._kv_listener is not None:
                 self._kv_listener(msg[1])

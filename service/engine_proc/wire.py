@@ -8,6 +8,9 @@ user_error) first, then
     ("step", outputs, times, StepStats, EngineLoad, ThreadCpu)
                                                       after every engine step
     ("reject", request_id, exception)                 a request refused alone
+    ("compiling", request_id) / ("compiled", request_id)
+                                                      its constraint compiles in the process first
+                                                      (the engine does not hold it meanwhile)
     ("kv", events)                                    the prefix cache's events (once listened to)
     ("result", call_id, ok, value_or_exception)       a call's answer
     ("failed", message)                               the engine died

@@ -132,9 +132,38 @@ def test_a_constraint_that_fails_to_compile_fails_its_request_alone() -> None:
     child.handle(("add", _submission("bad", grammar=True)))
     child.handle(("add", _submission("good")))
     structured.pending[0].set_exception(GrammarError("compile timed out", reason="timeout"))
-    [(kind, rid, exc)] = outbox.sent
+    compiling, (kind, rid, exc) = outbox.sent
+    assert compiling == ("compiling", "bad")
     assert (kind, rid) == ("reject", "bad") and "timed out" in str(exc)
     assert [cmd[1].request_id for cmd in _commands(child)] == ["good"]
+
+
+def test_the_server_hears_when_a_constraint_compiles_before_the_engine_holds_it() -> None:
+    # The watchdog counted a request compiling in the engine process as engine
+    # work: a compile longer than --watchdog-timeout turned health NOT_SERVING
+    # with the engine idle.
+    from service.engine_proc.client import ProcessLink
+
+    child, outbox, structured = _child()
+    child.handle(("add", _submission("slow", grammar=True)))
+    assert outbox.sent == [("compiling", "slow")]
+    structured.pending[0].set_result(object())
+    assert outbox.sent[1:] == [("compiled", "slow")]  # then in the engine
+    child.handle(("add", _submission("plain")))
+    assert len(outbox.sent) == 2  # a request the engine takes at once says nothing
+
+    process = SimpleNamespace(send=lambda command: None, proc=SimpleNamespace(poll=lambda: None))
+    link = ProcessLink(SimpleNamespace(process=process))  # type: ignore[arg-type]
+    sink = SimpleNamespace(rejected=lambda *args: None)
+    ctx = RequestFactory(None, 100, 64, frozenset({0}), None, None, None).context(  # type: ignore[arg-type]
+        _submission("slow").spec, None, False, None)
+    link.add(ctx, SimpleNamespace(matcher=None, spec=_submission("slow").spec, resample=False, reasoning=None))
+    link._handle(sink, ("compiling", ctx.request_id))  # type: ignore[arg-type]
+    link._heard -= 100  # a long compile
+    assert link.stalled_for() == 0.0
+    link._handle(sink, ("compiled", ctx.request_id))  # type: ignore[arg-type]
+    link._heard -= 100  # the engine holds it and says nothing for as long
+    assert link.stalled_for() >= 100
 
 
 def test_a_compile_in_the_engine_process_is_for_the_requests_client() -> None:
