@@ -66,12 +66,21 @@ class EngineProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, _REPO_ROOT, str(to_child_r), str(from_child_w)],
                 pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
+        except BaseException:  # no process (fork failed): the server's ends too
+            os.close(to_child_w)
+            os.close(from_child_r)
+            raise
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
         self._send = SendQueue(to_child_w, "stencild-engine-send")
         self.inbox = Connection(from_child_r, writable=False)
-        self.send(spec)
+        try:
+            self.send(spec)
+        except BaseException:  # a spec that cannot be sent: the process would wait for it for ever
+            self.proc.kill()
+            self.stop()
+            raise
 
     @property
     def pid(self) -> int:

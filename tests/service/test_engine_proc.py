@@ -270,3 +270,21 @@ def test_an_engine_process_whose_server_died_exits() -> None:
     while process_running(pid):
         assert time.monotonic() < deadline, "the orphaned engine process kept running"
         time.sleep(0.05)
+
+
+def test_a_spawn_that_fails_leaves_no_pipe_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server's ends of both pipes stayed open after a failed fork (two fds
+    # a try: a server embedded in a longer-lived process ran out of them).
+    import os
+
+    from service.engine_proc import client
+
+    def no_fork(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(client.subprocess, "Popen", no_fork)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(OSError):
+            client.EngineProcess(None)  # type: ignore[arg-type]
+    assert len(os.listdir("/proc/self/fd")) == before
