@@ -95,6 +95,14 @@ def _strip(node: Any, drop: frozenset[str], dropped: set[str], backend: str, *, 
         # the patterns it would apply to theirs too, refusing valid instances.
         dropped.add("additionalProperties")
         del kept["additionalProperties"]
+    counts = [key for key in ("minProperties", "maxProperties") if key in kept]
+    if backend == "llguidance" and counts and isinstance(kept.get("properties"), dict) \
+            and not set(kept["properties"]) <= set(kept.get("required") or ()):
+        # llguidance counts properties only when every declared one is
+        # required: otherwise it refuses the whole schema.
+        for key in counts:
+            dropped.add(key)
+            del kept[key]
     if backend == "xgrammar" and "type" not in kept and not _XGR_READ_ALONE & kept.keys() \
             and any(key in _XGR_SCOPED for key in kept):
         kept["type"] = list(_EVERY_TYPE)

@@ -107,6 +107,28 @@ def test_any_of_beside_one_of_compiles_with_llguidance(compiler: GrammarCompiler
     assert not grammar_accepts(compiler, matcher, '"s"')
 
 
+def test_property_counts_with_optional_properties_compile_with_llguidance(compiler: GrammarCompiler) -> None:
+    """llguidance refuses min/maxProperties unless every declared property is
+    required: the whole schema failed there (and under auto, with a part
+    xgrammar refuses too, the request). Now they are left to the validator."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "maxProperties": 1, "minProperties": 1}
+    matcher = compiler.compile(GrammarSpec.json_schema(schema), backend="llguidance")
+    assert matcher.unenforced_keywords == ("maxProperties", "minProperties")
+    assert grammar_accepts(compiler, matcher, '{"a":1}')
+    # Where llguidance counts them (every declared property required), it still does.
+    required = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                "additionalProperties": {"type": "integer"}, "maxProperties": 2}
+    matcher = compiler.compile(GrammarSpec.json_schema(required), backend="llguidance")
+    assert matcher.unenforced_keywords == ()
+    assert grammar_accepts(compiler, matcher, '{"a":1,"b":2}')
+    assert not grammar_accepts(compiler, matcher, '{"a":1,"b":2,"c":3}')
+    # With a part xgrammar refuses (an optional property that can hold nothing),
+    # auto had no library left.
+    both = {"type": "object", "properties": {"a": {"type": "integer"}, "b": False}, "maxProperties": 1}
+    assert compiler.compile(GrammarSpec.json_schema(both)).backend == "llguidance"
+
+
 @pytest.mark.parametrize(("pattern", "text", "backend"), [
     ("^(?!a).*$", '"a"', "auto"),  # llguidance refused look-around; xgrammar dropped it silently
     ("^(?=a)\\w+$", '"b"', "xgrammar"),
