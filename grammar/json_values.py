@@ -8,16 +8,25 @@ checks compare `canonical` forms instead.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
 
 def _finite(text: str) -> float:
-    return max(-sys.float_info.max, min(sys.float_info.max, float(text)))
+    value = float(text)
+    if value == 0.0 and any(digit in "123456789" for digit in text.lower().partition("e")[0]):
+        # Below a double's smallest: read as its nearest non-zero one, signed
+        # (as 0 it would equal 0 and be an integer, which it is not).
+        return math.copysign(_SMALLEST, value)
+    return max(-sys.float_info.max, min(sys.float_info.max, value))
 
+
+_SMALLEST = 5e-324  # the least positive (subnormal) double
 
 # An instance's numbers past a double's range are read as its largest value:
-# Python reads them as infinity, which is no JSON value (a validator sees null).
+# Python reads them as infinity, which is no JSON value (a validator sees
+# null); those too small for a double, as its smallest (Python reads 0.0).
 INSTANCE_DECODER = json.JSONDecoder(parse_float=_finite)
 
 

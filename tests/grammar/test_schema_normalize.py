@@ -195,6 +195,12 @@ def test_validator_results():
     # which the validator saw as null: "not of type number").
     huge = SchemaValidator({"type": "number", "minimum": 0})
     assert huge.validate_text("1e400").valid and not huge.validate_text("-1e400").valid
+    # One too small for a double is no zero either (Python reads it as 0.0:
+    # `not const 0` refused it, `contains integer` took it).
+    assert SchemaValidator({"type": "number", "not": {"const": 0}}).validate_text("1e-400").valid
+    contains = SchemaValidator({"type": "array", "contains": {"type": "integer"}})
+    assert not contains.validate_text("[1e-400]").valid and not contains.validate_text("[-2.5e-999]").valid
+    assert contains.validate_text("[0e-400]").valid and contains.validate_text("[0.000e5]").valid
     with pytest.raises(ValueError):
         SchemaValidator({"$ref": "http://example.com/remote.json"})  # never fetched
 
