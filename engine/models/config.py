@@ -256,6 +256,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    quantized = cfg.get("quantization_config") or cfg.get("compression_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise CheckpointError(f"quantized checkpoints are not supported (quant_method={method}); "
+                              "use the model's bf16/fp16 weights")
     num_heads = _required(cfg, "num_attention_heads")
     hidden = _required(cfg, "hidden_size")
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)

@@ -60,52 +60,61 @@ class LlamaFamilyModel:
 
         perm = interleave_permutation(config.head_dim)
 
-        def load(name: str) -> torch.Tensor:
-            return source.get(name, dtype)
+        def load(name: str, *shape: int) -> torch.Tensor:
+            tensor = source.get(name, dtype)
+            if tuple(tensor.shape) != shape:
+                # As transformers refuses it: a config and weights that disagree
+                # loaded, then failed every request (or served a wrong vocabulary).
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                                      f"makes it {shape}")
+            return tensor
+
+        hidden, inter = config.hidden_size, config.intermediate_size
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
 
         def permute_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
             # HF rotate_half layout -> interleaved pairs (see rope.py).
             shape = t.shape
             return t.reshape(heads, config.head_dim, -1)[:, perm].reshape(shape)
 
-        self.embed = load("model.embed_tokens.weight").to(device)
+        self.embed = load("model.embed_tokens.weight", config.vocab_size, hidden).to(device)
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            q = permute_heads(load(p + "self_attn.q_proj.weight"), config.num_heads)
-            k = permute_heads(load(p + "self_attn.k_proj.weight"), config.num_kv_heads)
-            v = load(p + "self_attn.v_proj.weight")
+            q = permute_heads(load(p + "self_attn.q_proj.weight", q_size, hidden), config.num_heads)
+            k = permute_heads(load(p + "self_attn.k_proj.weight", kv_size, hidden), config.num_kv_heads)
+            v = load(p + "self_attn.v_proj.weight", kv_size, hidden)
             bias = None
             if config.attention_bias:
                 bias = torch.cat([
-                    permute_heads(load(p + "self_attn.q_proj.bias"), config.num_heads),
-                    permute_heads(load(p + "self_attn.k_proj.bias"), config.num_kv_heads),
-                    load(p + "self_attn.v_proj.bias"),
+                    permute_heads(load(p + "self_attn.q_proj.bias", q_size), config.num_heads),
+                    permute_heads(load(p + "self_attn.k_proj.bias", kv_size), config.num_kv_heads),
+                    load(p + "self_attn.v_proj.bias", kv_size),
                 ]).to(device)
             mlp = p + "mlp."
             layer = DecoderLayer(
-                input_norm=load(p + "input_layernorm.weight").to(device),
+                input_norm=load(p + "input_layernorm.weight", hidden).to(device),
                 qkv=linear(torch.cat([q, k, v]).to(device), bias),
-                o_proj=linear(load(p + "self_attn.o_proj.weight").to(device),
-                              load(p + "self_attn.o_proj.bias").to(device) if config.output_bias else None),
-                post_norm=load(p + "post_attention_layernorm.weight").to(device),
-                gate_up=linear(torch.cat([load(mlp + "gate_proj.weight"), load(mlp + "up_proj.weight")]).to(device),
-                               torch.cat([load(mlp + "gate_proj.bias"), load(mlp + "up_proj.bias")]).to(device)
+                o_proj=linear(load(p + "self_attn.o_proj.weight", hidden, q_size).to(device),
+                              load(p + "self_attn.o_proj.bias", hidden).to(device) if config.output_bias else None),
+                post_norm=load(p + "post_attention_layernorm.weight", hidden).to(device),
+                gate_up=linear(torch.cat([load(mlp + "gate_proj.weight", inter, hidden), load(mlp + "up_proj.weight", inter, hidden)]).to(device),
+                               torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
                                if config.mlp_bias else None),
-                down=linear(load(mlp + "down_proj.weight").to(device),
-                            load(mlp + "down_proj.bias").to(device) if config.mlp_bias else None),
+                down=linear(load(mlp + "down_proj.weight", hidden, inter).to(device),
+                            load(mlp + "down_proj.bias", hidden).to(device) if config.mlp_bias else None),
             )
             if config.qk_norm:
-                layer.q_norm = load(p + "self_attn.q_norm.weight")[perm].contiguous().to(device)
-                layer.k_norm = load(p + "self_attn.k_norm.weight")[perm].contiguous().to(device)
+                layer.q_norm = load(p + "self_attn.q_norm.weight", config.head_dim)[perm].contiguous().to(device)
+                layer.k_norm = load(p + "self_attn.k_norm.weight", config.head_dim)[perm].contiguous().to(device)
             self.layers.append(layer)
-        self.final_norm = load("model.norm.weight").to(device)
+        self.final_norm = load("model.norm.weight", hidden).to(device)
         # Tied, the head is the embedding (a stored lm_head.weight is ignored, as
         # vLLM does); untied, it must be there: a config and weights that disagree.
         if config.tie_word_embeddings:
             self.lm_head = linear(self.embed)
         elif "lm_head.weight" in source:
-            self.lm_head = linear(load("lm_head.weight").to(device))
+            self.lm_head = linear(load("lm_head.weight", config.vocab_size, hidden).to(device))
         else:
             raise CheckpointError("checkpoint has no lm_head.weight, and its config says "
                                   "tie_word_embeddings is false")

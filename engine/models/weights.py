@@ -51,7 +51,12 @@ class WeightSource:
         if handle is None:
             handle = safe_open(str(path), framework="pt")
             self._open[path] = handle
-        return handle.get_tensor(name).to(dtype)  # type: ignore[attr-defined]
+        tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+        if not tensor.is_floating_point() or tensor.element_size() < 2:
+            # float8 or integer codes read as values would be nonsense.
+            raise CheckpointError(f"tensor {name!r} is stored as {tensor.dtype}: quantized checkpoints "
+                                  "are not supported (use the model's bf16/fp16 weights)")
+        return tensor.to(dtype)
 
     def close(self) -> None:
         self._open.clear()

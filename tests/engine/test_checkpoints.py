@@ -78,6 +78,38 @@ def test_missing_tensor_is_named(copy_of):
         LLM(d)
 
 
+@pytest.mark.parametrize("change, says", [
+    ({"num_key_value_heads": 1}, "model.layers.0.self_attn.k_proj.weight"),  # every request failed
+    ({"vocab_size": 4096}, "model.embed_tokens.weight"),  # generated ids past the vocabulary
+    ({"intermediate_size": 64}, "model.layers.0.mlp.gate_proj.weight"),  # the weights' size won silently
+])
+def test_weights_that_disagree_with_the_config_are_refused_by_name(copy_of, change, says):
+    d = copy_of("tiny-llama")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=f"tensor '{says}' has shape"):
+        LLM(d)
+
+
+def test_quantized_checkpoints_are_refused(copy_of):
+    # An FP8 checkpoint loaded, its float8 codes cast to floats and its scales
+    # dropped: it served nonsense without a word.
+    from safetensors.torch import load_file, save_file
+
+    d = copy_of("tiny-llama")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match="quant_method=fp8"):
+        LLM(d)
+    (d / "config.json").write_text(json.dumps(config))  # the weights alone tell it too
+    weights = load_file(d / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weights[name] = weights[name].to(torch.float8_e4m3fn)
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"'{name}' is stored as torch.float8_e4m3fn"):
+        LLM(d)
+
+
 def test_missing_model_directory():
     with pytest.raises(CheckpointError, match="does not exist"):
         LLM("/nonexistent/model")
