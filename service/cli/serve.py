@@ -241,6 +241,17 @@ def _log_level(value: str) -> str:
     return level
 
 
+def _display_name(model: Path) -> str:
+    """What clients call a checkpoint: its folder's name, never the server's
+    file system. The name as given, not where a link leads (a Hugging Face
+    cache snapshot, or a link to one, was served as its commit hash); a
+    snapshot's own folder is named after its repository (`org/name`)."""
+    path = Path(os.path.normpath(model.absolute()))
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
 def _model_dir(args: argparse.Namespace) -> tuple[Path, str] | str:
     """The generation checkpoint and its display name, or an error message."""
     from engine.presets import PRESETS, ensure_preset
@@ -248,8 +259,7 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str] | str:
     if args.model is not None:
         if not (args.model / "config.json").is_file():
             return f"{args.model} is not a checkpoint directory (no config.json)"
-        # Clients see the directory's name, never the server's file system.
-        return args.model, args.model.resolve().name
+        return args.model, _display_name(args.model)
     preset = args.preset or "demo"
     if preset not in PRESETS:
         return f"unknown preset {preset!r}; choose from {', '.join(sorted(PRESETS))}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -146,6 +147,22 @@ def test_clients_see_a_model_name_not_a_server_path(tmp_path) -> None:  # type: 
         return made
 
     assert plan().model_name == model.name and "/" not in plan().model_name
+    # A link is named as given (it was named by where it led: a Hugging Face
+    # cache snapshot's commit hash), and a snapshot by its repository.
+    snapshot = tmp_path / "hub" / "models--team--llama-small" / "snapshots" / ("ab12" * 10)
+    snapshot.parent.mkdir(parents=True)
+    snapshot.symlink_to(model, target_is_directory=True)
+    (tmp_path / "my-llama").symlink_to(snapshot, target_is_directory=True)
+
+    def named(path: Path) -> str:
+        made = plan_serve(build_parser().parse_args(["serve", "--model", str(path), "--no-speech-model",
+                                                     "--no-embedding-model"]))
+        assert isinstance(made, ServePlan), made
+        return made.model_name
+
+    assert named(tmp_path / "my-llama") == "my-llama"
+    assert named(snapshot) == "team/llama-small"
+    assert named(tmp_path / "hub" / ".." / "my-llama") == "my-llama"
     assert plan("--served-model-name", "team/llama-small").model_name == "team/llama-small"
     keys = tmp_path / "keys"
     keys.write_text(f"# team keys\n{ALICE} alice:4\n{BOB}\n")
