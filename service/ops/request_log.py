@@ -366,6 +366,22 @@ class CallContextFilter(logging.Filter):
         return True
 
 
+class ClientGoneFilter(logging.Filter):
+    """grpc logs an answer it could not send because the client had gone (it
+    refused the answer's size, or left) as an ERROR with a traceback, through
+    no fault of the server's: any client could fill the log with them. Such a
+    record becomes one DEBUG line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.name.startswith("grpc") and record.levelno >= logging.ERROR and (
+                type(exc).__name__ == "ExecuteBatchError" or "ExecuteBatchError" in record.getMessage()):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info, record.exc_text = None, None
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
 class TextFormatter(logging.Formatter):
     """`time LEVEL logger: message`, plus the call's ids on lines logged during a call."""
 
@@ -422,6 +438,7 @@ def configure_logging(level: str | int = "INFO", fmt: str = "text") -> None:
     handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(CallContextFilter())
+    handler.addFilter(ClientGoneFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

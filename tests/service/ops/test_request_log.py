@@ -247,3 +247,33 @@ def test_a_call_keeps_its_first_compile() -> None:
         exit_call(token)
     assert record.compile is not None and not record.compile.cached
     assert log_fields(record)["compile_ms"] >= 250
+
+
+def test_grpc_failing_to_answer_a_client_that_left_is_no_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # grpc logged it at ERROR with a traceback: a client refusing a large
+    # answer (its own 4 MiB limit) put one in the server's log each time.
+    from grpc._cython.cygrpc import ExecuteBatchError
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        configure_logging("INFO", "text")
+        grpc_log = logging.getLogger("grpc._cython.cygrpc")
+        try:
+            raise ExecuteBatchError('Failed "execute_batch"')
+        except ExecuteBatchError:
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [Tokenize]")
+        grpc_log.error("a grpc error of another kind")
+        err = capsys.readouterr().err
+        assert "servicer method" not in err and "Traceback" not in err
+        assert "a grpc error of another kind" in err
+        configure_logging("DEBUG", "text")  # kept, as one line, at DEBUG
+        try:
+            raise ExecuteBatchError('Failed "execute_batch"')
+        except ExecuteBatchError:
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [Embed]")
+        err = capsys.readouterr().err
+        assert "servicer method [Embed]" in err and "DEBUG" in err and "Traceback" not in err
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
