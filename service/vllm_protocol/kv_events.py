@@ -21,7 +21,8 @@ snapshot is taken between steps (EngineLoop.kv_snapshot), and from there the
 subscriber's registration is posted to the event loop ahead of any later
 batch. A subscriber resuming from a cursor (`start_sequence_number`) that the
 hub's bounded history of recent steps still covers gets the batches it missed
-instead, under their own numbers.
+instead, under their own numbers (the history is kept from the first
+subscription on: a server no router follows keeps none).
 
 Numbers start at the wall clock in microseconds, not at 1: a restarted
 server then numbers on above any cursor a router kept from the one before it,
@@ -56,9 +57,10 @@ MAX_QUEUED = 4096
 # A snapshot chunk's size, in tokens (about 4 bytes each on the wire): far
 # under a router's 4 MiB message limit, whatever the page size.
 SNAPSHOT_CHUNK_TOKENS = 1 << 18
-# The recent steps kept for subscribers resuming from a cursor, in pages stored
-# or removed (the batches themselves, not copies).
-HISTORY_PAGES = 1 << 16
+# The recent steps kept for subscribers resuming from a cursor, in tokens of
+# the pages stored or removed (the batches themselves, not copies): ~40 MiB.
+# Kept only once a router has subscribed: until then nobody can resume.
+HISTORY_TOKENS = 1 << 20
 _TIER = cpb.KV_CACHE_TIER_DEVICE
 _LOCAL = cpb.KV_CACHE_LOCALITY_LOCAL
 
@@ -122,10 +124,12 @@ class KvEventHub:
         # while this is above zero. Both threads change it, under the lock.
         self._listening = 0
         self._lock = threading.Lock()
-        # The last steps' events, oldest first, at most HISTORY_PAGES pages
-        # (written on the listener's thread, read there by `register`).
+        # The last steps' events, oldest first, at most HISTORY_TOKENS tokens
+        # (written on the listener's thread, read there by `register`), from
+        # the first subscription on.
         self._history: deque[tuple[int, list[KVEvent]]] = deque()
         self._history_pages = 0
+        self._keeping = False
 
     async def attach(self, engine_loop: EngineLoop) -> None:
         self._loop = asyncio.get_running_loop()
@@ -140,14 +144,15 @@ class KvEventHub:
     # -- engine thread ------------------------------------------------------
     def _on_events(self, events: list[KVEvent]) -> None:
         self.sequence += 1
-        self._remember(self.sequence, events)
+        if self._keeping:
+            self._remember(self.sequence, events)
         if self._listening:
             self._post(self._publish, self.sequence, events)
 
     def _remember(self, number: int, events: list[KVEvent]) -> None:
         self._history.append((number, events))
         self._history_pages += _pages(events)
-        while self._history_pages > HISTORY_PAGES and len(self._history) > 1:
+        while self._history_pages * max(self.page_size, 1) > HISTORY_TOKENS and len(self._history) > 1:
             self._history_pages -= _pages(self._history.popleft()[1])
 
     def _missed(self, cursor: int) -> list[tuple[int, list[KVEvent]]] | None:
@@ -233,6 +238,7 @@ class KvEventHub:
             self._post(self._join, sub)
             number = self.sequence
             missed = self._missed(cursor)
+            self._keeping = True  # a router may resume from here on
 
         try:
             pages = await engine_loop.kv_snapshot(register)

@@ -68,6 +68,9 @@ def test_without_subscribers_batches_are_numbered_on_the_engine_thread_only(pres
         hub._publish = spy  # type: ignore[method-assign]
         await _finish(_submit(loop, 0))
         assert hub.sequence > 0 and published == []
+        # Nor are they kept: no router can resume yet (every stored page's
+        # tokens were held, up to the history's cap, ~40 MiB).
+        assert not hub._history
         # With a subscriber they cross, numbered on from there.
         sub = hub.subscribe()
         snapshot = await sub.__anext__()
@@ -189,7 +192,7 @@ def test_a_subscriber_resuming_from_its_cursor_gets_what_it_missed(preset, monke
         assert numbers == list(range(cursor + 1, last + 1)) and state == actual
         await resumed.aclose()
         # A cursor the history no longer reaches back to gets the state instead.
-        monkeypatch.setattr(kv_events, "HISTORY_PAGES", 1)
+        monkeypatch.setattr(kv_events, "HISTORY_TOKENS", 1)
         await _finish(_submit(loop, 9))
         old = hub.subscribe(cursor)
         assert (await old.__anext__()).HasField("snapshot")
