@@ -10,14 +10,28 @@ other. Both Abort RPCs therefore go through one registry, which the servicers
 fill while their calls prepare (and, for n > 1, while they run): an Abort marks
 the call, so whatever it starts from then on starts aborted, and aborts every
 engine request it already runs.
+
+Two calls on one connection are not ordered: a router's Abort sent right after
+its Generate may reach the server first, and find nothing. So a router's
+Abort (vLLM's protocol, whose Abort answers nothing and whose ids are the
+router's own, never reused) that finds nothing is remembered for
+`EARLY_ABORT_S`: a call opened under that id meanwhile starts aborted (at most
+`EARLY_ABORTS` ids are remembered). stencil.v1's Abort answers which ids it
+found, and a client may retry a request under its id after aborting it: it
+remembers nothing.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from service.engine_loop import EngineLoop
+
+EARLY_ABORT_S = 2.0
+EARLY_ABORTS = 4096
 
 
 @dataclass
@@ -37,26 +51,41 @@ class CallRegistry:
 
     def __init__(self) -> None:
         self._calls: dict[str, CallHandle] = {}
+        self._early: OrderedDict[str, float] = OrderedDict()  # ids an Abort found nothing for, oldest first
 
     def open(self, scoped_id: str) -> CallHandle:
-        """Register a call. A second call with an id already registered gets a
-        handle of its own that no Abort finds: it fails at submission anyway
-        (the engine refuses a duplicate id) and must not take the first's entry."""
+        """Register a call (aborted already if an Abort of its id came just
+        before it). A second call with an id already registered gets a handle
+        of its own that no Abort finds: it fails at submission anyway (the
+        engine refuses a duplicate id) and must not take the first's entry."""
         handle = CallHandle()
-        self._calls.setdefault(scoped_id, handle)
+        if self._calls.setdefault(scoped_id, handle) is handle:
+            when = self._early.pop(scoped_id, None)
+            handle.aborted = when is not None and time.monotonic() - when <= EARLY_ABORT_S
         return handle
 
     def close(self, scoped_id: str, handle: CallHandle) -> None:
         if self._calls.get(scoped_id) is handle:
             del self._calls[scoped_id]
 
-    def abort(self, scoped_id: str, loops: Sequence[EngineLoop]) -> bool:
+    def abort(self, scoped_id: str, loops: Sequence[EngineLoop], remember: bool = False) -> bool:
         """Abort the call with this id wherever it is; True if it was found
-        still preparing or with an engine request still running."""
+        still preparing or with an engine request still running. `remember`:
+        if not found, abort a call opened under the id in the next moments."""
         found = [loop.abort(scoped_id) for loop in loops]
         handle = self._calls.get(scoped_id)
         if handle is not None:
             handle.aborted = True
             found += [loop.abort(other) for other in handle.others for loop in loops]
             found.append(not handle.submitted)
+        elif remember and not any(found):
+            self._remember_early(scoped_id)
         return any(found)
+
+    def _remember_early(self, scoped_id: str) -> None:
+        now = time.monotonic()
+        self._early[scoped_id] = now
+        self._early.move_to_end(scoped_id)
+        while self._early and (len(self._early) > EARLY_ABORTS
+                               or now - next(iter(self._early.values())) > EARLY_ABORT_S):
+            self._early.popitem(last=False)

@@ -224,8 +224,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         if loop is None:
             return vpb.AbortResponse()
         for rid in dict.fromkeys(request.request_ids):
-            # A call still preparing, and every sequence of an n > 1 call, too.
-            self.state.calls_by_id.abort(scoped_request_id(rid), [loop])
+            # A call still preparing, and every sequence of an n > 1 call, too;
+            # one whose Generate this Abort overtook, when that comes.
+            self.state.calls_by_id.abort(scoped_request_id(rid), [loop], remember=True)
         return vpb.AbortResponse()
 
     # -- Embed ------------------------------------------------------------------

@@ -144,6 +144,17 @@ def test_an_abort_while_the_constraint_compiles_ends_the_call(make_server, proto
     assert handle.wait_no_pages() == (0, 0)
 
 
+def test_an_abort_that_overtakes_its_generate_still_ends_it(vllm) -> None:  # type: ignore[no-untyped-def]
+    # Two calls are not ordered: a router's Abort sent right after its
+    # Generate may reach the server first, found nothing, and the request ran in full.
+    handle, stub = vllm
+    stub.Abort(vpb.AbortRequest(request_ids=["overtaken"]), timeout=TIMEOUT)
+    req = _req("overtaken", list(range(5, 30)), max_tokens=400, temperature=1.0, ignore_eos=True, n=2)
+    finals = [m.complete for m in stub.Generate(req, timeout=TIMEOUT)]
+    assert sorted((c.index, c.finish_reason) for c in finals) == [(0, "abort"), (1, "abort")]
+    assert handle.wait_no_pages() == (0, 0)
+
+
 def test_a_stencil_abort_ends_every_sequence_of_a_vllm_n_request(vllm) -> None:  # type: ignore[no-untyped-def]
     # Both protocols share one engine and its ids: stencil.v1's Abort answered
     # the id as aborted but stopped only the first sequence.

@@ -1,0 +1,66 @@
+"""The call registry Abort goes through: calls still preparing, a vLLM call's
+other sequences, and an Abort that overtook its call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from service.api import calls
+from service.api.calls import CallRegistry
+
+
+class _Loop:
+    """Stands in for an EngineLoop: the ids it runs, and what it was asked to abort."""
+
+    def __init__(self, running: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.running = set(running)
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return request_id in self.running
+
+
+def test_an_abort_that_overtook_its_call_aborts_it_when_it_opens(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two calls on one connection are not ordered: an Abort sent right after
+    # its Generate could come first, find nothing, and the request ran in full.
+    now = [100.0]
+    monkeypatch.setattr(calls.time, "monotonic", lambda: now[0])
+    registry, loop = CallRegistry(), _Loop()
+    assert not registry.abort("r0", [loop])  # stencil.v1's: answered, nothing remembered
+    assert not registry.open("r0").aborted
+    assert not registry.abort("r1", [loop], remember=True)  # a router's: nothing to abort yet
+    assert registry.open("r1").aborted
+    assert not registry.open("r2").aborted
+    registry.close("r1", registry.open("r1"))
+    assert not registry.open("r1").aborted  # once only
+    registry.abort("late", [loop], remember=True)
+    now[0] += calls.EARLY_ABORT_S + 0.1
+    assert not registry.open("late").aborted  # remembered a moment, no longer
+
+
+def test_remembered_aborts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(calls, "EARLY_ABORTS", 3)
+    registry, loop = CallRegistry(), _Loop()
+    for i in range(10):
+        registry.abort(f"r{i}", [loop], remember=True)
+    assert list(registry._early) == ["r7", "r8", "r9"]
+
+
+def test_an_abort_finding_its_request_running_or_its_call_preparing_remembers_nothing() -> None:
+    registry, loop = CallRegistry(), _Loop({"running"})
+    assert registry.abort("running", [loop], remember=True)
+    preparing = registry.open("preparing")
+    assert registry.abort("preparing", [loop], remember=True) and preparing.aborted
+    registry.close("preparing", preparing)
+    assert not registry._early
+
+
+def test_an_abort_reaches_every_sequence_of_a_call(monkeypatch: Any) -> None:
+    registry, loop = CallRegistry(), _Loop({"n#1"})
+    call = registry.open("n")
+    call.others, call.submitted = ["n#1", "n#2"], True
+    assert registry.abort("n", [loop])
+    assert loop.aborted == ["n", "n#1", "n#2"] and call.aborted
