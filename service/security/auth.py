@@ -146,8 +146,11 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         if not keys:
             raise ValueError("ApiKeyAuth needs at least one key")
         self._keys = [(_digest(k.secret), k) for k in keys]
-        for key in keys:
-            self._inflight.setdefault(key.name, 0)
+        names = {key.name for key in keys}
+        # A removed key's count goes once its calls are over (never read again).
+        self._inflight = {name: n for name, n in self._inflight.items() if n or name in names}
+        for name in names:
+            self._inflight.setdefault(name, 0)
 
     def match(self, metadata: Any) -> ApiKey | None:
         """The key the metadata carries, if it is one of ours (constant time over keys)."""
@@ -190,16 +193,17 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         if router_only and not key.router:
             await ServiceError(grpc.StatusCode.PERMISSION_DENIED, "this RPC sees every key's requests: it needs "
                                "an API key marked 'router'", Reason.ROUTER_KEY_REQUIRED).abort(context)
-        if counted and key.max_inflight is not None and self._inflight[key.name] >= key.max_inflight:
+        # .get: the key may have been reloaded away since the call matched it.
+        if counted and key.max_inflight is not None and self._inflight.get(key.name, 0) >= key.max_inflight:
             note_refusal("key_max_inflight")
             await resource_exhausted(f"this API key has {key.max_inflight} calls in flight already; retry later",
                                      Reason.KEY_LIMIT_REACHED).abort(context)
-        self._inflight[key.name] += counted
+        self._inflight[key.name] = self._inflight.get(key.name, 0) + counted
         token = current_key.set(key.name)
         try:
             yield
         finally:
-            self._inflight[key.name] -= counted
+            self._inflight[key.name] = self._inflight.get(key.name, 0) - counted
             # A streaming handler finalized in another context cannot reset it (ValueError).
             with contextlib.suppress(ValueError):
                 current_key.reset(token)

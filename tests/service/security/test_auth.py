@@ -112,3 +112,24 @@ def test_a_limited_keys_refusal_is_named_and_a_stream_closed_elsewhere_gives_its
     asyncio.run(run())
     assert record.refusal == "key_max_inflight"
     assert auth._inflight["carol"] == 0, "the key's in-flight slot leaked"
+
+
+def test_keys_reloaded_away_drop_their_counts_once_their_calls_end() -> None:
+    # SIGHUP's reload kept every removed key's count for good, and a call that
+    # matched a key just before its removal would fail on its missing count.
+    import asyncio
+
+    old, kept = ApiKey("old", "sk-old", max_inflight=2), ApiKey("kept", "sk-kept")
+    auth = ApiKeyAuth([old, kept])
+
+    async def run() -> None:
+        async with auth._call(old, False, True, _Context()):  # in flight across the reload
+            auth.replace_keys([kept, ApiKey("new", "sk-new")])
+            assert auth._inflight == {"old": 1, "kept": 0, "new": 0}
+        assert auth._inflight["old"] == 0
+        auth.replace_keys([kept])
+        assert set(auth._inflight) == {"kept"}
+        async with auth._call(old, False, True, _Context()):  # matched before it went
+            pass
+
+    asyncio.run(run())
