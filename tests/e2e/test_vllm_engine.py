@@ -94,6 +94,18 @@ def test_n_sequences_share_the_prompt(vllm) -> None:  # type: ignore[no-untyped-
     assert all(c.cached_tokens >= 20 for c in later), "the later sequences reuse the prompt's pages"
 
 
+def _three_running(stub: vpb_grpc.VllmEngineStub, rid: str) -> Any:
+    """A streamed n=3 call of `rid`, read until each of its sequences has sent a chunk."""
+    req = _req(rid, list(range(5, 30)), max_tokens=400, stream=True, temperature=1.0, ignore_eos=True, n=3)
+    call = stub.Generate(req, timeout=TIMEOUT)
+    seen: set[int] = set()
+    for msg in call:
+        seen.add(msg.chunk.index)
+        if seen == {0, 1, 2}:
+            break
+    return call
+
+
 def test_abort_ends_every_sequence_of_an_n_request(vllm) -> None:  # type: ignore[no-untyped-def]
     # The other sequences start with the first one's first output: an Abort
     # that came before (it found only the first) must end them too.
@@ -106,13 +118,7 @@ def test_abort_ends_every_sequence_of_an_n_request(vllm) -> None:  # type: ignor
     assert sorted((c.index, c.finish_reason) for c in out) == [(0, "abort"), (1, "abort"), (2, "abort")]
     assert handle.wait_no_pages() == (0, 0)
     # And once every sequence runs, an Abort finds each of them.
-    req = _req("nb", list(range(5, 30)), max_tokens=400, stream=True, temperature=1.0, ignore_eos=True, n=3)
-    call = stub.Generate(req, timeout=TIMEOUT)
-    seen: set[int] = set()
-    for msg in call:
-        seen.add(msg.chunk.index)
-        if seen == {0, 1, 2}:
-            break
+    call = _three_running(stub, "nb")
     stub.Abort(vpb.AbortRequest(request_ids=["nb"]), timeout=TIMEOUT)
     finals = [m.complete for m in call if m.HasField("complete")]
     assert sorted((c.index, c.finish_reason) for c in finals) == [(0, "abort"), (1, "abort"), (2, "abort")]
@@ -159,13 +165,7 @@ def test_a_stencil_abort_ends_every_sequence_of_a_vllm_n_request(vllm) -> None: 
     # Both protocols share one engine and its ids: stencil.v1's Abort answered
     # the id as aborted but stopped only the first sequence.
     handle, stub = vllm
-    req = _req("nc", list(range(5, 30)), max_tokens=400, stream=True, temperature=1.0, ignore_eos=True, n=3)
-    call = stub.Generate(req, timeout=TIMEOUT)
-    seen: set[int] = set()
-    for msg in call:
-        seen.add(msg.chunk.index)
-        if seen == {0, 1, 2}:
-            break
+    call = _three_running(stub, "nc")
     answer = handle.stub.Abort(pb.AbortRequest(request_ids=["nc"]), timeout=TIMEOUT)
     assert list(answer.aborted_request_ids) == ["nc"]
     finals = [m.complete for m in call if m.HasField("complete")]
