@@ -15,6 +15,7 @@ accumulates the chunks) or carries every output token otherwise.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,12 +103,20 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
         raise invalid_argument(_path(err, "input"), err.description) from None
 
 
+def _reads_as_lark(grammar: str) -> bool:
+    """vLLM's rule for its `grammar` field: Lark unless a line (comments
+    aside) defines a rule with `::=` (EBNF/GBNF). SMG forwards a client's
+    grammar there as it came."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.splitlines())
+    return not any("::=" in line for line in lines)
+
+
 def constraint_spec(p: vpb.SamplingParams) -> ConstraintSpec | None:
     """The request's constraint through our grammar path (None when unconstrained).
 
     JSON is compact (no whitespace at all), as stencil.v1's default: the output
     is valid JSON a weak model cannot pad with runs of spaces. `grammar` is an
-    xgrammar EBNF (GBNF) grammar. `structural_tag` is vLLM's JSON text (the
+    xgrammar EBNF (GBNF) grammar, or a Lark one as vLLM tells them apart. `structural_tag` is vLLM's JSON text (the
     legacy `structures` + `triggers` or xgrammar's `format`; SMG sends the
     latter for forced tool calls).
     """
@@ -125,7 +134,7 @@ def constraint_spec(p: vpb.SamplingParams) -> ConstraintSpec | None:
         elif kind == "regex":
             spec = GrammarSpec("regex", p.regex)
         elif kind == "grammar":
-            spec = GrammarSpec("ebnf", p.grammar)
+            spec = GrammarSpec("lark" if _reads_as_lark(p.grammar) else "ebnf", p.grammar)
         elif kind == "choice":
             spec = GrammarSpec.choice(list(p.choice.choices))
         else:
@@ -255,7 +264,8 @@ def input_logprobs(items: Sequence[TokenLogprobs | None], prompt: Sequence[int],
         if lp is not None:
             entry.value = lp.logprob
         out.token_logprobs.append(entry)
-        out.top_logprobs.append(_top(lp) if lp is not None and top else vpb.TopLogProbs())
+        if top:  # as vLLM: none at all for prompt_logprobs 0 (not one empty entry a token)
+            out.top_logprobs.append(_top(lp) if lp is not None else vpb.TopLogProbs())
     return out
 
 

@@ -78,6 +78,10 @@ def test_text_input_stop_token_and_logprobs(vllm) -> None:  # type: ignore[no-un
     assert all(len(top.token_ids) == 2 for top in done.output_logprobs.top_logprobs)
     assert not done.input_logprobs.token_logprobs[0].HasField("value")  # the first prompt token has none
     assert len(done.input_logprobs.token_ids) == 3
+    # prompt_logprobs 0: each prompt token's value and, as vLLM, no top lists
+    # (there was one empty list a token).
+    zero = list(stub.Generate(_req("t3", [7, 8, 9], max_tokens=1, prompt_logprobs=0), timeout=TIMEOUT))[0].complete
+    assert len(zero.input_logprobs.token_logprobs) == 3 and len(zero.input_logprobs.top_logprobs) == 0
     text = vpb.GenerateRequest(request_id="t2", text="Hello there", stream=False)
     text.sampling_params.max_tokens = 2
     assert list(stub.Generate(text, timeout=TIMEOUT))[0].complete.prompt_tokens > 0
@@ -257,9 +261,11 @@ def test_constraints_go_through_the_grammar_path(vllm) -> None:  # type: ignore[
     handle, _ = vllm
     tok = handle.server.state.engine_loop.engine.tokenizer
     cases: list[tuple[str, Any]] = [("json_schema", json.dumps(schema)), ("regex", "[a-c]{3}"), ("choice", ["yes", "no"]),
-             ("grammar", 'root ::= "x" | "y"'), ("json_object", True)]
+             ("grammar", 'root ::= "x" | "y"'), ("json_object", True),
+             # No ::= rule: Lark, as vLLM reads its grammar field (it was refused as bad EBNF).
+             ("grammar", 'start: "x" | "y"  // either\n')]
     for kind, value in cases:
-        req = _req(f"c-{kind}", [5, 6, 7], max_tokens=40, **{kind: value})
+        req = _req(f"c-{kind}-{len(str(value))}", [5, 6, 7], max_tokens=40, **{kind: value})
         done = list(stub.Generate(req, timeout=TIMEOUT))[0].complete
         text = tok.decode(list(done.output_ids), skip_special_tokens=True)
         if kind == "json_schema":
