@@ -5,7 +5,7 @@
 the field by its path in *that* proto (`sampling_params.top_p`,
 `tokenized.input_ids[3]`). Unset and zero values take the defaults the proto
 and vLLM document: temperature unset -> 1.0, top_p 0 -> 1.0, top_k 0 -> no cut,
-repetition_penalty 0 -> 1.0, n 0 -> 1, max_tokens unset -> up to the context.
+repetition_penalty 0 -> 1.0, n 0 -> 1, max_tokens unset (or past the context) -> up to the context.
 
 Responses follow vLLM's servicer: stream chunks carry the new token ids only
 (the router detokenizes), `completion_tokens` is the chunk's own count, and the
@@ -15,6 +15,7 @@ accumulates the chunks) or carries every output token otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -206,6 +207,10 @@ def prepare_generate(req: vpb.GenerateRequest, engine: EngineCore, request_id: s
                                    f"must be -1 (the model's maximum) or >= 1, got {keep}")
         cut = max(0, len(ids) - keep)
         ids = ids[cut:]  # vLLM keeps the end of the prompt
+    room = engine.max_model_len - len(ids)
+    if params.max_new_tokens is not None and 0 < room < params.max_new_tokens:
+        # As vLLM's engine: the answer ends at the context ("length"), not refused.
+        params = dataclasses.replace(params, max_new_tokens=room)
     specs = []
     try:
         first = engine.requests.check(ids, params, request_id)

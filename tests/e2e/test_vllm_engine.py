@@ -234,10 +234,19 @@ def test_an_n_request_is_admitted_whole(make_server) -> None:  # type: ignore[no
     assert handle.wait_no_pages() == (0, 0)
 
 
+def test_max_tokens_past_the_context_ends_there_as_vllm_does(vllm) -> None:  # type: ignore[no-untyped-def]
+    # vLLM's engine takes it and stops at the context ("length"); it was refused.
+    handle, stub = vllm
+    room = 12
+    prompt = [5 + i % 200 for i in range(handle.engine.max_model_len - room)]
+    done = list(stub.Generate(_req("past", prompt, max_tokens=10**6, ignore_eos=True), timeout=TIMEOUT))[0].complete
+    assert (done.finish_reason, done.completion_tokens) == ("length", room)
+
+
 @pytest.mark.parametrize("mutate, field", [
     (lambda r: setattr(r.sampling_params, "top_p", 1.5), "sampling_params.top_p"),
     (lambda r: setattr(r.sampling_params, "logprobs", -1), "sampling_params.logprobs"),
-    (lambda r: setattr(r.sampling_params, "max_tokens", 10**6), "sampling_params.max_tokens"),
+    (lambda r: setattr(r.sampling_params, "min_tokens", 10), "sampling_params.min_tokens"),  # over max_tokens
     (lambda r: r.tokenized.input_ids.append(10**6), "tokenized.input_ids[3]"),
     (lambda r: setattr(r.sampling_params, "structural_tag", "{}"), "sampling_params.structural_tag"),
     (lambda r: setattr(r.sampling_params, "json_schema", "{not json"), "sampling_params.json_schema"),
