@@ -151,9 +151,11 @@ class CallReader:
                 if not text.startswith(CALL_END, end):
                     raise ValueError("expected the end of the call after its JSON")
             except (ValueError, RecursionError) as e:
-                # As the model wrote it: the call runs to the next end marker.
+                # As the model wrote it: the call runs to the next end marker,
+                # unless its JSON is still open where the text ends (an end
+                # marker inside one of its strings is no end).
                 end = text.find(CALL_END, body)
-                if end < 0:
+                if end < 0 or _ends_open(text, body):
                     break  # cut short
                 calls.append(ToolCall("", "", ValidationResult(
                     False, message=f"the call is not JSON: {str(e).splitlines()[0][:200]}", parsed=False)))
@@ -177,6 +179,29 @@ class CallReader:
                 result = validator.validate(arguments)
             calls.append(ToolCall(name, text_args, result))
         return calls
+
+
+def _ends_open(text: str, pos: int) -> bool:
+    """Whether the JSON from `pos` is still inside a string, object or array
+    where the text ends (its call was cut short, not written badly)."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text[pos:]:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return False
+    return in_string or depth > 0
 
 
 def _skip_space(text: str, pos: int) -> int:

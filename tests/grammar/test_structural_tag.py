@@ -223,6 +223,20 @@ def test_a_call_is_read_as_json_not_up_to_the_first_end_marker(compiler):
     assert second.arguments == '{"x": 1e400}' and second.validation.valid
 
 
+def test_a_call_cut_inside_a_string_holding_an_end_marker_is_left_out():
+    """Cut short by a length limit inside an argument string holding the end
+    marker, a call was reported as a nameless INVALID one (the fallback took
+    that marker for its end): a call cut short is left out."""
+    reader = CallReader([WEATHER])
+    whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "x</tool_call> y'
+    assert reader.parse(cut) == []
+    assert [c.name for c in reader.parse(whole + cut)] == ["get_weather"]
+    # One written badly, whole to its end marker, is still reported.
+    [bad] = reader.parse("<tool_call>\nnot json</tool_call>")
+    assert not bad.validation.parsed
+
+
 @pytest.mark.parametrize("tag, problem", [
     # llguidance's "<f" always fired first, so <fun=...> could never be written
     # (xgrammar refused it, and auto fell back to llguidance).
