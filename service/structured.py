@@ -180,6 +180,8 @@ def tools_spec(req: pb.GenerateRequest) -> ToolsSpec | None:
         except GrammarError as e:
             field = f"tools[{i}].name" if str(e).startswith("tool name") else f"tools[{i}].parameters"
             raise invalid_argument(field, str(e)) from None
+        if any(other.name == t.name for other in tools[:-1]):  # named where the second one is
+            raise invalid_argument(f"tools[{i}].name", f"tool names must be unique: {t.name!r} again")
     tc = req.tool_choice
     choice = _MODES.get(tc.mode)
     if choice is None:

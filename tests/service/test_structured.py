@@ -305,3 +305,15 @@ def test_tools_reach_the_chat_template_as_an_openai_client_sends_them() -> None:
     openai = [{"type": "function", "function": {"name": "get_weather", "description": "Get it", "parameters": params}},
               {"type": "function", "function": {"name": "now", "parameters": params}}]
     assert ours == tokenizer.apply_chat_template([{"role": "user", "content": "weather?"}], tools=openai)
+
+
+@pytest.mark.parametrize("mode", [pb.ToolChoice.MODE_AUTO, pb.ToolChoice.MODE_NONE])
+def test_a_second_tool_of_a_name_is_named_where_it_is(mode: int) -> None:
+    # The refusal named `tools`, where the docs name tools[i].name.
+    from service.structured import tools_spec
+
+    req = pb.GenerateRequest(tools=[pb.Tool(name="f"), pb.Tool(name="g"), pb.Tool(name="f")])
+    req.tool_choice.mode = mode  # type: ignore[assignment]
+    with pytest.raises(ServiceError) as info:
+        tools_spec(req)
+    assert [f for f, _ in info.value.violations] == ["tools[2].name"]
