@@ -157,7 +157,7 @@ def test_the_server_hears_when_a_constraint_compiles_before_the_engine_holds_it(
     sink = SimpleNamespace(rejected=lambda *args: None)
     ctx = RequestFactory(None, 100, 64, frozenset({0}), None, None, None).context(  # type: ignore[arg-type]
         _submission("slow").spec, None, False, None)
-    link.add(ctx, SimpleNamespace(matcher=None, spec=_submission("slow").spec, resample=False, reasoning=None))
+    link.add(ctx, SimpleNamespace(matcher=None, spec=_submission("slow").spec, resample=False, reasoning=None))  # type: ignore[arg-type]
     link._handle(sink, ("compiling", ctx.request_id))  # type: ignore[arg-type]
     link._heard -= 100  # a long compile
     assert link.stalled_for() == 0.0

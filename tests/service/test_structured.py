@@ -301,7 +301,9 @@ def test_tools_reach_the_chat_template_as_an_openai_client_sends_them() -> None:
     req = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="weather?")]),
                              tools=[pb.Tool(name="get_weather", description="Get it", parameters=json.dumps(params)),
                                     pb.Tool(name="now", parameters=json.dumps(params))])
-    ours = chat_prompt(req.chat, tokenizer, tools=tools_spec(req).template_entries)
+    spec = tools_spec(req)
+    assert spec is not None
+    ours = chat_prompt(req.chat, tokenizer, tools=spec.template_entries)
     openai = [{"type": "function", "function": {"name": "get_weather", "description": "Get it", "parameters": params}},
               {"type": "function", "function": {"name": "now", "parameters": params}}]
     assert ours == tokenizer.apply_chat_template([{"role": "user", "content": "weather?"}], tools=openai)

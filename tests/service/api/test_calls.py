@@ -14,8 +14,8 @@ from service.api.calls import CallRegistry
 class _Loop:
     """Stands in for an EngineLoop: the ids it runs, and what it was asked to abort."""
 
-    def __init__(self, running: set[str] = frozenset()) -> None:  # type: ignore[assignment]
-        self.running = set(running)
+    def __init__(self, running: set[str]) -> None:
+        self.running = running
         self.aborted: list[str] = []
 
     def abort(self, request_id: str) -> bool:
@@ -23,12 +23,16 @@ class _Loop:
         return request_id in self.running
 
 
+def _loop(*running: str) -> Any:
+    return _Loop(set(running))
+
+
 def test_an_abort_that_overtook_its_call_aborts_it_when_it_opens(monkeypatch: pytest.MonkeyPatch) -> None:
     # Two calls on one connection are not ordered: an Abort sent right after
     # its Generate could come first, find nothing, and the request ran in full.
     now = [100.0]
     monkeypatch.setattr(calls.time, "monotonic", lambda: now[0])
-    registry, loop = CallRegistry(), _Loop()
+    registry, loop = CallRegistry(), _loop()
     assert not registry.abort("r0", [loop])  # stencil.v1's: answered, nothing remembered
     assert not registry.open("r0").aborted
     assert not registry.abort("r1", [loop], remember=True)  # a router's: nothing to abort yet
@@ -43,14 +47,14 @@ def test_an_abort_that_overtook_its_call_aborts_it_when_it_opens(monkeypatch: py
 
 def test_remembered_aborts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(calls, "EARLY_ABORTS", 3)
-    registry, loop = CallRegistry(), _Loop()
+    registry, loop = CallRegistry(), _loop()
     for i in range(10):
         registry.abort(f"r{i}", [loop], remember=True)
     assert list(registry._early) == ["r7", "r8", "r9"]
 
 
 def test_an_abort_finding_its_request_running_or_its_call_preparing_remembers_nothing() -> None:
-    registry, loop = CallRegistry(), _Loop({"running"})
+    registry, loop = CallRegistry(), _loop("running")
     assert registry.abort("running", [loop], remember=True)
     preparing = registry.open("preparing")
     assert registry.abort("preparing", [loop], remember=True) and preparing.aborted
@@ -59,7 +63,7 @@ def test_an_abort_finding_its_request_running_or_its_call_preparing_remembers_no
 
 
 def test_an_abort_reaches_every_sequence_of_a_call(monkeypatch: Any) -> None:
-    registry, loop = CallRegistry(), _Loop({"n#1"})
+    registry, loop = CallRegistry(), _loop("n#1")
     call = registry.open("n")
     call.others, call.submitted = ["n#1", "n#2"], True
     assert registry.abort("n", [loop])
