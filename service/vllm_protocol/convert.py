@@ -57,6 +57,9 @@ class VllmPrepared:
     # grammar_from_first_token: the constraint starts at the first token
     # whatever reasoning parser runs (the gateway's grammar covers the thought).
     reasoning: ReasoningOptions | None = None
+    # The tokenizer's EOS: vLLM ends on the model's other EOS ids (its
+    # generation_config's) as stop tokens, matched by id; on this one, unmatched.
+    tokenizer_eos: int | None = None
 
 
 def _path(err: InvalidRequest, input_field: str) -> str:
@@ -224,7 +227,7 @@ def prepare_generate(req: vpb.GenerateRequest, engine: EngineCore, request_id: s
         raise invalid_request(err, input_field) from None
     reasoning = ReasoningOptions(after_thought=False) if p.grammar_from_first_token else None
     return VllmPrepared(tuple(specs), params.logprobs, params.prompt_logprobs, constraint, len(first.prompt),
-                        reasoning)
+                        reasoning, engine.tokenizer.eos_token_id)
 
 
 def invalid_request(err: InvalidRequest, input_field: str) -> ServiceError:
@@ -345,4 +348,7 @@ def complete(state: SequenceState, final: RequestOutput, prepared: VllmPrepared,
         msg.matched_stop_str = final.stop_reason
     elif isinstance(final.stop_reason, int):
         msg.matched_token_id = final.stop_reason
+    elif final.status is GenerationStatus.END_OF_SEQUENCE and state.token_ids \
+            and state.token_ids[-1] != prepared.tokenizer_eos:
+        msg.matched_token_id = state.token_ids[-1]  # another EOS of the model's: a stop token to vLLM
     return vpb.GenerateResponse(complete=msg)

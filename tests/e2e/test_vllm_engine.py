@@ -87,6 +87,21 @@ def test_text_input_stop_token_and_logprobs(vllm) -> None:  # type: ignore[no-un
     assert list(stub.Generate(text, timeout=TIMEOUT))[0].complete.prompt_tokens > 0
 
 
+def test_the_models_other_eos_ids_are_matched_stop_tokens_as_vllm_has_them(vllm) -> None:  # type: ignore[no-untyped-def]
+    # vLLM makes generation_config's EOS ids, but the tokenizer's, stop tokens:
+    # ending on one names it (matched_token_id); it named nothing here.
+    handle, stub = vllm
+    engine = handle.engine
+    tokenizer_eos = engine.tokenizer.eos_token_id
+    [other] = sorted(engine.eos_token_ids - {tokenizer_eos})
+    for eos, matched in ((other, other), (tokenizer_eos, None)):
+        req = _req(f"eos-{eos}", [5, 6, 7], max_tokens=4)
+        req.sampling_params.logit_bias[eos] = 100.0
+        done = list(stub.Generate(req, timeout=TIMEOUT))[0].complete
+        assert done.finish_reason == "stop" and list(done.output_ids) == [eos]
+        assert (done.matched_token_id if done.HasField("matched_token_id") else None) == matched
+
+
 def test_n_sequences_share_the_prompt(vllm) -> None:  # type: ignore[no-untyped-def]
     handle, stub = vllm
     prompt = list(range(40, 61))  # 5 full pages of 4 and one more token
