@@ -70,7 +70,7 @@ class LlamaFamilyModel:
             return tensor
 
         hidden, inter = config.hidden_size, config.intermediate_size
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q_size, kv_size = config.q_size, config.kv_size
 
         def permute_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
             # HF rotate_half layout -> interleaved pairs (see rope.py).
@@ -98,7 +98,8 @@ class LlamaFamilyModel:
                 o_proj=linear(load(p + "self_attn.o_proj.weight", hidden, q_size).to(device),
                               load(p + "self_attn.o_proj.bias", hidden).to(device) if config.output_bias else None),
                 post_norm=load(p + "post_attention_layernorm.weight", hidden).to(device),
-                gate_up=linear(torch.cat([load(mlp + "gate_proj.weight", inter, hidden), load(mlp + "up_proj.weight", inter, hidden)]).to(device),
+                gate_up=linear(torch.cat([load(mlp + "gate_proj.weight", inter, hidden),
+                                          load(mlp + "up_proj.weight", inter, hidden)]).to(device),
                                torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
                                if config.mlp_bias else None),
                 down=linear(load(mlp + "down_proj.weight", hidden, inter).to(device),

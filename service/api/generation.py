@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -202,7 +201,6 @@ def counted_call(method: Handler) -> Handler:
     return wrapper  # type: ignore[return-value]
 
 
-@dataclass
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Generate, Tokenize, Detokenize, GetModelInfo and Abort over an EngineLoop."""
 

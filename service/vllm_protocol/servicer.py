@@ -97,13 +97,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         # between its sequences' starts, reaches it (service/api/calls.py).
         call = self.state.calls_by_id.open(scoped)
         try:
-            await self._generate(request, context, rid, loop, call)
+            await self._generate(request, context, rid, scoped, loop, call)
         finally:
             self.state.calls_by_id.close(scoped, call)
 
     async def _generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext, rid: str,
-                        loop: EngineLoop, call: CallHandle) -> None:
-        scoped = scoped_request_id(rid)
+                        scoped: str, loop: EngineLoop, call: CallHandle) -> None:
         prepared = await run_maybe_off_loop(request.ByteSize(), vllm_convert.prepare_generate,
                                              request, loop.engine, scoped)
         matchers = await self.state.compile_constraint(prepared.constraint, len(prepared.specs))
