@@ -372,17 +372,17 @@ class StencilServer:
         self.models = models
         engine = models.engine
         if engine is not None:
+            cfg = self.config
+            constraints = ConstraintCompiler(engine.structured, cfg.admission.max_pending_requests,
+                                             warm=cfg.warmup and cfg.warmup_grammar, resample=cfg.resample)
             link = ProcessLink(engine) if isinstance(engine, RemoteEngine) else None
-            loop = EngineLoop(engine, self.config.admission, on_failure=self._on_engine_failure,
-                              observer=self.telemetry.observer(engine, self.state.model_name),
-                              stream_messages_per_s=self.config.stream_messages_per_s, link=link)
+            observer = self.telemetry.observer(engine, self.state.model_name,
+                                               waiting_outside=lambda: constraints.waiting)
+            loop = EngineLoop(engine, cfg.admission, on_failure=self._on_engine_failure, observer=observer,
+                              stream_messages_per_s=cfg.stream_messages_per_s, link=link)
             loop.start()
             self._watch_threads(loop, 0)
-            cfg = self.config
-            self.state.constraints = ConstraintCompiler(engine.structured,
-                                                        cfg.admission.max_pending_requests,
-                                                        warm=cfg.warmup and cfg.warmup_grammar,
-                                                        resample=cfg.resample)
+            self.state.constraints = constraints
             self.state.engine_loop = loop
             if self.config.vllm_protocol:
                 # Numbering starts with the engine, before anyone subscribes.

@@ -19,6 +19,7 @@ constraint too: a structural tag of Hermes/Qwen `<tool_call>` calls
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from dataclasses import dataclass
@@ -236,6 +237,10 @@ class ConstraintCompiler:
         self.max_in_flight_per_caller = max(1, max_in_flight // 2)
         self.resample = resample
         self._started = warm
+        # Requests awaiting a compile now (several may await one): queued
+        # requests as a router sees them, as vLLM counts those waiting for
+        # their grammar. Written on the event loop, read by metrics scrapes.
+        self.waiting = 0
 
     @property
     def in_flight(self) -> int:
@@ -275,8 +280,7 @@ class ConstraintCompiler:
             max_pending=self.max_in_flight, max_pending_per_tenant=self.max_in_flight_per_caller)
         cached = future.done()  # a cache hit (or a cached failure), or refused
         try:
-            # A cancelled await cancels `future` too (asyncio.wrap_future chains it).
-            matcher = future.result() if cached else await asyncio.wrap_future(future)
+            matcher = future.result() if cached else await self._wait(future)
         except CompileQueueFull as err:
             note_refusal("grammar_compiles")
             raise resource_exhausted(f"{err}; retry later", Reason.COMPILE_QUEUE_FULL) from None
@@ -303,6 +307,14 @@ class ConstraintCompiler:
                 "for them; drop strict to have them checked on the finished output instead",
                 Reason.SCHEMA_NOT_ENFORCEABLE)
         return matcher, cached
+
+    async def _wait(self, future: concurrent.futures.Future[Matcher]) -> Matcher:
+        self.waiting += 1
+        try:
+            # A cancelled await cancels `future` too (asyncio.wrap_future chains it).
+            return await asyncio.wrap_future(future)
+        finally:
+            self.waiting -= 1
 
 
 def _outcome(err: GrammarError) -> str:

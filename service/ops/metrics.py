@@ -76,6 +76,9 @@ class EngineSource:
     engine: EngineCore
     model_name: str
     index: str
+    # Requests bound for the engine that wait outside it (for their grammar's
+    # compile): vLLM counts those among its waiting requests.
+    waiting_outside: Callable[[], int] = lambda: 0
 
     @property
     def labels(self) -> list[str]:
@@ -123,7 +126,7 @@ class EngineCollector(Collector):
             engine = src.engine
             load = engine.load()
             running.add_metric(src.labels, load.running)
-            waiting.add_metric(src.labels, load.waiting)
+            waiting.add_metric(src.labels, load.waiting + src.waiting_outside())
             usage.add_metric(src.labels, load.kv_usage)
             cfg = engine.config
             info.add_metric([*src.labels, str(cfg.page_size), str(load.kv_pages_total),

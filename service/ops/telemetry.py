@@ -112,11 +112,13 @@ class Telemetry:
         if self.tracer is not None:
             self.tracer.close()
 
-    def observer(self, engine: EngineCore, model_name: str, index: int = 0) -> EngineObserver:
-        """The observer for an EngineLoop of `engine`; registers its gauges."""
+    def observer(self, engine: EngineCore, model_name: str, index: int = 0,
+                 waiting_outside: Callable[[], int] = lambda: 0) -> EngineObserver:
+        """The observer for an EngineLoop of `engine`; registers its gauges
+        (`waiting_outside`: its requests waiting before they reach it)."""
         labels = (model_name, str(index))
         if self.metrics is not None:
-            self.metrics.engines.add(EngineSource(engine, model_name, str(index)))
+            self.metrics.engines.add(EngineSource(engine, model_name, str(index), waiting_outside))
         rate = engine.audio.decoder_sample_rate if engine.audio is not None else 0
         return EngineObserver(self.metrics, labels, rate)
 

@@ -72,6 +72,17 @@ def test_engine_gauges_and_cache_config(msrv: ServerHandle) -> None:
     assert s.get("vllm:cache_config_info", block_size="16") == 1.0
 
 
+def test_requests_awaiting_their_compile_count_as_waiting(msrv: ServerHandle) -> None:
+    wait_for(msrv, lambda s: running(s) == 0)
+    constraints = msrv.server.state.constraints
+    assert constraints is not None
+    constraints.waiting += 2  # as two requests awaiting a compile do (tests/service/test_structured.py)
+    try:
+        assert scrape(msrv).get("vllm:num_requests_waiting", **MODEL) == 2
+    finally:
+        constraints.waiting -= 2
+
+
 def test_running_goes_up_then_back_and_tokens_match_usage(msrv: ServerHandle) -> None:
     before = wait_for(msrv, lambda s: running(s) == 0)
     n = 3

@@ -222,6 +222,35 @@ def test_a_cancelled_wait_cancels_the_compile_and_frees_its_place(caplog: pytest
     assert "never retrieved" not in caplog.text
 
 
+def test_requests_awaiting_a_compile_are_counted_as_waiting() -> None:
+    # vllm:num_requests_waiting counts them (vLLM counts requests waiting for
+    # their grammar); before, a server busy compiling showed nothing waiting.
+    async def go() -> None:
+        fake = FakeStructured()
+        compiler = _compiler(fake, warm=True)
+        first = asyncio.ensure_future(compiler.compile(SPEC))
+        failing = asyncio.ensure_future(compiler.compile(SPEC))
+        cancelled = asyncio.ensure_future(compiler.compile(SPEC))
+        await asyncio.sleep(0)
+        assert compiler.waiting == 3
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        fake.futures[1].set_exception(GrammarError("bad", reason="invalid", backend="xgrammar"))
+        with pytest.raises(ServiceError):
+            await failing
+        assert compiler.waiting == 1
+        fake.futures[0].set_result("matcher")
+        assert await first == "matcher"
+        assert compiler.waiting == 0
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result("cached")
+        fake.compile_async = lambda *args, **kwargs: done  # type: ignore[method-assign]
+        assert await compiler.compile(SPEC) == "cached" and compiler.waiting == 0
+
+    asyncio.run(go())
+
+
 def test_first_compile_builds_the_compiler_off_the_loop() -> None:
     async def go() -> None:
         fake = FakeStructured()
