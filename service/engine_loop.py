@@ -106,7 +106,17 @@ class RequestStream:
         self.abort_sent = False
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._ready = asyncio.Event()
+        self._ended = asyncio.Event()
         self._pause: asyncio.Future[None] | None = None
+
+    def _end(self) -> None:
+        """It left the engine (finished, refused or failed): its id is free again."""
+        self.finished = True
+        self._ended.set()
+
+    async def ended(self) -> None:
+        """Wait until the request has left the engine."""
+        await self._ended.wait()
 
     def _push(self, item: RequestOutput | BaseException) -> None:
         self._items.append(item)
@@ -312,7 +322,7 @@ class EngineLoop:
         streams, self._streams = self._streams, {}
         self._pending_tokens = self._reserved_requests = self._reserved_tokens = 0
         for stream in streams.values():
-            stream.finished = True
+            stream._end()
             stream._push(unavailable("the server is shutting down", Reason.DRAINING))
 
     @property
@@ -332,6 +342,10 @@ class EngineLoop:
     def is_running(self, request_id: str) -> bool:
         """Whether a request of this id is admitted and not yet finished."""
         return request_id in self._streams
+
+    def stream_of(self, request_id: str) -> RequestStream | None:
+        """The stream of the request of this id admitted and not yet finished."""
+        return self._streams.get(request_id)
 
     @property
     def num_pending(self) -> int:
@@ -481,7 +495,7 @@ class EngineLoop:
             if stream is None:
                 continue
             if out.finished:
-                stream.finished = True
+                stream._end()
                 del self._streams[out.request_id]
                 self._pending_tokens -= stream.cost
                 self.stats.finished[out.finish_reason or "unknown"] += 1
@@ -492,7 +506,7 @@ class EngineLoop:
     def _reject(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.finished = True
+            stream._end()
             self._pending_tokens -= stream.cost
             stream._push(exc)
 
@@ -501,7 +515,7 @@ class EngineLoop:
         streams, self._streams = self._streams, {}
         self._pending_tokens = self._reserved_requests = self._reserved_tokens = 0
         for stream in streams.values():
-            stream.finished = True
+            stream._end()
             stream._push(EngineFailed("the engine failed"))
         if self._on_failure is not None:
             self._on_failure(exc)

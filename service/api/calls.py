@@ -15,14 +15,18 @@ Two calls on one connection are not ordered: a router's Abort sent right after
 its Generate may reach the server first, and find nothing. So a router's
 Abort (vLLM's protocol, whose Abort answers nothing and whose ids are the
 router's own, never reused) that finds nothing is remembered for
-`EARLY_ABORT_S`: a call opened under that id meanwhile starts aborted (at most
-`EARLY_ABORTS` ids are remembered). stencil.v1's Abort answers which ids it
-found, and a client may retry a request under its id after aborting it: it
-remembers nothing.
+`EARLY_ABORT_S`: a vLLM call opened under that id meanwhile starts aborted (at
+most `EARLY_ABORTS` ids are remembered; a stencil.v1 or Synthesize call under
+that id is another client's and is left alone). stencil.v1's Abort answers
+which ids it found, and a client may retry a request under its id once Abort
+has answered: it remembers nothing, and answers once what it aborted has left
+the engine (`wait_ended`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -44,6 +48,9 @@ class CallHandle:
     submitted: bool = False
     # Engine ids of its other sequences (a vLLM call with n > 1), started later.
     others: list[str] = field(default_factory=list)
+    # Set once its servicer closed it: prepared and submitted (stencil.v1,
+    # Synthesize), or ended (vLLM), or failed.
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class CallRegistry:
@@ -53,13 +60,14 @@ class CallRegistry:
         self._calls: dict[str, CallHandle] = {}
         self._early: OrderedDict[str, float] = OrderedDict()  # ids an Abort found nothing for, oldest first
 
-    def open(self, scoped_id: str) -> CallHandle:
-        """Register a call (aborted already if an Abort of its id came just
-        before it). A second call with an id already registered gets a handle
-        of its own that no Abort finds: it fails at submission anyway (the
-        engine refuses a duplicate id) and must not take the first's entry."""
+    def open(self, scoped_id: str, early: bool = False) -> CallHandle:
+        """Register a call; `early` (a router's call): aborted already if an
+        Abort of its id came just before it. A second call with an id already
+        registered gets a handle of its own that no Abort finds: it fails at
+        submission anyway (the engine refuses a duplicate id) and must not take
+        the first's entry."""
         handle = CallHandle()
-        if self._calls.setdefault(scoped_id, handle) is handle:
+        if self._calls.setdefault(scoped_id, handle) is handle and early:
             when = self._early.pop(scoped_id, None)
             handle.aborted = when is not None and time.monotonic() - when <= EARLY_ABORT_S
         return handle
@@ -67,6 +75,24 @@ class CallRegistry:
     def close(self, scoped_id: str, handle: CallHandle) -> None:
         if self._calls.get(scoped_id) is handle:
             del self._calls[scoped_id]
+        handle.closed.set()
+
+    async def wait_ended(self, scoped_id: str, loops: Sequence[EngineLoop], timeout: float) -> None:
+        """Wait, at most `timeout` seconds, until the call with this id has
+        left every engine: done preparing (a stencil.v1 call submits in the
+        same moment it closes) and each of its engine requests ended."""
+        handle = self._calls.get(scoped_id)
+
+        async def ended() -> None:
+            if handle is not None:
+                await handle.closed.wait()
+            ids = [scoped_id, *(handle.others if handle is not None else ())]
+            for stream in [loop.stream_of(rid) for rid in ids for loop in loops]:
+                if stream is not None:
+                    await stream.ended()
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ended(), timeout)
 
     def abort(self, scoped_id: str, loops: Sequence[EngineLoop], remember: bool = False) -> bool:
         """Abort the call with this id wherever it is; True if it was found

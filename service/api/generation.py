@@ -36,6 +36,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Requests larger than this are tokenized on a worker thread, so one long prompt
 # does not hold up every other stream on the event loop.
 OFF_LOOP_BYTES = 32 * 1024
+# How long an Abort waits for what it aborted to leave the engine before it
+# answers (a step, or a constraint's compile).
+ABORT_WAIT_S = 5.0
 
 T = TypeVar("T")
 
@@ -325,8 +328,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # asked (an id runs on one of them at most: EngineLoop.peers).
         convert.check_abort_ids(request.request_ids)
         aborted = []
+        calls = self.state.calls_by_id
         for rid in dict.fromkeys(request.request_ids):  # each id once, however often it is named
             # Only the caller's own; a vLLM call's other sequences too.
-            if self.state.calls_by_id.abort(scoped_request_id(rid), loops):
+            if calls.abort(scoped_request_id(rid), loops):
                 aborted.append(rid)
+        # Answer once they have left the engine, so that their ids may be
+        # used again at once (within reason: a call still compiling its
+        # constraint may take longer, and the Abort need not wait for it).
+        remaining = context.time_remaining()
+        timeout = ABORT_WAIT_S if remaining is None else min(ABORT_WAIT_S, max(0.0, remaining - 0.05))
+        await asyncio.gather(*(calls.wait_ended(scoped_request_id(rid), loops, timeout) for rid in aborted))
         return pb.AbortResponse(aborted_request_ids=aborted)

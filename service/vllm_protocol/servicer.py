@@ -95,7 +95,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         scoped = scoped_request_id(rid)
         # Registered from now to its end: an Abort while it prepares, or
         # between its sequences' starts, reaches it (service/api/calls.py).
-        call = self.state.calls_by_id.open(scoped)
+        call = self.state.calls_by_id.open(scoped, early=True)
         try:
             await self._generate(request, context, rid, scoped, loop, call)
         finally:

@@ -3,6 +3,7 @@ the engine and its KV pages freed; Abort does the same by id."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -79,6 +80,21 @@ def test_abort_by_id(slow_server: ServerHandle) -> None:
     _assert_aborted(slow_server, before)
 
 
+def test_an_id_may_be_used_again_as_soon_as_abort_answers(slow_server: ServerHandle) -> None:
+    # Abort answered while the aborted request was still in the engine (it
+    # leaves at the next step): a retry under its id got ALREADY_EXISTS.
+    stub = slow_server.stub
+    for attempt in range(3):
+        call = stub.Generate(_long_request("abort then retry", request_id="retried"), timeout=TIMEOUT)
+        next(call)
+        resp = stub.Abort(pb.AbortRequest(request_ids=["retried"]), timeout=TIMEOUT)
+        assert list(resp.aborted_request_ids) == ["retried"]
+        _, tokens, done, _ = generate(stub, greedy("the retry", max_new_tokens=2, request_id="retried"))
+        assert done.finish_reason == Finish.LENGTH and len(tokens) == 2, attempt
+        assert list(call)[-1].complete.finish_reason == Finish.CANCELLED
+    assert slow_server.wait_no_pages() == (0, 0)
+
+
 def test_abort_with_server_assigned_id(slow_server: ServerHandle) -> None:
     stub = slow_server.stub
     call = stub.Generate(_long_request("abort me too"), timeout=TIMEOUT)
@@ -99,12 +115,13 @@ def test_abort_while_the_constraint_compiles(make_server) -> None:  # type: igno
     compiling, release = hold_compiles(server)
     req = _long_request("compile me", request_id="early-abort")
     req.constraint.regex = "[a-z ]+"
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(2) as pool:
         call = pool.submit(lambda: list(server.stub.Generate(req, timeout=TIMEOUT)))
         assert compiling.wait(TIMEOUT)
-        resp = server.stub.Abort(pb.AbortRequest(request_ids=["early-abort"]), timeout=TIMEOUT)
-        assert list(resp.aborted_request_ids) == ["early-abort"]
-        release.set()
+        abort = pool.submit(server.stub.Abort, pb.AbortRequest(request_ids=["early-abort"]), timeout=TIMEOUT)
+        time.sleep(0.1)
+        release.set()  # the Abort answers once the call has left the engine
+        assert list(abort.result(TIMEOUT).aborted_request_ids) == ["early-abort"]
         msgs = call.result(TIMEOUT)
     assert msgs[-1].complete.finish_reason == Finish.CANCELLED
     assert msgs[-1].complete.usage.completion_tokens < 400

@@ -24,7 +24,7 @@ from service.gen.vllm import common_pb2 as cpb
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.gen.vllm import vllm_engine_pb2_grpc as vpb_grpc
 
-from .helpers import TIMEOUT, engine_factory, hold_compiles, process_factory
+from .helpers import TIMEOUT, engine_factory, generate, greedy, hold_compiles, process_factory
 
 
 def _num_cached(engine: EngineCore) -> int:
@@ -178,6 +178,16 @@ def test_an_abort_that_overtakes_its_generate_still_ends_it(vllm) -> None:  # ty
     finals = [m.complete for m in stub.Generate(req, timeout=TIMEOUT)]
     assert sorted((c.index, c.finish_reason) for c in finals) == [(0, "abort"), (1, "abort")]
     assert handle.wait_no_pages() == (0, 0)
+
+
+def test_a_late_router_abort_leaves_a_stencil_call_under_its_id_alone(vllm) -> None:  # type: ignore[no-untyped-def]
+    # The router's Abort came after its call had ended, found nothing and was
+    # remembered; a stencil.v1 Generate under that id then ended CANCELLED.
+    handle, stub = vllm
+    list(stub.Generate(_req("reused", list(range(5, 30)), max_tokens=2), timeout=TIMEOUT))
+    stub.Abort(vpb.AbortRequest(request_ids=["reused"]), timeout=TIMEOUT)
+    _, tokens, done, _ = generate(handle.stub, greedy("mine", max_new_tokens=3, request_id="reused"))
+    assert done.finish_reason == pb.GenerateComplete.FinishReason.LENGTH and len(tokens) == 3
 
 
 def test_a_stencil_abort_ends_every_sequence_of_a_vllm_n_request(vllm) -> None:  # type: ignore[no-untyped-def]

@@ -34,15 +34,28 @@ def test_an_abort_that_overtook_its_call_aborts_it_when_it_opens(monkeypatch: py
     monkeypatch.setattr(calls.time, "monotonic", lambda: now[0])
     registry, loop = CallRegistry(), _loop()
     assert not registry.abort("r0", [loop])  # stencil.v1's: answered, nothing remembered
-    assert not registry.open("r0").aborted
+    assert not registry.open("r0", early=True).aborted
     assert not registry.abort("r1", [loop], remember=True)  # a router's: nothing to abort yet
-    assert registry.open("r1").aborted
-    assert not registry.open("r2").aborted
+    assert registry.open("r1", early=True).aborted
+    assert not registry.open("r2", early=True).aborted
     registry.close("r1", registry.open("r1"))
-    assert not registry.open("r1").aborted  # once only
+    assert not registry.open("r1", early=True).aborted  # once only
     registry.abort("late", [loop], remember=True)
     now[0] += calls.EARLY_ABORT_S + 0.1
-    assert not registry.open("late").aborted  # remembered a moment, no longer
+    assert not registry.open("late", early=True).aborted  # remembered a moment, no longer
+
+
+def test_a_remembered_router_abort_leaves_a_stencil_call_alone() -> None:
+    # A router's Abort that came after its call had ended was remembered, and
+    # a stencil.v1 (or Synthesize) call opened under that id then ended
+    # CANCELLED at once: their clients reuse ids, and nobody aborted them.
+    registry, loop = CallRegistry(), _loop()
+    registry.abort("z", [loop], remember=True)
+    stencil = registry.open("z")
+    assert not stencil.aborted
+    registry.close("z", stencil)
+    assert stencil.closed.is_set()
+    assert registry.open("z", early=True).aborted  # a router's call under it: as before
 
 
 def test_remembered_aborts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
