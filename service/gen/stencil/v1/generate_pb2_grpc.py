@@ -106,6 +106,8 @@ class GenerationServicer:
         """Aborts running requests by id; their Generate streams end with a
         `complete` message whose finish_reason is CANCELLED (Synthesize streams,
         see speech.proto, with a final chunk whose finish_reason is CANCELLED).
+        It answers once they have left the engine (at most 5 s, within its
+        deadline), so their ids may be used again at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
