@@ -1,56 +1,36 @@
-"""Structured output at the edge: `GenerateRequest.constraint` -> a compiled matcher.
+"""Structured output at the edge: a request's constraint -> a compiled matcher.
 
-The proto is validated and turned into a `grammar.GrammarSpec` (cheap, on the
-event loop); the compile itself runs in the engine's grammar compiler (a
-killable worker process, bounded in time and cached) and is awaited without
-blocking the loop. A spec that cannot be compiled, or whose compile times out,
-fails only its own request, with INVALID_ARGUMENT naming the field: the output
-is never silently left unconstrained.
+Each protocol checks its own request's constraint into a `ConstraintSpec`
+(stencil.v1: service/api/constraints.py; vLLM's: service/vllm_protocol/convert.py);
+the compile itself runs in the engine's grammar compiler (a killable worker
+process, bounded in time and cached) and is awaited here without blocking the
+loop. A spec that cannot be compiled, or whose compile times out, fails only
+its own request, with INVALID_ARGUMENT naming the field: the output is never
+silently left unconstrained.
 
 Compiles are queued fairly between callers (`caller_tenant`: the API key, or
 the connection without keys; see grammar/_queue.py), so one client's slow
 specs never hold up another's.
-
-A request's tools (`GenerateRequest.tools`, `tool_choice`) compile into its
-constraint too: a structural tag of Hermes/Qwen `<tool_call>` calls
-(grammar/tool_calls.py), whose calls are read back from the finished answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from engine.structured import StructuredOutput
-from grammar import GrammarError, GrammarOptions, GrammarSpec, Matcher
+from grammar import GrammarError, GrammarSpec, Matcher
 from grammar.compiler import CompileQueueFull
-from grammar.tool_calls import CallReader, Tool, call_constraint
 from service.errors import Reason, ServiceError, invalid_argument, resource_exhausted, unavailable
-from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.request_log import current_call, note_compile, note_refusal
 from service.security.auth import current_key
 
-C = pb.Constraint
-BACKENDS: dict[int, str | None] = {
-    C.BACKEND_UNSPECIFIED: None,  # the engine's default (--grammar-backend)
-    C.BACKEND_AUTO: "auto",
-    C.BACKEND_XGRAMMAR: "xgrammar",
-    C.BACKEND_LLGUIDANCE: "llguidance",
-}
-WHITESPACE: dict[int, str] = {
-    C.WHITESPACE_UNSPECIFIED: "compact",
-    C.WHITESPACE_COMPACT: "compact",
-    C.WHITESPACE_FLEXIBLE: "flexible",
-    C.WHITESPACE_PRETTY: "pretty",
-}
-_JSON_KINDS = ("json_schema", "json_object")
+JSON_KINDS = ("json_schema", "json_object")
 # The kinds whose values may be resampled: JSON, and the JSON inside structural
 # tags (tool calls compile to them). Constraint.resample is set for JSON only.
-_RESAMPLED_KINDS = (*_JSON_KINDS, "structural_tag")
+_RESAMPLED_KINDS = (*JSON_KINDS, "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -71,139 +51,6 @@ class ConstraintSpec:
         if self.spec.kind not in _RESAMPLED_KINDS:
             return False
         return self.strict or (default if self.resample is None else self.resample)
-
-
-def _options(c: pb.Constraint, kind: str) -> GrammarOptions:
-    style = WHITESPACE.get(c.whitespace)
-    if style is None:
-        raise invalid_argument("constraint.whitespace", f"unknown value {c.whitespace}")
-    if kind not in _JSON_KINDS:
-        given = [name for name in ("max_whitespace", "indent") if c.HasField(name)]
-        if c.whitespace != C.WHITESPACE_UNSPECIFIED:
-            given.insert(0, "whitespace")
-        if given:
-            raise invalid_argument(f"constraint.{given[0]}", "applies to json_schema and json_object only")
-        return GrammarOptions()
-    if c.HasField("max_whitespace") and style != "flexible":
-        raise invalid_argument("constraint.max_whitespace", "applies to whitespace FLEXIBLE only")
-    if c.HasField("indent") and style != "pretty":
-        raise invalid_argument("constraint.indent", "applies to whitespace PRETTY only")
-    kwargs: dict[str, Any] = {"whitespace": style}
-    for name, lo, hi in (("max_whitespace", 1, 64), ("indent", 1, 8)):
-        if c.HasField(name):
-            value = getattr(c, name)
-            if not lo <= value <= hi:
-                raise invalid_argument(f"constraint.{name}", f"must be in [{lo}, {hi}], got {value}")
-            kwargs[name] = value
-    return GrammarOptions(**kwargs)
-
-
-def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
-    """The request's constraint as a GrammarSpec (None when unconstrained).
-
-    Raises ServiceError (INVALID_ARGUMENT) for a malformed constraint: no kind,
-    json_object false, an empty source or choice list, a schema that is not
-    JSON, options that do not apply.
-    """
-    if not req.HasField("constraint"):
-        return None
-    c = req.constraint
-    kind = c.WhichOneof("kind")
-    if kind is None:
-        raise invalid_argument("constraint.kind", "set one of json_schema, json_object, regex, "
-                                                  "choice, ebnf, lark or structural_tag")
-    backend = BACKENDS.get(c.backend, "?")
-    if backend == "?":
-        raise invalid_argument("constraint.backend", f"unknown value {c.backend}")
-    options = _options(c, kind)
-    field = "constraint.choice.choices" if kind == "choice" else f"constraint.{kind}"
-    try:
-        if kind == "json_object":
-            if not c.json_object:
-                raise invalid_argument(field, "must be true (leave the constraint unset for free text)")
-            spec = GrammarSpec.json_object(options)
-        elif kind == "json_schema":
-            spec = GrammarSpec.json_schema(c.json_schema, options)
-        elif kind == "choice":
-            spec = GrammarSpec.choice(list(c.choice.choices))
-        else:
-            spec = GrammarSpec(kind, getattr(c, kind))
-    except GrammarError as err:
-        raise invalid_argument(field, str(err), Reason.GRAMMAR_INVALID) from None
-    if c.strict and kind not in _JSON_KINDS:
-        raise invalid_argument("constraint.strict", "applies to json_schema and json_object only")
-    resample = c.resample if c.HasField("resample") else None
-    if resample is not None and kind not in _JSON_KINDS:
-        raise invalid_argument("constraint.resample", "applies to json_schema and json_object only")
-    if c.strict and resample is False:
-        raise invalid_argument("constraint.resample", "strict resamples: leave resample unset or true")
-    return ConstraintSpec(spec, backend, field, c.strict, resample)
-
-
-@dataclass(frozen=True)
-class ToolsSpec:
-    """A request's tools: how they may be called ("auto", "required", "none"
-    or a tool's name), their constraint (None for "none") and the reader of
-    the finished answer's calls (None for "none")."""
-
-    tools: tuple[Tool, ...]
-    choice: str
-    constraint: ConstraintSpec | None
-    reader: CallReader | None
-
-    @property
-    def template_entries(self) -> list[dict[str, Any]]:
-        """The tools as chat templates read them."""
-        return [t.template_entry() for t in self.tools]
-
-
-_MODES = {pb.ToolChoice.MODE_UNSPECIFIED: "auto", pb.ToolChoice.MODE_AUTO: "auto",
-          pb.ToolChoice.MODE_REQUIRED: "required", pb.ToolChoice.MODE_NONE: "none"}
-
-
-def tools_spec(req: pb.GenerateRequest) -> ToolsSpec | None:
-    """The request's tools and tool choice, checked and compiled into a
-    constraint spec (None without tools). INVALID_ARGUMENT names the field."""
-    if not req.tools:
-        if req.HasField("tool_choice"):
-            raise invalid_argument("tool_choice", "applies with tools")
-        return None
-    tools = []
-    for i, t in enumerate(req.tools):
-        parameters: Any = {"type": "object"}
-        if t.parameters:
-            try:
-                parameters = json.loads(t.parameters)
-            except (ValueError, RecursionError) as e:
-                raise invalid_argument(f"tools[{i}].parameters", f"not JSON: {str(e).splitlines()[0][:200]}") from None
-        try:
-            tools.append(Tool(t.name, parameters, t.description))
-        except GrammarError as e:
-            field = f"tools[{i}].name" if str(e).startswith("tool name") else f"tools[{i}].parameters"
-            raise invalid_argument(field, str(e)) from None
-        if any(other.name == t.name for other in tools[:-1]):  # named where the second one is
-            raise invalid_argument(f"tools[{i}].name", f"tool names must be unique: {t.name!r} again")
-    tc = req.tool_choice
-    choice = _MODES.get(tc.mode)
-    if choice is None:
-        raise invalid_argument("tool_choice.mode", f"unknown value {tc.mode}")
-    if tc.function_name and tc.mode != pb.ToolChoice.MODE_UNSPECIFIED:
-        raise invalid_argument("tool_choice.function_name", "names the one tool to call: leave mode unset")
-    try:
-        # A name, never a mode: a tool may be called "none" or "required".
-        spec = call_constraint(tools, choice, function=tc.function_name or None)
-    except GrammarError as e:
-        field = "tool_choice.function_name" if "no tool is named" in str(e) else "tools"
-        raise invalid_argument(field, str(e)) from None
-    constraint = reader = None
-    if spec is not None:
-        if req.HasField("constraint"):
-            raise invalid_argument("constraint", "the tools are the constraint (tool_choice is not MODE_NONE): "
-                                                 "leave constraint unset")
-        # auto: xgrammar first, which enforces every tool choice's tag.
-        constraint = ConstraintSpec(spec, "auto", "tools")
-        reader = CallReader(tools)
-    return ToolsSpec(tuple(tools), choice, constraint, reader)
 
 
 def caller_tenant() -> str:

@@ -23,10 +23,11 @@ from engine.reasoning import ReasoningOptions
 from engine.requests import RequestSpec, check_token_ids
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, default_length
 from engine.tokenizer import Tokenizer
+from service.api.constraints import ToolsSpec, constraint_spec, tools_spec
 from service.errors import Reason, ServiceError, failed_precondition, invalid_argument
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.request_log import MAX_REQUEST_ID_LENGTH, valid_request_id
-from service.structured import ConstraintSpec, ToolsSpec, constraint_spec, tools_spec
+from service.structured import ConstraintSpec
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
              "repetition_penalty", "seed")

@@ -13,6 +13,7 @@ from engine import GenerationStatus, RequestOutput
 from grammar import GrammarError, Matcher
 from service.api import convert
 from service.api.calls import CallRegistry
+from service.api.constraints import constraint_spec
 from service.api.schema_check import check_output, tool_calls, wants_validation
 from service.engine_loop import EngineFailed, EngineLoop, RequestStream
 from service.errors import (
@@ -30,7 +31,7 @@ from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 from service.ops.request_log import note_sent
 from service.security.auth import scoped_request_id
-from service.structured import ConstraintCompiler, ConstraintSpec, compile_error, constraint_spec
+from service.structured import ConstraintCompiler, ConstraintSpec, compile_error
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Requests larger than this are tokenized on a worker thread, so one long prompt

@@ -13,17 +13,12 @@ import pytest
 
 from grammar import GrammarError, GrammarOptions, GrammarSpec
 from grammar.compiler import CompileQueueFull
+from service.api.constraints import constraint_spec, tools_spec
 from service.errors import Reason, ServiceError
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.request_log import CallRecord, enter_call, exit_call
 from service.security.auth import current_key
-from service.structured import (
-    ConstraintCompiler,
-    ConstraintSpec,
-    caller_tenant,
-    constraint_spec,
-    tools_spec,
-)
+from service.structured import ConstraintCompiler, ConstraintSpec, caller_tenant
 
 C = pb.Constraint
 
@@ -323,8 +318,6 @@ def test_tools_reach_the_chat_template_as_an_openai_client_sends_them() -> None:
     from engine.presets import ensure_preset
     from engine.tokenizer import Tokenizer
     from service.api.convert import chat_prompt
-    from service.structured import tools_spec
-
     tokenizer = Tokenizer(ensure_preset("tiny-reasoning"))
     params = {"type": "object", "properties": {"city": {"type": "string"}}}
     req = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="weather?")]),
@@ -341,8 +334,6 @@ def test_tools_reach_the_chat_template_as_an_openai_client_sends_them() -> None:
 @pytest.mark.parametrize("mode", [pb.ToolChoice.MODE_AUTO, pb.ToolChoice.MODE_NONE])
 def test_a_second_tool_of_a_name_is_named_where_it_is(mode: int) -> None:
     # The refusal named `tools`, where the docs name tools[i].name.
-    from service.structured import tools_spec
-
     req = pb.GenerateRequest(tools=[pb.Tool(name="f"), pb.Tool(name="g"), pb.Tool(name="f")])
     req.tool_choice.mode = mode  # type: ignore[assignment]
     with pytest.raises(ServiceError) as info:
