@@ -50,6 +50,8 @@ if str(ROOT) not in sys.path[:1]:
 
 @dataclass
 class Tally:
+    """Instances tried and what the grammar did with them, for one keyword and backend."""
+
     valid: int = 0
     valid_accepted: int = 0
     invalid: int = 0
@@ -76,6 +78,8 @@ class Tally:
 
 @dataclass
 class Report:
+    """Every keyword's tallies per backend, and the groups where auto chose badly."""
+
     per_keyword: dict[str, dict[str, Tally]] = field(default_factory=dict)
     seconds: float = 0.0
     # Schema groups where a backend leaving no more keywords unenforced than

@@ -18,6 +18,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class CacheInfo:
+    """The compiled-grammar cache's counters and size at one moment."""
+
     hits: int
     misses: int
     entries: int

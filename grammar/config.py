@@ -20,9 +20,8 @@ class CompilerConfig:
         "thread" (in-process; a timed-out compile keeps running - only for
         trusted grammars or where subprocesses are unavailable).
     compile_workers: worker processes, i.e. compiles that can run at once.
-    tenant_compiles: compiles one tenant (see `GrammarCompiler.compile_async`)
-        may run at once; None: one fewer than compile_workers (at least 1),
-        so one tenant's slow compiles always leave a worker to the others.
+        One tenant (see `GrammarCompiler.compile_async`) may run one fewer
+        (at least 1), so its slow compiles always leave a worker to the others.
     worker_startup_timeout_s: how long a new worker may take to come up.
     worker_memory_bytes: address-space headroom per worker (None: unlimited).
     mask_threads: native threads used by batch bitmask filling. With more
@@ -45,7 +44,6 @@ class CompilerConfig:
     cache_bytes: int = 1 << 30
     isolation: str = "process"
     compile_workers: int = 2
-    tenant_compiles: int | None = None
     worker_startup_timeout_s: float = 120.0
     worker_memory_bytes: int | None = 4 << 30
     mask_threads: int = 1
@@ -55,8 +53,6 @@ class CompilerConfig:
     @property
     def compiles_per_tenant(self) -> int:
         """How many compiles one tenant may run at once."""
-        if self.tenant_compiles is not None:
-            return self.tenant_compiles
         return max(1, self.compile_workers - 1)
 
     def __post_init__(self) -> None:
@@ -69,7 +65,5 @@ class CompilerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.compile_workers < 1 or self.mask_threads < 1:
             raise ValueError("compile_workers and mask_threads must be >= 1")
-        if self.tenant_compiles is not None and self.tenant_compiles < 1:
-            raise ValueError("tenant_compiles must be >= 1")
         if not self.worker_startup_timeout_s > 0:
             raise ValueError("worker_startup_timeout_s must be positive")

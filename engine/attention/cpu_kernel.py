@@ -67,6 +67,10 @@ class KernelMetadata:
 
 
 class KernelAttention(AttentionBackend[KernelMetadata]):
+    """Paged attention on a CPU through the native extension's kernel: decode
+    rows read the pages in place; prompt chunks take its fp32 fast path while
+    their context is short, else gather their pages for SDPA."""
+
     name = "cpu-kernel"
 
     def __init__(self, num_heads: int, head_dim: int, ops: ModuleType, kv_blocks: torch.Tensor):

@@ -38,6 +38,10 @@ class TorchMetadata:
 
 
 class TorchAttention(AttentionBackend[TorchMetadata]):
+    """Paged attention in plain torch on any device: each span's pages are
+    gathered and attended with SDPA (the reference the other backends are
+    tested against)."""
+
     name = "torch"
 
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> TorchMetadata:

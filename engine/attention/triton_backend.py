@@ -23,6 +23,10 @@ from .triton_kernels import default_num_splits, paged_attention, rotate_write_kv
 
 
 class TritonAttention(AttentionBackend[PagedMetadata]):
+    """Paged attention in our Triton kernels (decode and prefill over the page
+    pool, any dtype and page size, capturable in a CUDA graph); the KV write
+    applies the rotary embedding too."""
+
     name = "triton"
     rotates_in_write = True
 

@@ -27,6 +27,8 @@ _PREFIXES = ("", "bert.", "model.")
 
 @dataclass(frozen=True)
 class LayerNorm:
+    """A loaded LayerNorm's parameters, applied functionally."""
+
     weight: torch.Tensor
     bias: torch.Tensor
     eps: float

@@ -46,19 +46,15 @@ class AudioGenerator:
         return [ctx for ctx in contexts
                 if ctx.next_speech_tokens(None, self.codec.lookback, self.codec.lookahead) is not None]
 
-    def next_chunk(self, batch: Mapping[str, TTSContext] | Sequence[TTSContext],
-                   num_tokens: int | None = None) -> dict[str, AudioGenerationOutput]:
-        """Decode the next ready chunk of every context in `batch`.
-
-        `num_tokens` sets the chunk size in speech tokens (7 per frame); by
-        default each context's own chunk size is used. Call repeatedly until
-        nothing is returned to drain finished requests.
+    def next_chunk(self, batch: Mapping[str, TTSContext] | Sequence[TTSContext]) -> dict[str, AudioGenerationOutput]:
+        """Decode the next ready chunk of every context in `batch` (each its
+        own chunk size). Call repeatedly until nothing is returned to drain
+        finished requests.
         """
         contexts = list(batch.values()) if isinstance(batch, Mapping) else list(batch)
-        frames = max(1, num_tokens // 7) if num_tokens else None
         ready = []
         for ctx in contexts:
-            window = ctx.next_speech_tokens(frames, self.codec.lookback, self.codec.lookahead)
+            window = ctx.next_speech_tokens(None, self.codec.lookback, self.codec.lookahead)
             if window is not None:
                 ready.append((ctx, window))
         if not ready:

@@ -108,10 +108,6 @@ def mixed_step(shapes: list[tuple[int, int]], page_size: int) -> tuple[list[SeqS
     return spans, start, max(c + q for c, q in shapes) // page_size + 1
 
 
-def preset_path(name: str) -> Path:
-    return ensure_preset(name)
-
-
 def variant_checkpoint(preset: str, overrides: dict, out: Path, seed: int = 5,
                        init: Callable[[torch.nn.Module], None] | None = None) -> tuple[Path, torch.nn.Module]:
     """`preset`'s architecture with `overrides` in its config, random weights
