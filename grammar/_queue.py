@@ -85,7 +85,7 @@ class FairQueue:
         # bounded): one that sends a compile at a time comes back with its
         # place, not as a tenant never served.
         self._last_starts: dict[str, float] = {}
-        self._deadlines: list[tuple[float, int, Job]] = []  # heap; stale entries skipped
+        self._deadlines: list[tuple[float, int, Job]] = []  # heap of queued jobs; stale entries skipped
         self._seq = itertools.count()
         self._closed = False
         self._local = threading.local()
@@ -275,6 +275,10 @@ class FairQueue:
             job.run = _ran  # what it closed over (a spec, a given compile) is not kept with the job
             with self._cond:
                 job.state = "done"
+                # Off the deadline heap now, not once its deadline passes: its
+                # future's callbacks hold what its waiters got (their matchers).
+                self._deadlines = [e for e in self._deadlines if e[2] is not job]
+                heapq.heapify(self._deadlines)
                 self._tenants[tenant].running -= 1
                 self._drop_if_idle(tenant)
                 self._cond.notify_all()

@@ -4,11 +4,16 @@ xgrammar's own compiler cache is unbounded by default, so a server that sees
 many distinct schemas grows without limit; this one is bounded both by entry
 count and by the approximate bytes of what it holds. Failures are cached too
 (small entries): a client repeating a schema that times out must not cost a
-worker `compile_timeout_s` every time.
+worker `compile_timeout_s` every time. A cached failure is kept, and handed
+out, as a fresh copy: an exception that was raised holds its traceback, whose
+frames (and their callers') hold the compile's job and, through its future,
+the matchers of the requests that waited for it (~80 MB each, for a large
+grammar, kept as long as the failure was cached).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -48,7 +53,7 @@ class GrammarCache:
                 return None
             self._data.move_to_end(key)
             self._hits += 1
-            return item[0]
+            return _bare(item[0])
 
     def put(self, key: Hashable, value: Any, size: int) -> None:
         size = max(int(size), 1)
@@ -58,7 +63,7 @@ class GrammarCache:
                 self._bytes -= old[1]
             if size > self.max_bytes:
                 return  # would evict everything else and still not fit
-            self._data[key] = (value, size)
+            self._data[key] = (_bare(value), size)
             self._bytes += size
             while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
                 _, (_, evicted) = self._data.popitem(last=False)
@@ -72,3 +77,9 @@ class GrammarCache:
     def info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(self._hits, self._misses, len(self._data), self._bytes)
+
+
+def _bare(value: Any) -> Any:
+    """An exception as a copy of its own, with no traceback, cause or context
+    (a raise attaches them to the object raised); anything else as it is."""
+    return copy.copy(value) if isinstance(value, BaseException) else value

@@ -397,6 +397,47 @@ def test_cache_is_bounded():
     assert cache.get("huge") is None
 
 
+def test_a_cached_failure_keeps_nothing_of_the_compile_that_found_it():
+    # A raised error holds its traceback, whose frames held the compile's job
+    # and through it the matchers its callers got: ~80 MB a distinct spec.
+    cache = GrammarCache()
+    try:
+        raise GrammarError("no", reason="invalid", backend="llguidance", final=True)
+    except GrammarError as err:
+        cache.put("k", err, 512)
+    first = cache.get("k")
+    assert isinstance(first, GrammarError) and first.__traceback__ is None
+    assert (first.reason, first.backend, first.final, str(first)) == ("invalid", "llguidance", True, "no")
+    with pytest.raises(GrammarError):
+        raise first  # a reader raises its own copy
+    again = cache.get("k")
+    assert again is not first and again.__traceback__ is None
+
+
+def test_finished_compiles_leave_no_matcher_behind(tokenizer):
+    # After a fallback (llguidance refuses the bound, xgrammar compiles it)
+    # each matcher stayed alive: the cached refusal's traceback, and the queue's
+    # deadline heap until the job's deadline passed, held the job's future.
+    import gc
+    import weakref
+
+    def schema(i: int) -> GrammarSpec:
+        return GrammarSpec.json_schema(json.dumps(
+            {"type": "object", "properties": {f"p{i}": {"type": "number", "maximum": 1.7976931348623157e308}}}))
+
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation="thread") as c:
+        with pytest.raises(GrammarError):
+            c.compile(schema(-1), "llguidance")
+        alive = []
+        for i in range(3):
+            matcher = c.compile(schema(i), "auto")
+            assert matcher.backend == "xgrammar"
+            alive.append(weakref.ref(matcher))
+            del matcher
+        gc.collect()
+        assert [ref() for ref in alive] == [None, None, None]
+
+
 def test_closed_compiler_refuses(tokenizer):
     c = GrammarCompiler(tokenizer, eos_token_ids=STOP_IDS, isolation="thread")
     c.close()
