@@ -49,6 +49,13 @@ from .structured import StructuredOutput
 
 log = logging.getLogger(__name__)
 
+# CPU time one request's grammar may take in a step (its new tokens accepted,
+# its forced run found): a grammar whose parse grows with every token (an
+# ambiguous EBNF on xgrammar: seconds a token within ten tokens) held up every
+# request of the batch, since the engine thread does this work for all of
+# them. An ordinary grammar takes microseconds a token.
+GRAMMAR_STEP_LIMIT_S = 0.1
+
 
 # Masks the disallowed tokens of some rows of the logits in place: (logits, bitmask, rows as
 # a list, or a host tensor on CUDA; see PendingMask).
@@ -363,6 +370,7 @@ class StepMasks:
         """
         matcher = ctx.matcher
         assert matcher is not None
+        began = time.thread_time()
         end = ctx.num_final_tokens
         while ctx.grammar.grammar_idx < end:
             token = int(ctx.tokens[ctx.grammar.grammar_idx])
@@ -377,6 +385,8 @@ class StepMasks:
             verdict = _grammar_verdict(matcher)
             if verdict is not None:
                 return verdict, False
+            if time.thread_time() - began > GRAMMAR_STEP_LIMIT_S:
+                return _too_slow(began), False
         in_flight = ctx.end_idx - ctx.grammar.grammar_idx
         if in_flight > 1:
             return None, False  # tokens behind a placeholder are consumed when it is realized
@@ -387,6 +397,8 @@ class StepMasks:
         # is sampled under a mask allowing only it, one a step, none appended.
         sampled_only = ctx.sampling_params.logprobs is not None
         forced = matcher.forced_tokens(max_tokens=1 if sampled_only else usable) if usable > 0 else []
+        if time.thread_time() - began > GRAMMAR_STEP_LIMIT_S:
+            return _too_slow(began), False
         # Nor is a stop token (stop_token_ids) ever appended: the run ends
         # before it, and it is sampled like the rest, so the stop rules see it.
         stops = ctx.sampling_params.stop_token_ids
@@ -408,6 +420,8 @@ class StepMasks:
                 if not matcher.accept_token(token):
                     return _rejected(matcher, token), True
                 ctx.grammar.grammar_idx += 1
+        if time.thread_time() - began > GRAMMAR_STEP_LIMIT_S:
+            return _too_slow(began), bool(forced)
         return None, bool(forced)
 
 
@@ -454,6 +468,14 @@ def _grammar_verdict(matcher: Matcher) -> Verdict | None:
         # ignore_eos, nothing else may follow).
         return GenerationStatus.END_OF_SEQUENCE
     return None
+
+
+def _too_slow(began: float) -> Failure:
+    spent = time.thread_time() - began
+    return Failure(f"the grammar took {spent * 1000:.0f} ms of CPU time for one step (at most "
+                   f"{GRAMMAR_STEP_LIMIT_S * 1000:.0f} ms): an ambiguous grammar, whose parse grows with "
+                   "every token, cannot be followed; write it unambiguously or try the llguidance backend",
+                   cause="constraint")
 
 
 def _rejected(matcher: Matcher, token: int) -> Failure:

@@ -127,6 +127,20 @@ def test_ignore_eos_still_ends_when_the_grammar_is_complete(llm):
     assert out.text in ("yes", "no") and out.finish_reason == "eos"
 
 
+def test_an_ambiguous_grammar_fails_alone_before_it_holds_up_the_batch(llm):
+    # Each level doubles the ways to parse "a"s: xgrammar compiles it at once,
+    # then its parse state grows with every token (seconds a token within
+    # ten), all of it on the engine thread that steps every request.
+    depth = 60
+    ebnf = "root ::= r0\n" + "\n".join(f'r{i} ::= r{i + 1} r{i + 1} | "a"' for i in range(depth)) \
+        + f'\nr{depth} ::= "b"'
+    params = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
+    hostile, plain = llm.generate(["x", "y"], params, constraint=[GrammarSpec("ebnf", ebnf), None])
+    assert hostile.finish_reason == "error" and hostile.error_cause == "constraint"
+    assert "ms of CPU time for one step" in (hostile.error or "")
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 64
+
+
 def test_invalid_spec_fails_before_any_request_runs(llm):
     with pytest.raises(GrammarError):
         llm.generate(["x"], SamplingParams(max_new_tokens=5), constraint=GrammarSpec.json_schema('{"type": 12}'))
