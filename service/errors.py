@@ -152,6 +152,14 @@ def invalid_argument(field: str, description: str, reason: str = Reason.INVALID_
                         [(field, description)])
 
 
+def response_too_large(field: str, size: int, limit: int, advice: str) -> ServiceError:
+    """INVALID_ARGUMENT (RESPONSE_TOO_LARGE) naming `field`, for an answer of
+    `size` bytes over the server's message `limit`; `advice` says what to ask
+    for instead."""
+    return invalid_argument(field, f"the answer would be {size} bytes, over the server's message limit "
+                                   f"of {limit}; {advice}", Reason.RESPONSE_TOO_LARGE)
+
+
 def unavailable(message: str, reason: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message, reason)
 

@@ -24,7 +24,13 @@ from engine.requests import RequestSpec, check_token_ids
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, default_length
 from engine.tokenizer import Tokenizer
 from service.api.constraints import ToolsSpec, constraint_spec, tools_spec
-from service.errors import Reason, ServiceError, failed_precondition, invalid_argument
+from service.errors import (
+    Reason,
+    ServiceError,
+    failed_precondition,
+    invalid_argument,
+    response_too_large,
+)
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.ops.request_log import MAX_REQUEST_ID_LENGTH, valid_request_id
 from service.structured import ConstraintSpec
@@ -341,7 +347,16 @@ def complete_response(request_id: str, final: RequestOutput) -> pb.GenerateRespo
 
 
 # -- the other RPCs -----------------------------------------------------------
-def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer) -> pb.TokenizeResponse:
+TOKENIZE_ADVICE = "send less text, or leave out the offsets"
+# Offsets become messages a slice at a time: each slice is a short hold of the
+# GIL, which a whole long text's (a million offsets: seconds) took from the
+# event loop while this ran on a worker thread.
+_OFFSETS_SLICE = 16384
+
+
+def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer, max_bytes: int | None = None) -> pb.TokenizeResponse:
+    """The text's (or chat's) token ids, with their offsets if asked; an
+    answer with offsets over `max_bytes` is refused before it is built."""
     which = req.WhichOneof("input")
     if which is None:
         raise invalid_argument("input", "set one of text or chat")
@@ -358,10 +373,33 @@ def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer) -> pb.TokenizeRespon
     spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     if req.offsets_in_utf8_bytes:
         spans = utf8_offsets(req.text)[spans]
-    return pb.TokenizeResponse(
-        token_ids=enc["input_ids"],
-        offsets=[pb.TokenOffset(start=s, end=e) for s, e in spans.tolist()],
-    )
+    ids = enc["input_ids"]
+    if max_bytes is not None:
+        size = _tokenize_answer_bytes(np.asarray(ids, dtype=np.int64), spans)
+        if size > max_bytes:
+            raise response_too_large("text", size, max_bytes, TOKENIZE_ADVICE)
+    response = pb.TokenizeResponse(token_ids=ids)
+    for first in range(0, len(spans), _OFFSETS_SLICE):
+        response.offsets.extend(pb.TokenOffset(start=s, end=e)
+                                for s, e in spans[first:first + _OFFSETS_SLICE].tolist())
+    return response
+
+
+def _varint_bytes(values: np.ndarray) -> np.ndarray:
+    """Bytes of each non-negative value as a protobuf varint."""
+    size = np.ones(values.shape, dtype=np.int64)
+    for k in range(1, 9):
+        size += values >= 1 << (7 * k)
+    return size
+
+
+def _tokenize_answer_bytes(ids: np.ndarray, spans: np.ndarray) -> int:
+    """A TokenizeResponse's size from its ids and offsets, without building it
+    (the top-level fields' tags and lengths left out: a few bytes)."""
+    starts, ends = spans[:, 0], spans[:, 1]
+    # A TokenOffset: its tag and length, then each non-zero field's tag and value.
+    inner = (starts > 0) * (1 + _varint_bytes(starts)) + (ends > 0) * (1 + _varint_bytes(ends))
+    return int(_varint_bytes(ids).sum() + (1 + _varint_bytes(inner) + inner).sum())
 
 
 def utf8_offsets(text: str) -> np.ndarray:

@@ -24,6 +24,7 @@ from service.errors import (
     failed_precondition,
     internal,
     invalid_argument,
+    response_too_large,
     rpc_guard,
     unavailable,
 )
@@ -122,8 +123,7 @@ class ServingState:
         than the server sends; `advice` says what to ask for instead."""
         size = message.ByteSize()
         if size > self.max_message_bytes:
-            raise invalid_argument(field, f"the answer would be {size} bytes, over the server's message limit "
-                                          f"of {self.max_message_bytes}; {advice}", Reason.RESPONSE_TOO_LARGE)
+            raise response_too_large(field, size, self.max_message_bytes, advice)
 
     def require_ready(self, handle: T | None, alive: Callable[[T], bool], *, served: bool, not_served: str,
                       not_served_reason: str, loading: str, stopped: str) -> T:
@@ -295,8 +295,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         loop = self.state.require_engine()
-        response = await run_maybe_off_loop(request.ByteSize(), convert.tokenize, request, loop.engine.tokenizer)
-        self.state.check_fits(response, "text", "send less text, or leave out the offsets")
+        response = await run_maybe_off_loop(request.ByteSize(), convert.tokenize, request, loop.engine.tokenizer,
+                                            self.state.max_message_bytes)
+        self.state.check_fits(response, "text", convert.TOKENIZE_ADVICE)
         return response
 
     @rpc_guard

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 
 from engine import EngineConfig, EngineCore, GenerationStatus, RequestOutput, SamplingParams
 from engine.context import TokenLogprobs
 from service.api import convert
-from service.errors import ServiceError
+from service.errors import Reason, ServiceError
 from service.gen.stencil.v1 import generate_pb2 as pb
 
 Finish = pb.GenerateComplete.FinishReason
@@ -171,6 +172,33 @@ def test_tokenize_offsets_in_code_points_or_utf8_bytes(engine: EngineCore) -> No
     with pytest.raises(ServiceError) as info:
         convert.tokenize(pb.TokenizeRequest(text=text, offsets_in_utf8_bytes=True), engine.tokenizer)
     assert info.value.violations[0][0] == "offsets_in_utf8_bytes"
+
+
+def test_tokenize_offsets_built_in_slices_and_sized_before_they_are(engine: EngineCore,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A million offsets built in one go held the GIL for seconds, taking the
+    # event loop with it, and an answer over the message limit was refused
+    # only once built.
+    import random
+
+    rng = random.Random(7)
+    pieces = ["héllo", " wörld", "\U0001F600", "\n", "abc", "  ", "日本語", "x" * 40, "12345"]
+    monkeypatch.setattr(convert, "_OFFSETS_SLICE", 3)
+    for i in range(60):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        req = pb.TokenizeRequest(text=text, return_offsets=True, offsets_in_utf8_bytes=i % 2 == 1)
+        whole = engine.tokenizer.hf(text, add_special_tokens=True, return_offsets_mapping=True)
+        answer = convert.tokenize(req, engine.tokenizer, max_bytes=1 << 20)
+        expected = np.asarray(whole["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        if req.offsets_in_utf8_bytes:
+            expected = convert.utf8_offsets(text)[expected]
+        assert [[o.start, o.end] for o in answer.offsets] == expected.tolist()
+        size = answer.ByteSize()
+        assert size - 12 <= convert._tokenize_answer_bytes(np.asarray(whole["input_ids"]), expected) <= size
+        if size > 16:
+            with pytest.raises(ServiceError) as info:
+                convert.tokenize(req, engine.tokenizer, max_bytes=size - 16)
+            assert info.value.reason == Reason.RESPONSE_TOO_LARGE and info.value.violations[0][0] == "text"
 
 
 def test_unset_sampling_values_take_the_models_defaults() -> None:
