@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def skipped_ids(self) -> frozenset[int]:
+        """The ids `decode(..., skip_special_tokens=True)` leaves out."""
+        return skipped_ids(self.backend)
+
     def stream(self, prefix: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, prefix, skip_special_tokens)
 
@@ -112,7 +118,15 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int], skip_special_tokens: bool):
         backend = tokenizer.backend
         self._decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        prompt = [int(t) for t in prefix[-(self.MAX_CONTEXT + self.MAX_DANGLING):]]
+        keep = self.MAX_CONTEXT + self.MAX_DANGLING
+        if skip_special_tokens:
+            # Skipped tokens are dropped before the decoder runs, so the
+            # context is the last visible tokens, however many skipped ones
+            # follow them (a window of those alone decodes to nothing, and the
+            # next word's leading space was stripped as the first visible).
+            prompt = _last_visible(prefix, tokenizer.skipped_ids, keep)
+        else:
+            prompt = [int(t) for t in prefix[-keep:]]
         start, cut, clean = self._prompt_window(prompt)
         self._ids = prompt[start:]
         self._clean = clean  # the window's text up to the prompt's last whole character
@@ -199,3 +213,20 @@ class IncrementalDecoder:
         if start > 0 and tail and text.endswith(tail) and not tail.startswith(REPLACEMENT):
             self._ids = self._ids[start:]
             self._seen = self._clean = tail
+
+
+def _last_visible(ids: Sequence[int], skipped: frozenset[int], count: int) -> list[int]:
+    """The last `count` of `ids` that are not in `skipped`, in order."""
+    out: list[int] = []
+    for token in reversed(ids):
+        if int(token) not in skipped:
+            out.append(int(token))
+            if len(out) == count:
+                break
+    return out[::-1]
+
+
+def skipped_ids(backend: Any) -> frozenset[int]:
+    """The ids a `tokenizers` backend's decode with skip_special_tokens leaves
+    out before its decoder runs: the added tokens marked special."""
+    return frozenset(i for i, added in backend.get_added_tokens_decoder().items() if added.special)
