@@ -147,9 +147,6 @@ class CallReader:
             body = start + len(CALL_START)
             try:
                 value, members, after = _read_object(text, _skip_space(text, body))
-                end = _skip_space(text, after)
-                if not text.startswith(CALL_END, end):
-                    raise ValueError("expected the end of the call after its JSON")
             except (ValueError, RecursionError) as e:
                 # As the model wrote it: the call runs to the next end marker,
                 # unless its JSON is still open where the text ends (an end
@@ -157,8 +154,17 @@ class CallReader:
                 end = text.find(CALL_END, body)
                 if end < 0 or _ends_open(text, body):
                     break  # cut short
-                calls.append(ToolCall("", "", ValidationResult(
-                    False, message=f"the call is not JSON: {str(e).splitlines()[0][:200]}", parsed=False)))
+                calls.append(_unreadable(f"the call is not JSON: {str(e).splitlines()[0][:200]}"))
+                pos = end + len(CALL_END)
+                continue
+            end = _skip_space(text, after)
+            if not text.startswith(CALL_END, end):
+                # Its JSON is whole: the end marker is looked for after it
+                # (one inside its strings is no end), and none means cut short.
+                end = text.find(CALL_END, after)
+                if end < 0:
+                    break
+                calls.append(_unreadable("the call has text after its JSON, before its end marker"))
                 pos = end + len(CALL_END)
                 continue
             pos = end + len(CALL_END)
@@ -179,6 +185,10 @@ class CallReader:
                 result = validator.validate(arguments)
             calls.append(ToolCall(name, text_args, result))
         return calls
+
+
+def _unreadable(message: str) -> ToolCall:
+    return ToolCall("", "", ValidationResult(False, message=message, parsed=False))
 
 
 def _ends_open(text: str, pos: int) -> bool:

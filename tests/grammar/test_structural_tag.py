@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from grammar import GrammarError, GrammarSpec
 from grammar.output_check import OutputCheck
@@ -235,6 +237,29 @@ def test_a_call_cut_inside_a_string_holding_an_end_marker_is_left_out():
     # One written badly, whole to its end marker, is still reported.
     [bad] = reader.parse("<tool_call>\nnot json</tool_call>")
     assert not bad.validation.parsed
+
+
+ARG_PIECES = st.lists(st.sampled_from([*'ab "\\<>/{}:日', "</tool_call>", "<tool_call>"]), max_size=8).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["get_weather", "get_time", "nope"]), ARG_PIECES), min_size=1, max_size=3),
+       st.text(st.sampled_from(list("ab \n.")), max_size=6), st.data())
+def test_any_prefix_of_an_answer_reads_as_the_calls_it_holds_whole(calls: list[tuple[str, str]], gap: str,
+                                                                   data: st.DataObject) -> None:
+    # An answer cut anywhere (a length limit) gives the calls it holds whole
+    # and leaves the last out; a call cut right after its JSON whose strings
+    # held the end marker came back as a nameless INVALID call.
+    reader = CallReader([WEATHER, TIME])
+    text, ends = "", []
+    for i, (name, arg) in enumerate(calls):
+        body = json.dumps({"name": name, "arguments": {"city": arg}}, ensure_ascii=False)
+        text += (gap if i else "") + f"<tool_call>\n{body}\n</tool_call>"
+        ends.append(len(text))
+    whole = reader.parse(text)
+    assert [(c.name, json.loads(c.arguments)["city"]) for c in whole] == calls
+    cut = data.draw(st.integers(0, len(text)))
+    assert reader.parse(text[:cut]) == whole[:sum(end <= cut for end in ends)]
 
 
 @pytest.mark.parametrize("tag, problem", [
