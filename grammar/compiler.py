@@ -585,6 +585,11 @@ class GrammarCompiler:
     def _load(self, backend: str, spec: GrammarSpec, payload: dict) -> _Artifact:
         tok = self.tokenizer_data
         if backend == "xgrammar":
+            # Its matchers' forced runs read the vocabulary index (which tokens
+            # extend a token): built here, once per tokenizer, not on the
+            # engine thread at the first forced run (~250 ms for 8k tokens,
+            # holding up every request of the batch).
+            _xgr.vocab_index(tok)
             if "compiled" in payload:
                 return _Artifact(backend, spec, payload["compiled"], payload["size"])
             return _Artifact(backend, spec, *_xgr.load(payload, tok))

@@ -438,6 +438,31 @@ def test_finished_compiles_leave_no_matcher_behind(tokenizer):
         assert [ref() for ref in alive] == [None, None, None]
 
 
+def test_the_vocabulary_index_of_forced_runs_is_built_with_the_compile(tokenizer, monkeypatch):
+    # It was built at an xgrammar matcher's first forced run, on the engine
+    # thread: ~250 ms for 8k tokens with every request of the batch waiting.
+    import threading
+
+    from grammar import _xgr
+    from grammar.tool_calls import Tool, call_constraint
+
+    built_on = []
+    build = _xgr._VOCABS._build
+
+    def recording(data):
+        built_on.append(threading.current_thread())
+        return build(data)
+
+    monkeypatch.setattr(_xgr._VOCABS, "_build", recording)
+    for isolation in ("process", "thread"):
+        built_on.clear()
+        with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation=isolation) as c:
+            matcher = c.compile(call_constraint([Tool("f", {"type": "object"})], "f"), "xgrammar")
+            assert len(built_on) == 1 and built_on[0] is not threading.current_thread(), isolation
+            assert matcher.forced_tokens()  # '<tool_call>\n{"name": "f", ...': the index is read, not built
+            assert len(built_on) == 1
+
+
 def test_closed_compiler_refuses(tokenizer):
     c = GrammarCompiler(tokenizer, eos_token_ids=STOP_IDS, isolation="thread")
     c.close()
