@@ -123,6 +123,8 @@ class GrammarState:
     # With a reasoning parser: where the thought ends and the answer (and
     # the grammar) starts (reasoning.py); None: the output is all answer.
     gate: ReasoningGate | None = None
+    # Steps in a row whose grammar work took over step_masks.GRAMMAR_STEP_LIMIT_S.
+    slow_steps: int = 0
 
 
 @dataclass

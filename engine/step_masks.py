@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # request of the batch, since the engine thread does this work for all of
 # them. An ordinary grammar takes microseconds a token.
 GRAMMAR_STEP_LIMIT_S = 0.1
+# Steps in a row over it that a request may take before it fails: a one-off
+# (a table a library builds at first use) passes; a growing parse does not.
+SLOW_STEPS_ALLOWED = 2
 
 
 # Masks the disallowed tokens of some rows of the logits in place: (logits, bitmask, rows as
@@ -366,11 +369,20 @@ class StepMasks:
         first forced token is what that step will sample (its mask allows
         nothing else), so only the rest are appended behind it. A request with
         log-probabilities has its forced tokens sampled that way, one a step,
-        and every request its forced stop tokens (`stop_token_ids`).
+        and every request its forced stop tokens (`stop_token_ids`). A grammar
+        that takes over GRAMMAR_STEP_LIMIT_S of CPU time a step, more than
+        SLOW_STEPS_ALLOWED steps in a row, fails the request.
         """
+        began = time.thread_time()
+        verdict, forced = StepMasks._advance(ctx, began)
+        slow = time.thread_time() - began > GRAMMAR_STEP_LIMIT_S
+        ctx.grammar.slow_steps = ctx.grammar.slow_steps + 1 if slow else 0
+        return verdict, forced
+
+    @staticmethod
+    def _advance(ctx: TextContext, began: float) -> tuple[Verdict | None, bool]:
         matcher = ctx.matcher
         assert matcher is not None
-        began = time.thread_time()
         end = ctx.num_final_tokens
         while ctx.grammar.grammar_idx < end:
             token = int(ctx.tokens[ctx.grammar.grammar_idx])
@@ -385,8 +397,8 @@ class StepMasks:
             verdict = _grammar_verdict(matcher)
             if verdict is not None:
                 return verdict, False
-            if time.thread_time() - began > GRAMMAR_STEP_LIMIT_S:
-                return _too_slow(began), False
+            if (slow := _too_slow(ctx, began)) is not None:
+                return slow, False
         in_flight = ctx.end_idx - ctx.grammar.grammar_idx
         if in_flight > 1:
             return None, False  # tokens behind a placeholder are consumed when it is realized
@@ -397,8 +409,8 @@ class StepMasks:
         # is sampled under a mask allowing only it, one a step, none appended.
         sampled_only = ctx.sampling_params.logprobs is not None
         forced = matcher.forced_tokens(max_tokens=1 if sampled_only else usable) if usable > 0 else []
-        if time.thread_time() - began > GRAMMAR_STEP_LIMIT_S:
-            return _too_slow(began), False
+        if (slow := _too_slow(ctx, began)) is not None:
+            return slow, False
         # Nor is a stop token (stop_token_ids) ever appended: the run ends
         # before it, and it is sampled like the rest, so the stop rules see it.
         stops = ctx.sampling_params.stop_token_ids
@@ -420,8 +432,8 @@ class StepMasks:
                 if not matcher.accept_token(token):
                     return _rejected(matcher, token), True
                 ctx.grammar.grammar_idx += 1
-        if time.thread_time() - began > GRAMMAR_STEP_LIMIT_S:
-            return _too_slow(began), bool(forced)
+        if (slow := _too_slow(ctx, began)) is not None:
+            return slow, bool(forced)
         return None, bool(forced)
 
 
@@ -470,12 +482,16 @@ def _grammar_verdict(matcher: Matcher) -> Verdict | None:
     return None
 
 
-def _too_slow(began: float) -> Failure:
+def _too_slow(ctx: TextContext, began: float) -> Failure | None:
+    """The failure of a request whose grammar has taken over the limit in
+    this step (so far) and in the steps allowed before it; None otherwise."""
     spent = time.thread_time() - began
-    return Failure(f"the grammar took {spent * 1000:.0f} ms of CPU time for one step (at most "
-                   f"{GRAMMAR_STEP_LIMIT_S * 1000:.0f} ms): an ambiguous grammar, whose parse grows with "
-                   "every token, cannot be followed; write it unambiguously or try the llguidance backend",
-                   cause="constraint")
+    if spent <= GRAMMAR_STEP_LIMIT_S or ctx.grammar.slow_steps < SLOW_STEPS_ALLOWED:
+        return None
+    return Failure(f"the grammar took {spent * 1000:.0f} ms of CPU time for a step, over "
+                   f"{GRAMMAR_STEP_LIMIT_S * 1000:.0f} ms for {SLOW_STEPS_ALLOWED + 1} steps in a row: "
+                   "an ambiguous grammar, whose parse grows with every token, cannot be followed; write it "
+                   "unambiguously or try the llguidance backend", cause="constraint")
 
 
 def _rejected(matcher: Matcher, token: int) -> Failure:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, step_masks
 from engine.presets import ensure_preset
 from grammar import GrammarError, GrammarSpec
 
@@ -137,8 +138,39 @@ def test_an_ambiguous_grammar_fails_alone_before_it_holds_up_the_batch(llm):
     params = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
     hostile, plain = llm.generate(["x", "y"], params, constraint=[GrammarSpec("ebnf", ebnf), None])
     assert hostile.finish_reason == "error" and hostile.error_cause == "constraint"
-    assert "ms of CPU time for one step" in (hostile.error or "")
+    assert "steps in a row" in (hostile.error or "")
     assert plain.finish_reason == "length" and len(plain.token_ids) == 64
+
+
+def _burn(seconds: float) -> None:
+    began = time.thread_time()
+    while time.thread_time() - began < seconds:
+        pass
+
+
+@pytest.mark.parametrize("slow_calls", [1, 1000])
+def test_one_slow_grammar_step_passes_and_a_run_of_them_fails(llm, monkeypatch, slow_calls):
+    # A library's one-off at first use (a table built lazily) must not fail
+    # a request: only a grammar slow step after step does.
+    from grammar import _xgr
+
+    accept = _xgr.XGrammarMatcher.accept_token
+    calls = [0]
+
+    def slow_accept(self, token):
+        calls[0] += 1
+        if calls[0] <= slow_calls:
+            _burn(step_masks.GRAMMAR_STEP_LIMIT_S * 1.5)
+        return accept(self, token)
+
+    monkeypatch.setattr(_xgr.XGrammarMatcher, "accept_token", slow_accept)
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True),
+                       constraint=GrammarSpec("ebnf", 'root ::= [a-z]+'))[0]
+    if slow_calls == 1:
+        assert out.finish_reason == "length" and len(out.token_ids) == 8
+    else:
+        assert out.finish_reason == "error" and "3 steps in a row" in (out.error or "")
+        assert len(out.token_ids) == step_masks.SLOW_STEPS_ALLOWED + 1
 
 
 def test_invalid_spec_fails_before_any_request_runs(llm):
