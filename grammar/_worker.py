@@ -102,6 +102,19 @@ def thread_init(data: TokenizerData, schema_store: SchemaStore | None = None) ->
             "eos_token_ids": data.eos_token_ids}
 
 
+def compile_failure(e: Exception) -> GrammarError:
+    """What a compile that raised `e` tells its caller: a GrammarError as it
+    is; running out of memory or of stack (a spec nested past what a library
+    walks) is the spec's size; anything else a library failure."""
+    if isinstance(e, GrammarError):
+        return e
+    if isinstance(e, MemoryError):
+        return GrammarError("grammar is too large to compile", reason="too_large")
+    if isinstance(e, RecursionError):
+        return GrammarError("grammar is too deeply nested to compile", reason="too_large")
+    return GrammarError(f"grammar compile failed ({type(e).__name__})", reason="crashed")
+
+
 class CompileContext:
     """Compiles specs for either backend, building each backend's tokenizer on first use."""
 
@@ -289,12 +302,9 @@ def main(read_fd: int, write_fd: int, parent_pid: int) -> None:
         try:
             payload = ctx.compile(backend, spec, max_bytes)
             reply: tuple[Any, ...] = ("ok", job_id, payload, time.perf_counter() - start)
-        except GrammarError as e:
-            reply = ("error", job_id, e, e.reason)  # the error itself: it keeps `final`
-        except MemoryError:
-            reply = ("error", job_id, "grammar is too large to compile", "too_large")
-        except Exception as e:  # a library bug must not take the worker down
-            reply = ("error", job_id, f"grammar compile failed ({type(e).__name__})", "crashed")
+        except Exception as e:  # noqa: BLE001 - a library bug must not take the worker down
+            err = compile_failure(e)
+            reply = ("error", job_id, err, err.reason)  # the error itself: it keeps `final`
         try:
             outbox.send(reply)
         except (OSError, ValueError):

@@ -59,7 +59,7 @@ import torch
 from . import _llg, _xgr
 from ._pool import WorkerPool
 from ._queue import FairQueue, Job
-from ._worker import PLAN_JOB, CompileContext, process_init, thread_init
+from ._worker import PLAN_JOB, CompileContext, compile_failure, process_init, thread_init
 from .bitmask import BitmaskFiller, allocate_bitmask
 from .cache import CacheInfo, GrammarCache
 from .config import CompilerConfig
@@ -562,6 +562,9 @@ class GrammarCompiler:
                 raise GrammarError(
                     "grammar compile timed out", reason="timeout", backend=backend
                 ) from None
+            except Exception as e:  # as a worker process reports it
+                err = compile_failure(e)
+                raise GrammarError(str(err), reason=err.reason, backend=backend, final=err.final) from None
         try:
             artifact = self._load(backend, spec, payload)
         except GrammarError:

@@ -112,15 +112,18 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...], store: SchemaSto
     normalized = normalized_schema(schema, store)
     views: dict[str, GrammarSpec] = {}
     unenforced: dict[str, tuple[str, ...]] = {}
-    for backend in backends:
-        view, missing = backend_view(normalized, backend)
-        unenforced[backend] = missing
-        if spec.kind == "json_object":
-            views[backend] = spec
-        else:
-            views[backend] = GrammarSpec("json_schema", json.dumps(view, ensure_ascii=False),
-                                         spec.options)
-    watch = WatchPlan.for_schema(normalized, schema) if spec.kind == "json_schema" else None
+    try:
+        for backend in backends:
+            view, missing = backend_view(normalized, backend)
+            unenforced[backend] = missing
+            if spec.kind == "json_object":
+                views[backend] = spec
+            else:
+                views[backend] = GrammarSpec("json_schema", json.dumps(view, ensure_ascii=False),
+                                             spec.options)
+        watch = WatchPlan.for_schema(normalized, schema) if spec.kind == "json_schema" else None
+    except (RecursionError, MemoryError):
+        raise _too_deep() from None
     return views, unenforced, watch
 
 
@@ -135,7 +138,7 @@ def normalized_schema(schema: Any, store: SchemaStore | None = None) -> Any:
     except Unresolved:
         return schema
     except (RecursionError, MemoryError):
-        raise GrammarError("JSON schema is too deeply nested to compile", reason="too_large") from None
+        raise _too_deep() from None
     except Exception:  # a normalizer bug on an odd schema: the libraries get it as written
         log.exception("could not normalize a JSON schema; compiling it as written")
         return schema
@@ -158,3 +161,7 @@ def tag_view(spec: GrammarSpec, backend: str, store: SchemaStore | None = None,
 
     tag = structural_tag.map_schemas(structural_tag.normalize(spec.source), view)
     return GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False), spec.options)
+
+
+def _too_deep() -> GrammarError:
+    return GrammarError("JSON schema is too deeply nested to compile", reason="too_large")

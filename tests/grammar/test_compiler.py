@@ -463,6 +463,25 @@ def test_the_vocabulary_index_of_forced_runs_is_built_with_the_compile(tokenizer
             assert len(built_on) == 1
 
 
+def test_a_schema_nested_past_what_is_walked_is_too_large_in_either_isolation(tokenizer, compiler):
+    # It failed as "grammar compile failed (RecursionError)", a library fault
+    # by its reason, and with thread isolation the RecursionError itself escaped.
+    from grammar._worker import compile_failure
+
+    schema: dict = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    spec = GrammarSpec.json_schema(json.dumps(schema))
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation="thread") as threaded:
+        for c in (compiler, threaded):
+            with pytest.raises(GrammarError) as info:
+                c.compile(spec, "auto")
+            assert info.value.reason == "too_large" and "too deeply nested" in str(info.value)
+    assert compile_failure(RecursionError()).reason == "too_large"
+    assert compile_failure(MemoryError()).reason == "too_large"
+    assert compile_failure(KeyError("x")).reason == "crashed"
+
+
 def test_closed_compiler_refuses(tokenizer):
     c = GrammarCompiler(tokenizer, eos_token_ids=STOP_IDS, isolation="thread")
     c.close()
