@@ -443,7 +443,11 @@ class GrammarCompiler:
             if e.reason == "timeout" and e.backend is None:  # never reached a worker
                 raise _busy(self.config.compile_timeout_s) from None
             if e.reason == "timeout":
-                if e.backend == PLAN_JOB and deadline - planning >= _FULL_BUDGET * self.config.compile_timeout_s:
+                if deadline - planning < _FULL_BUDGET * self.config.compile_timeout_s:
+                    # It waited its turn behind other compiles, and the rest
+                    # of the budget was too short: a busy server, not the spec.
+                    raise _busy(self.config.compile_timeout_s) from None
+                if e.backend == PLAN_JOB:
                     # Its worker had (nearly) the whole budget and was killed at
                     # the end: the schema's cost, cached as a compile's timeout
                     # is (else every retry would cost a worker the full timeout).

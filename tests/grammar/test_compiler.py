@@ -253,6 +253,27 @@ def test_a_fallback_left_without_time_does_not_cache_the_first_refusal(tokenizer
         assert c.compile(spec).backend == "xgrammar"
 
 
+def test_a_schema_whose_planning_queued_and_then_ran_out_of_time_is_a_busy_timeout(tokenizer, monkeypatch):
+    # Under a flood of compiles, a schema that plans in 1.7 s alone was
+    # refused as the spec's own timeout (INVALID_ARGUMENT): it had waited in
+    # the queue for most of its budget. A busy server says retry later.
+    from grammar._worker import PLAN_JOB
+
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}})
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS,
+                         compile_timeout_s=2.0, compile_workers=1) as c:
+        def timed_out_plan(spec, deadline):  # type: ignore[no-untyped-def]
+            raise GrammarError("plan timed out", reason="timeout", backend=PLAN_JOB)
+
+        monkeypatch.setattr(c, "_plan", timed_out_plan)
+        with pytest.raises(GrammarError) as info:
+            c._resolve(spec, ("xgrammar",), time.monotonic() + 0.5)
+        assert info.value.reason == "timeout" and info.value.backend is None, "busy"
+        with pytest.raises(GrammarError) as info:
+            c._resolve(spec, ("xgrammar",), time.monotonic() + 2.0)
+        assert info.value.reason == "timeout" and info.value.backend == "xgrammar"
+
+
 def test_a_crash_is_cached_only_once_it_repeats(tokenizer):
     """A worker killed mid-compile from outside (the OOM killer, an operator,
     its zygote's end) said nothing of the spec, yet the crash was cached and
@@ -411,7 +432,7 @@ def test_a_cached_failure_keeps_nothing_of_the_compile_that_found_it():
     with pytest.raises(GrammarError):
         raise first  # a reader raises its own copy
     again = cache.get("k")
-    assert again is not first and again.__traceback__ is None
+    assert isinstance(again, GrammarError) and again is not first and again.__traceback__ is None
 
 
 def test_finished_compiles_leave_no_matcher_behind(tokenizer):
@@ -457,7 +478,9 @@ def test_the_vocabulary_index_of_forced_runs_is_built_with_the_compile(tokenizer
     for isolation in ("process", "thread"):
         built_on.clear()
         with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation=isolation) as c:
-            matcher = c.compile(call_constraint([Tool("f", {"type": "object"})], "f"), "xgrammar")
+            spec = call_constraint([Tool("f", {"type": "object"})], "f")
+            assert spec is not None
+            matcher = c.compile(spec, "xgrammar")
             assert len(built_on) == 1 and built_on[0] is not threading.current_thread(), isolation
             assert matcher.forced_tokens()  # '<tool_call>\n{"name": "f", ...': the index is read, not built
             assert len(built_on) == 1
