@@ -48,9 +48,14 @@ class CallHandle:
     submitted: bool = False
     # Engine ids of its other sequences (a vLLM call with n > 1), started later.
     others: list[str] = field(default_factory=list)
-    # Set once its servicer closed it: prepared and submitted (stencil.v1,
-    # Synthesize), or ended (vLLM), or failed.
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set once it is done preparing: its first engine request submitted, or
+    # the call failed or ended before.
+    prepared: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def submit(self) -> None:
+        """Its first engine request is submitted: an Abort finds it there now."""
+        self.submitted = True
+        self.prepared.set()
 
 
 class CallRegistry:
@@ -75,17 +80,18 @@ class CallRegistry:
     def close(self, scoped_id: str, handle: CallHandle) -> None:
         if self._calls.get(scoped_id) is handle:
             del self._calls[scoped_id]
-        handle.closed.set()
+        handle.prepared.set()
 
     async def wait_ended(self, scoped_id: str, loops: Sequence[EngineLoop], timeout: float) -> None:
         """Wait, at most `timeout` seconds, until the call with this id has
         left every engine: done preparing (a stencil.v1 call submits in the
-        same moment it closes) and each of its engine requests ended."""
+        same moment it closes) and each of its engine requests ended (not
+        until its last message is written: a client may have stopped reading)."""
         handle = self._calls.get(scoped_id)
 
         async def ended() -> None:
             if handle is not None:
-                await handle.closed.wait()
+                await handle.prepared.wait()
             ids = [scoped_id, *(handle.others if handle is not None else ())]
             for stream in [loop.stream_of(rid) for rid in ids for loop in loops]:
                 if stream is not None:

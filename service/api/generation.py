@@ -336,8 +336,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if calls.abort(scoped_request_id(rid), loops):
                 aborted.append(rid)
         # Answer once they have left the engine, so that their ids may be
-        # used again at once (within reason: a call still compiling its
-        # constraint may take longer, and the Abort need not wait for it).
+        # used again at once; a call still compiling its constraint is waited
+        # for too, within the same bound.
         remaining = context.time_remaining()
         timeout = ABORT_WAIT_S if remaining is None else min(ABORT_WAIT_S, max(0.0, remaining - 0.05))
         await asyncio.gather(*(calls.wait_ended(scoped_request_id(rid), loops, timeout) for rid in aborted))

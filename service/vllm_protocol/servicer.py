@@ -126,7 +126,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
         call.others = [vllm_convert.sequence_id(scoped, i) for i in range(1, len(prepared.specs))]
         start(0)
-        call.submitted = True
+        call.submit()
         if call.aborted:  # named by an Abort while it prepared: ends "abort" at once
             loop.abort(sequences[0].engine_id)
         try:

@@ -54,7 +54,7 @@ def test_a_remembered_router_abort_leaves_a_stencil_call_alone() -> None:
     stencil = registry.open("z")
     assert not stencil.aborted
     registry.close("z", stencil)
-    assert stencil.closed.is_set()
+    assert stencil.prepared.is_set()
     assert registry.open("z", early=True).aborted  # a router's call under it: as before
 
 
@@ -81,3 +81,36 @@ def test_an_abort_reaches_every_sequence_of_a_call(monkeypatch: Any) -> None:
     call.others, call.submitted = ["n#1", "n#2"], True
     assert registry.abort("n", [loop])
     assert loop.aborted == ["n", "n#1", "n#2"] and call.aborted
+
+
+def test_an_abort_waits_for_engine_requests_not_for_a_calls_last_write() -> None:
+    # A vLLM call is closed only once its handler returns, after its last
+    # write, which a client that stopped reading holds up: stencil.v1's Abort
+    # of it waited out its whole bound though the request had left the engine.
+    import asyncio
+
+    from service.engine_loop import RequestStream
+
+    class Streams(_Loop):
+        def __init__(self) -> None:
+            super().__init__(set())
+            self.streams: dict[str, RequestStream] = {}
+
+        def stream_of(self, request_id: str) -> RequestStream | None:
+            return self.streams.get(request_id)
+
+    async def go() -> None:
+        registry, loop = CallRegistry(), Streams()
+        call = registry.open("v", early=True)
+        waiting = asyncio.ensure_future(registry.wait_ended("v", [loop], timeout=30))  # type: ignore[list-item]
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # still preparing
+        stream = loop.streams["v"] = RequestStream("v", 1)
+        call.submit()
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # in the engine
+        stream._end()
+        del loop.streams["v"]
+        await asyncio.wait_for(waiting, 1)  # the call itself is still open: its last write waits
+
+    asyncio.run(go())
