@@ -84,9 +84,10 @@ class ConstraintCompiler:
         self.max_in_flight_per_caller = max(1, max_in_flight // 2)
         self.resample = resample
         self._started = warm
-        # Requests awaiting a compile now (several may await one): queued
-        # requests as a router sees them, as vLLM counts those waiting for
-        # their grammar. Written on the event loop, read by metrics scrapes.
+        # Requests (not ValidateConstraint calls) awaiting a compile now
+        # (several may await one): queued requests as a router sees them, as
+        # vLLM counts those waiting for their grammar. Written on the event
+        # loop, read by metrics scrapes.
         self.waiting = 0
 
     @property
@@ -99,12 +100,14 @@ class ConstraintCompiler:
         return constraint is not None and constraint.resamples(self.resample)
 
     async def compile(self, constraint: ConstraintSpec) -> Matcher:
-        """A fresh matcher for the constraint; ServiceError if it cannot be compiled
-        (see `compile_noting_cache`)."""
-        matcher, _ = await self.compile_noting_cache(constraint)
+        """A fresh matcher for a request bound for the engine (counted among
+        the `waiting` meanwhile); ServiceError if it cannot be compiled (see
+        `compile_noting_cache`)."""
+        matcher, _ = await self.compile_noting_cache(constraint, for_request=True)
         return matcher
 
-    async def compile_noting_cache(self, constraint: ConstraintSpec) -> tuple[Matcher, bool]:
+    async def compile_noting_cache(self, constraint: ConstraintSpec,
+                                   for_request: bool = False) -> tuple[Matcher, bool]:
         """A fresh matcher for the constraint and whether the compile cache had
         it; ServiceError if it cannot be compiled, or (INVALID_ARGUMENT) if it is
         strict and its grammar leaves schema keywords unenforced. A matcher
@@ -127,7 +130,7 @@ class ConstraintCompiler:
             max_pending=self.max_in_flight, max_pending_per_tenant=self.max_in_flight_per_caller)
         cached = future.done()  # a cache hit (or a cached failure), or refused
         try:
-            matcher = future.result() if cached else await self._wait(future)
+            matcher = future.result() if cached else await self._wait(future, for_request)
         except CompileQueueFull as err:
             note_refusal("grammar_compiles")
             raise resource_exhausted(f"{err}; retry later", Reason.COMPILE_QUEUE_FULL) from None
@@ -155,13 +158,13 @@ class ConstraintCompiler:
                 Reason.SCHEMA_NOT_ENFORCEABLE)
         return matcher, cached
 
-    async def _wait(self, future: concurrent.futures.Future[Matcher]) -> Matcher:
-        self.waiting += 1
+    async def _wait(self, future: concurrent.futures.Future[Matcher], counted: bool) -> Matcher:
+        self.waiting += counted
         try:
             # A cancelled await cancels `future` too (asyncio.wrap_future chains it).
             return await asyncio.wrap_future(future)
         finally:
-            self.waiting -= 1
+            self.waiting -= counted
 
 
 def _outcome(err: GrammarError) -> str:

@@ -238,6 +238,11 @@ def test_requests_awaiting_a_compile_are_counted_as_waiting() -> None:
         fake.futures[0].set_result("matcher")
         assert await first == "matcher"
         assert compiler.waiting == 0
+        validating = asyncio.ensure_future(compiler.compile_noting_cache(SPEC))  # ValidateConstraint's
+        await asyncio.sleep(0)
+        assert compiler.waiting == 0  # bound for no engine
+        fake.futures[-1].set_result("checked")
+        assert await validating == ("checked", False)
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         done.set_result("cached")
         fake.compile_async = lambda *args, **kwargs: done  # type: ignore[method-assign]
