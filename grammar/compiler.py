@@ -49,6 +49,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -566,6 +567,8 @@ class GrammarCompiler:
                 raise GrammarError(
                     "grammar compile timed out", reason="timeout", backend=backend
                 ) from None
+            except FutureCancelled:  # the runner was shut down: no verdict on the spec
+                raise GrammarError("the grammar compiler is closed", reason="crashed") from None
             except Exception as e:  # as a worker process reports it
                 err = compile_failure(e)
                 raise GrammarError(str(err), reason=err.reason, backend=backend, final=err.final) from None

@@ -505,6 +505,27 @@ def test_a_schema_nested_past_what_is_walked_is_too_large_in_either_isolation(to
     assert compile_failure(KeyError("x")).reason == "crashed"
 
 
+def test_a_compile_cancelled_by_a_shutdown_is_no_verdict_on_its_spec(tokenizer, monkeypatch):
+    # Thread isolation: the runner's CancelledError became a "crashed" verdict
+    # with a backend, cached as the spec's once it happened twice.
+    from concurrent.futures import Future
+
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation="thread") as c:
+        def cancelled(*args):  # type: ignore[no-untyped-def]
+            fut: Future = Future()
+            fut.cancel()
+            return fut
+
+        assert c._native_runner is not None
+        monkeypatch.setattr(c._native_runner, "submit", cancelled)
+        for _ in range(2):
+            with pytest.raises(GrammarError) as info:
+                c.compile(GrammarSpec.regex("cancelled"), "xgrammar")
+            assert info.value.reason == "crashed" and info.value.backend is None
+        monkeypatch.undo()
+        assert c.compile(GrammarSpec.regex("cancelled"), "xgrammar").backend == "xgrammar"
+
+
 def test_closed_compiler_refuses(tokenizer):
     c = GrammarCompiler(tokenizer, eos_token_ids=STOP_IDS, isolation="thread")
     c.close()
