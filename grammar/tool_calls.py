@@ -160,8 +160,14 @@ class CallReader:
             end = _skip_space(text, after)
             if not text.startswith(CALL_END, end):
                 # Its JSON is whole: the end marker is looked for after it
-                # (one inside its strings is no end), and none means cut short.
+                # (one inside its strings is no end); none means cut short,
+                # unless another call starts first: this one was never ended.
                 end = text.find(CALL_END, after)
+                following = text.find(CALL_START, after)
+                if following >= 0 and (end < 0 or following < end):
+                    calls.append(_unreadable("the call has no end marker before the next call"))
+                    pos = following
+                    continue
                 if end < 0:
                     break
                 calls.append(_unreadable("the call has text after its JSON, before its end marker"))

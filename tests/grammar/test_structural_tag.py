@@ -237,6 +237,10 @@ def test_a_call_cut_inside_a_string_holding_an_end_marker_is_left_out():
     # One written badly, whole to its end marker, is still reported.
     [bad] = reader.parse("<tool_call>\nnot json</tool_call>")
     assert not bad.validation.parsed
+    # One never ended before the next call: reported, and the next is read (it
+    # was folded into one nameless call with it).
+    unended, after = reader.parse(whole.replace("\n</tool_call>", "") + whole)
+    assert not unended.validation.parsed and after.name == "get_weather" and after.validation.valid
 
 
 ARG_PIECES = st.lists(st.sampled_from([*'ab "\\<>/{}:日', "</tool_call>", "<tool_call>"]), max_size=8).map("".join)
