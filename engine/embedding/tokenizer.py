@@ -80,11 +80,11 @@ class EmbeddingTokenizer:
         for text in texts:
             part = self._enough_of(text)
             if part is text or not truncate:
-                ids = self._whole.encode(part, add_special_tokens=True).ids
+                ids = _encode_one(self._whole, part, True)
                 if len(ids) > self.max_length and truncate:
-                    ids = self._cut.encode(part, add_special_tokens=True).ids
+                    ids = _encode_one(self._cut, part, True)
             else:
-                ids = self._cut.encode(part, add_special_tokens=True).ids
+                ids = _encode_one(self._cut, part, True)
             out.append(ids)
         return out
 
@@ -94,10 +94,17 @@ class EmbeddingTokenizer:
         size = max(PREFIX_CHARS, PREFIX_CHARS_PER_TOKEN * self.max_length)
         while len(text) > size:
             part = _cut_at_space(text, size, from_end=self._cuts_left)
-            if len(self._whole.encode(part, add_special_tokens=False).ids) > 2 * self.max_length:
+            if len(_encode_one(self._whole, part, False)) > 2 * self.max_length:
                 return part
             size *= 4
         return text
+
+
+def _encode_one(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """`text`'s ids. Through `encode_batch`, which lets go of the GIL while it
+    works: `encode` holds it throughout, and a long text (megabytes of one
+    word, measured to its end) stalled the server's event loop for seconds."""
+    return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 # Where a long input's measuring starts: enough characters for the window in

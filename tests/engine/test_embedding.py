@@ -213,6 +213,23 @@ def test_bounded_tokenizing_agrees_with_whole_texts(pipeline: EmbeddingPipeline,
         assert len(bounded) > pipeline.max_length and bounded[:pipeline.max_length] == whole[:pipeline.max_length]
 
 
+def test_bounded_tokenizing_never_holds_the_gil_for_a_whole_text(pipeline: EmbeddingPipeline,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A text of megabytes of one word is measured to its end; the tokenizer's
+    # single-text `encode` holds the GIL throughout (6-11 s of a stalled event
+    # loop for 8 MB), its `encode_batch` lets go of it while it works.
+    tok = pipeline.tokenizer
+
+    def holds_the_gil(*args: object, **kwargs: object) -> None:
+        raise AssertionError("encode holds the GIL: use encode_batch")
+
+    for backend in (tok._whole, tok._cut):
+        monkeypatch.setattr(backend, "encode", holds_the_gil)
+    for truncate in (True, False):
+        [ids] = tok.encode_bounded(["a" * 300_000], truncate)
+        assert ids[0] == tok._whole.token_to_id("[CLS]") and len(ids) == 3  # the one word is [UNK]
+
+
 def test_truncation_cuts_the_side_the_checkpoint_names(tmp_path: Path) -> None:
     import json
     import shutil
