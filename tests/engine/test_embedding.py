@@ -170,9 +170,9 @@ class _Measured:
         self.inner = inner
         self.longest = 0
 
-    def encode(self, text: str, **kwargs: Any) -> Any:
-        self.longest = max(self.longest, len(text))
-        return self.inner.encode(text, **kwargs)
+    def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
+        self.longest = max(self.longest, *(len(t) for t in texts))
+        return self.inner.encode_batch(texts, **kwargs)
 
 
 def test_a_huge_input_is_tokenized_only_as_far_as_its_window_needs(pipeline: EmbeddingPipeline,
