@@ -28,6 +28,10 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 10.0
 # top_k beyond any vocabulary: an int32 on the wire, as vLLM takes it.
 MAX_TOP_K = 2**31 - 1
+# One bias per token of the largest vocabularies served (262,144): a longer
+# map must name tokens outside the vocabulary, and every entry is checked on
+# the event loop (1.4M entries, what a 16 MB message holds, took ~4 s there).
+MAX_LOGIT_BIAS = 2**18
 
 
 class InvalidSamplingParams(InvalidRequest):
@@ -37,6 +41,8 @@ class InvalidSamplingParams(InvalidRequest):
 def _check_integers(name: str, values: Iterable[Any]) -> None:
     """InvalidSamplingParams unless every value is an integer (not a bool)."""
     for value in values:
+        if type(value) is int:  # the common case, without the ABC check's cost
+            continue
         if not isinstance(value, numbers.Integral) or isinstance(value, bool):
             raise InvalidSamplingParams(name, f"must be an integer, got {value!r}")
 
@@ -87,9 +93,14 @@ class SamplingParams:
             raise InvalidSamplingParams("stop_token_ids", "give a list of token ids")
         _check_integers("stop_token_ids", ids)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidSamplingParams("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, "
+                                                      f"got {len(self.logit_bias)}")
         bias = dict(self.logit_bias) if self.logit_bias is not None else {}
         _check_integers("logit_bias", bias)
         for v in bias.values():
+            if type(v) is float:
+                continue
             if not isinstance(v, numbers.Real) or isinstance(v, bool):
                 raise InvalidSamplingParams("logit_bias", f"biases must be numbers, got {v!r}")
         object.__setattr__(self, "logit_bias", MappingProxyType({int(k): float(v) for k, v in bias.items()}))

@@ -118,7 +118,7 @@ def sampling_kwargs(s: pb.SamplingOptions) -> dict[str, object]:
     """The SamplingParams arguments a SamplingOptions message sets (unset fields left out)."""
     kwargs: dict[str, object] = {name: getattr(s, name) for name in _SAMPLING if s.HasField(name)}
     if s.logit_bias:
-        kwargs["logit_bias"] = dict(s.logit_bias)
+        kwargs["logit_bias"] = s.logit_bias  # SamplingParams bounds its size, then copies it
     return kwargs
 
 

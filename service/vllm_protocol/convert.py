@@ -93,7 +93,7 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
     if p.HasField("seed"):
         kwargs["seed"] = p.seed % (1 << 63)  # a signed int32 here, as vLLM takes any integer
     if p.logit_bias:
-        kwargs["logit_bias"] = dict(p.logit_bias)
+        kwargs["logit_bias"] = p.logit_bias  # SamplingParams bounds its size, then copies it
     for name in ("logprobs", "prompt_logprobs"):
         if p.HasField(name):
             value = getattr(p, name)

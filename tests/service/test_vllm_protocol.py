@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine import EngineConfig, EngineCore
+from engine.sampling_params import MAX_LOGIT_BIAS
 from service.errors import ServiceError
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.ops.request_log import valid_request_id
@@ -53,3 +54,16 @@ def test_a_bad_id_is_named_at_its_index_in_the_untruncated_prompt(engine: Engine
     with pytest.raises(ServiceError) as info:
         convert.prepare_generate(req, engine, "job")
     assert info.value.violations[0][0] == "tokenized.input_ids[3]"
+
+
+def test_logit_bias_is_copied_out_of_the_message_and_bounded() -> None:
+    p = vpb.SamplingParams()
+    p.logit_bias[3] = -2.5
+    params = convert.sampling_params(p)
+    p.logit_bias[3] = 9.0  # the request keeps what was sent, not a view of the message
+    assert dict(params.logit_bias) == {3: -2.5}
+    for token in range(MAX_LOGIT_BIAS + 1):
+        p.logit_bias[token] = 1.0
+    with pytest.raises(ServiceError) as info:
+        convert.sampling_params(p)
+    assert "logit_bias" in info.value.violations[0][0]
