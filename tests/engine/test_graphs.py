@@ -289,3 +289,11 @@ def test_dense_decode_attention_matches_the_reference(monkeypatch, chunk_slots: 
     torch.testing.assert_close(blocks, ref_blocks, equal_nan=True)  # the same keys and values were written
     with pytest.raises(ValueError, match="decode steps only"):
         dense.plan([SeqSpan(0, 0, 2, 0)], table[:1], kv)
+
+
+@pytest.mark.parametrize("setting, device, mode", [
+    ("auto", "cuda", "capture"), ("auto", "cpu", None), ("off", "cuda", None),
+    ("emulate", "cpu", "emulate"), ("emulate", "cuda", "emulate"),
+])
+def test_graphs_mode_captures_only_on_cuda_unless_told(setting: str, device: str, mode: str | None) -> None:
+    assert graphs_module.graphs_mode(setting, torch.device(device)) == mode
