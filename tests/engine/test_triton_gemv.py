@@ -131,6 +131,59 @@ def test_install_leaves_a_cpu_or_float32_model_on_the_library():
     assert layer.gemv is None
 
 
+def test_time_shape_times_cublas_and_each_config_and_drops_those_that_fail_or_disagree(monkeypatch):
+    # The CUDA-graph timer is faked (it needs a GPU); the kernel runs for real.
+    timed: list[int] = []
+
+    def graph_time_us(calls, rounds=4):
+        calls[0]()  # the first weight copy, as captured
+        timed.append(len(calls))
+        return 10.0 + len(timed)
+
+    real = tg.gemv
+    configs = tg.shape_configs(40, 2)
+    broken, wrong = configs[0], configs[1]
+
+    def gemv(x, weight, bias, config, gated=False):
+        if config == broken:
+            raise RuntimeError("out of resources")  # a config this GPU cannot compile
+        out = real(x, weight, bias, config, gated)
+        return out * 1.5 if config == wrong else out
+
+    monkeypatch.setattr(tg, "_graph_time_us", graph_time_us)
+    monkeypatch.setattr(tg, "gemv", gemv)
+    _, w, b = _weights(40, 24, torch.bfloat16, True)
+    timing = tg.time_shape(w, b, num_sms=2)
+    assert timing.shape == (40, 24) and timing.cublas_us == 11.0
+    # Copies enough to stream past the L2 cache, at most _MAX_COPIES of them.
+    assert set(timed) == {tg._MAX_COPIES}
+    assert [c for c, _ in timing.configs] == configs
+    times = dict(timing.configs)
+    assert times[broken] is None and times[wrong] is None
+    assert all(us is not None for c, us in timing.configs if c not in (broken, wrong))
+    assert len(timed) == 1 + len(configs) - 2  # cuBLAS, then each config that ran and agreed
+
+
+def test_install_on_cuda_sets_each_layers_config_and_keeps_cublas_when_timing_fails(monkeypatch):
+    # The device is only named: `choose` (which times on the GPU) is faked.
+    wide, narrow = Linear(torch.randn(16, 8), prepack=False), Linear(torch.randn(8, 8), prepack=False)
+    cfg = tg.GemvConfig(8, 256, 4)
+    timings = [_timing((16, 8), 10.0, 5.0), _timing((8, 8), 10.0, 12.0)]
+    monkeypatch.setattr(tg, "choose", lambda weights: ({(16, 8): cfg}, timings))
+    line = tg.install([wide, narrow], torch.device("cuda"), torch.bfloat16)
+    assert (wide.gemv, narrow.gemv) == (cfg, None)
+    assert line.startswith("batch-1 GEMV: triton for 1 of 2 weight shapes")
+    assert tg.install([wide], torch.device("cuda"), torch.float32).endswith("keep cuBLAS's summation order)")
+
+    def fails(weights):
+        raise RuntimeError("CUDA error: out of memory")
+    monkeypatch.setattr(tg, "choose", fails)
+    wide.gemv = None
+    assert tg.install([wide, narrow], torch.device("cuda"), torch.float16) == \
+        "batch-1 GEMV: cuBLAS (the start-up timing failed)"
+    assert wide.gemv is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_linear_layer_takes_the_kernel_for_one_row_only(dtype):
     x, w, b = _weights(40, 96, dtype, True, seed=3)
