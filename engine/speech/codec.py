@@ -76,6 +76,8 @@ class SpeechCodec:
         _remove_weight_norm(model)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.device, self.dtype = device, dtype
+        # Windows of one length decode as one batch (see `decode`).
+        self.batch_windows = device.type == "cuda"
         self.sample_rate = int(config.get("sampling_rate", 24000))
         self.latents_per_frame = int(model.vq_strides[0])
         self.samples_per_frame = int(model.hop_length) * self.latents_per_frame
@@ -129,7 +131,7 @@ class SpeechCodec:
     def _decode(self, windows: Sequence[DecodeWindow]) -> list[np.ndarray]:
         out: list[np.ndarray | None] = [None] * len(windows)
         groups: list[list[int]] = []
-        if self.device.type == "cuda":
+        if self.batch_windows:
             by_len: dict[int, list[int]] = {}
             for i, w in enumerate(windows):
                 by_len.setdefault(len(w.codes), []).append(i)

@@ -8,11 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequest
 from engine.presets import ensure_preset
 from engine.speech import CODES_PER_FRAME, SpeechUnavailable
+from engine.speech.codec import DecodeWindow, SpeechCodec
 
 from .reference import hf_greedy  # noqa: F401  (keeps the reference models importable)
 
@@ -66,6 +68,21 @@ def test_streamed_audio_equals_one_shot_decoding(speech_llm, codec):
     assert np.abs(streamed - one_shot).max() < STREAM_BOUND
     # The first chunk is ready long before the request ends.
     assert steps[0] < last_step / 2
+
+
+@pytest.mark.parametrize("codec", ["tiny-codec", "demo-codec"])
+def test_windows_decoded_as_one_batch_equal_windows_decoded_alone(codec):
+    # A GPU batches windows of one length; each row's noise is indexed from its own start.
+    dec = SpeechCodec(ensure_preset(codec), torch.device("cpu"))
+    codes = np.random.default_rng(0).integers(0, dec.codebook_size, size=(24, CODES_PER_FRAME))
+    windows = [DecodeWindow(codes[s:s + n], s, s + 1, s + n - 1) for s, n in ((0, 8), (9, 8), (4, 5), (15, 8))]
+    alone = dec.decode(windows)
+    dec.batch_windows = True
+    batched = dec.decode(windows)
+    assert [len(a) for a in batched] == [len(a) for a in alone] == [6 * dec.samples_per_frame] * 2 + \
+        [3 * dec.samples_per_frame] + [6 * dec.samples_per_frame]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(alone, batched, strict=True)) < STREAM_BOUND
+    assert not np.allclose(alone[0], alone[1])  # other starts: other noise, other audio
 
 
 def test_the_device_thread_decodes_audio_only_when_a_chunk_is_ready(speech_llm, monkeypatch):
