@@ -149,13 +149,17 @@ class CallReader:
                 value, members, after = _read_object(text, _skip_space(text, body))
             except (ValueError, RecursionError) as e:
                 # As the model wrote it: the call runs to the next end marker,
-                # unless its JSON is still open where the text ends (an end
-                # marker inside one of its strings is no end).
+                # or to the next call's start if that comes first (outside its
+                # strings), unless its JSON is still open where the text ends
+                # (an end marker inside one of its strings is no end).
                 end = text.find(CALL_END, body)
-                if end < 0 or _ends_open(text, body):
-                    break  # cut short
+                following = _next_start(text, body)
+                if following < 0 or 0 <= end < following:
+                    if end < 0 or _ends_open(text, body):
+                        break  # cut short
+                    following = end + len(CALL_END)
                 calls.append(_unreadable(f"the call is not JSON: {str(e).splitlines()[0][:200]}"))
-                pos = end + len(CALL_END)
+                pos = following
                 continue
             end = _skip_space(text, after)
             if not text.startswith(CALL_END, end):
@@ -218,6 +222,26 @@ def _ends_open(text: str, pos: int) -> bool:
             if depth <= 0:
                 return False
     return in_string or depth > 0
+
+
+def _next_start(text: str, pos: int) -> int:
+    """Where the next call's start marker is from `pos`, outside the strings of
+    the JSON there (-1: none): a marker inside a string is the model's text."""
+    in_string, escaped = False, False
+    for i in range(pos, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch == CALL_START[0] and text.startswith(CALL_START, i):
+            return i
+    return -1
 
 
 def _skip_space(text: str, pos: int) -> int:

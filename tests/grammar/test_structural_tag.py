@@ -241,6 +241,15 @@ def test_a_call_cut_inside_a_string_holding_an_end_marker_is_left_out():
     # was folded into one nameless call with it).
     unended, after = reader.parse(whole.replace("\n</tool_call>", "") + whole)
     assert not unended.validation.parsed and after.name == "get_weather" and after.validation.valid
+    # So is one that is not JSON and never ended (its text ran to the next call's end marker).
+    garbage, after = reader.parse("<tool_call>oops" + whole)
+    assert "not JSON" in garbage.validation.message and after.name == "get_weather" and after.validation.valid
+    broken, after = reader.parse('<tool_call>{"name": "get_weather" ' + whole)
+    assert not broken.validation.parsed and after.validation.valid  # was taken for one cut short: none
+    # A start marker inside its strings is its own text, not the next call.
+    [cut] = reader.parse('<tool_call>{"name": "x", "arguments": {"a": "<tool_call>"} oops}</tool_call>')
+    assert not cut.validation.parsed
+    assert reader.parse('<tool_call>{"name": "get_weather", "arguments": {"city": "<tool_call>') == []
 
 
 ARG_PIECES = st.lists(st.sampled_from([*'ab "\\<>/{}:日', "</tool_call>", "<tool_call>"]), max_size=8).map("".join)
