@@ -151,7 +151,8 @@ class LLM:
         """
         self._check_usable()
         if isinstance(prompts, str | Mapping) or (
-                isinstance(prompts, Sequence) and prompts and all(isinstance(t, numbers.Integral) for t in prompts)):
+                isinstance(prompts, Sequence) and prompts and all(isinstance(t, numbers.Integral) for t in prompts)) \
+                or (isinstance(prompts, np.ndarray) and prompts.ndim == 1 and prompts.dtype.kind in "iu"):
             prompts = [prompts]  # type: ignore[assignment]  # one prompt (text, ids or a dict), as vLLM reads it
         model_params = params is None
         if params is None or isinstance(params, SamplingParams):

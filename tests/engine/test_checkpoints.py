@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,6 +177,10 @@ def test_vllm_prompt_forms(make_llm):
     assert llm.generate(ids, params)[0].token_ids == want
     assert llm.generate({"prompt_token_ids": ids}, params)[0].token_ids == want
     assert llm.generate([{"prompt": "Hello there"}], params)[0].token_ids == want
+    # A numpy array of ids is one prompt too (it was read as one prompt per id);
+    # two dimensions are a prompt per row.
+    assert [o.token_ids for o in llm.generate(np.array(ids), params)] == [want]
+    assert [o.token_ids for o in llm.generate(np.array([ids, ids]), params)] == [want, want]
 
 
 @pytest.mark.parametrize(("fields", "field"), [
