@@ -18,6 +18,25 @@ def validate_device_dtype(device: str, dtype: str | None) -> None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
 
 
+def require_present(device: str | torch.device) -> None:
+    """ValueError unless this process can use `device`: a CUDA device on a
+    machine or PyTorch build without one failed inside the first CUDA call,
+    after the server had started."""
+    try:
+        device = torch.device(device)
+    except RuntimeError:  # "cuda:x"
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"device {device}: PyTorch {torch.__version__} ({build}) sees no CUDA device")
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device {device}: this machine has {count} CUDA device{'s' * (count > 1)} "
+                         f"(cuda:0 to cuda:{count - 1})")
+
+
 def resolve_dtype(device: torch.device, dtype: str | None) -> torch.dtype:
     """None/"auto" means float32 on CPU and bfloat16 on CUDA."""
     if dtype in (None, "auto"):

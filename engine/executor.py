@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .devices import require_present
+
 T = TypeVar("T")
 
 
@@ -31,6 +33,7 @@ class StepExecutor:
     """Runs jobs in submission order on the device thread."""
 
     def __init__(self, device: torch.device):
+        require_present(device)
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._queue: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.devices import DeviceOptions, SideStream, validate_device_dtype
+from engine.devices import DeviceOptions, SideStream, require_present, validate_device_dtype
 from engine.errors import InvalidRequest
 
 from .bert import BertEncoder
@@ -90,6 +90,7 @@ class EmbeddingPipeline:
 
     def __init__(self, config: EmbeddingConfig | None = None):
         self.config = config or EmbeddingConfig()
+        require_present(self.config.torch_device)
         root = resolve_model_path(self.config.model)
         self.spec: EmbeddingModelSpec = load_embedding_spec(root)
         if self.config.max_batch_tokens < self.spec.max_length:

@@ -299,9 +299,28 @@ def _engine_process_factory(args: argparse.Namespace, config: EngineConfig) -> C
     return lambda: cast("EngineCore", RemoteEngine(spec))
 
 
+# What only a generation (or speech) engine reads: --embedding-only has none.
+_ENGINE_FLAGS = (
+    "dtype", "max_pending_requests", "max_pending_tokens", "stream_messages_per_second", "kv_cache_gib", "gpu_memory_utilization", "attention", "enforce_eager", "page_size", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len", "num_steps", "no_prefix_caching", "generation_config",
+    "no_overlap", "engine_process", "grammar_backend", "grammar_mask_threads", "grammar_timeout",
+    "schema_store", "no_resample", "no_validate_output", "reasoning_parser", "max_thinking_tokens",
+    "codec", "speech_kv_cache_gib")
+
+
+def _engine_flags_given(args: argparse.Namespace) -> list[str]:
+    """The engine-only flags `args` sets to other than their defaults."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_serve(sub)
+    defaults = sub.choices["serve"].parse_args([])
+    return ["--" + name.replace("_", "-") for name in _ENGINE_FLAGS
+            if getattr(args, name) != getattr(defaults, name)]
+
+
 def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     """Turn parsed `serve` flags into a plan, or an error message (exit code 2)."""
     from engine import EngineConfig, EngineCore
+    from engine.devices import require_present
     from engine.embedding import EmbeddingConfig
     from service.api.embeddings import EmbeddingOptions
     from service.api.speech import SpeechOptions
@@ -322,6 +341,9 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
                                 or args.speech_model):
         return ("--embedding-only serves no generation model: drop --model, --preset, "
                 "--speech-model and --no-embedding-model")
+    if args.embedding_only and (given := _engine_flags_given(args)):
+        # They were ignored without a word (even a combination refused otherwise).
+        return f"--embedding-only serves no generation model, so {', '.join(given)} would do nothing: drop them"
     if args.embedding_model is not None and not args.embedding_model.is_dir():
         return f"embedding model directory {args.embedding_model} does not exist"
     found = None if args.embedding_only else _model_dir(args)
@@ -332,6 +354,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan | str:
     speech_dirs = _speech_dirs(args)
     if isinstance(speech_dirs, str):
         return speech_dirs
+    # Refused here, before the port is bound, rather than by the first CUDA call while loading.
+    require_present(args.device)
     # Passed only when asked, so the CLI works with engines that lack the option.
     common: dict[str, Any] = dict(
         device=args.device, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,

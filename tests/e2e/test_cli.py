@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.presets import ensure_preset
 from service.cli import main
@@ -77,6 +78,26 @@ def test_serve_rejects_bad_embedding_and_grammar_options(tmp_path: Path,
         main(["serve", "--grammar-backend", "outlines"])
     with pytest.raises(SystemExit):
         main(["serve", "--embedding-model", str(tmp_path), "--no-embedding-model"])
+
+
+def test_serve_refuses_engine_flags_beside_embedding_only(capsys: pytest.CaptureFixture[str]) -> None:
+    # They were ignored without a word, even --num-steps 4 with overlap, refused otherwise.
+    assert main(["serve", "--embedding-only", "--max-model-len", "64", "--num-steps", "4", "--engine-process"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len, --num-steps, --engine-process would do nothing" in err
+    assert main(["serve", "--embedding-only", "--dtype", "float16"]) == 2
+    assert "--dtype would do nothing" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_serve_refuses_a_cuda_device_this_machine_lacks_before_binding(device: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # It bound the port, then failed loading inside torch.cuda.Stream with a traceback.
+    for extra in ([], ["--engine-process"], ["--embedding-only"]):
+        assert main(["serve", "--preset", "tiny-llama", "--device", device, *extra]
+                    if "--embedding-only" not in extra else ["serve", "--device", device, *extra]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_bad_log_level_and_unusable_tls_files(tmp_path: Path,
