@@ -68,6 +68,11 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     assert "failed: RuntimeError: injected" in report.log_path.read_text()
     assert all(f.tok_s > 0 and f.extra["tokens"] == f.batch * args.new_tokens for f in figures)
     schema = figures[2]
+    # A decode step's time leaves the prefill out (it was counted in and made the GPU look idler).
+    for fig in figures[:2] + figures[3:4]:
+        assert fig.extra["prefill_ms"] > 0 and 0 < fig.extra["step_ms"] < 1000 * min(fig.seconds) / (args.new_tokens - 1)
+    assert "step_ms" not in schema.extra
+    assert "decode step" in report.log_path.read_text()
     assert "x greedy's tok/s" in gpu.figure_notes(figures[3], figures)
     assert schema.extra["phases_summary"] and schema.extra["forced_tokens"] > 0
     assert set(info) >= {"attention", "pointwise_kernels", "graphs", "gemv", "grammar_mask_threads"}
@@ -102,6 +107,13 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     assert goals["8B batch 1 >= 70 % of the bandwidth bound"]["met"] is None  # not run here
     assert len(saved["figures"]) == len(figures)
     assert "--profile-server failed: RuntimeError: py-spy broke" in log
+
+
+def test_a_decode_step_is_the_run_less_its_prefill_over_the_steps_after_it():
+    # The H200's 8B at batch 64: 1.117 s for 128 tokens a request, of which ~145 ms of prefill.
+    assert gpu.decode_step_ms(1.117, 0.145, 128) == pytest.approx(1000 * 0.972 / 127)
+    assert gpu.decode_step_ms(1.117, 0.0, 128) > 1000 * 1.117 / 128  # over the 127 steps after the first token
+    assert gpu.decode_step_ms(0.1, 0.2, 1) == 0.0  # a noisy prefill longer than the run, one token: no negative step
 
 
 def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path):
