@@ -81,7 +81,11 @@ def _drive(texts: list[str], concurrency: int, one: Callable[[str], tuple[float 
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, texts))
     elapsed = time.perf_counter() - start
-    return [first or 0.0 for first, _ in results], sum(n for _, n in results), elapsed
+    # A stream whose first token went unseen has no TTFT; counted as 0 it pulled the median down.
+    missing = sum(first is None for first, _ in results)
+    if missing:
+        raise RuntimeError(f"{missing} of {len(results)} streams never showed a first token: their TTFT is unknown")
+    return [first for first, _ in results if first is not None], sum(n for _, n in results), elapsed
 
 
 def run_direct(address: str, texts: list[str], new_tokens: int, concurrency: int
@@ -195,9 +199,11 @@ def main() -> None:
             n = max(4, 2 * c)
             runs: dict[str, list[tuple[list[float], int, float]]] = {"direct": [], "smg": []}
             for r in range(args.rounds):
-                texts = [f"r{r}c{c} {t}" for t in prompts(n, args.prompt_words)]  # fresh every run
                 order = ("direct", "smg") if r % 2 == 0 else ("smg", "direct")
                 for path in order:
+                    # Fresh for every run: the two paths share the worker, and the
+                    # second to send a round's prompts found them in its prefix cache.
+                    texts = [f"p{order.index(path)}r{r}c{c} {t}" for t in prompts(n, args.prompt_words)]
                     if path == "direct":
                         runs[path].append(run_direct(address, texts, args.new_tokens, c))
                     else:

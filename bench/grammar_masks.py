@@ -192,9 +192,14 @@ class _Row:
 
     def __init__(self, matcher: Any) -> None:
         from engine.context import GrammarState
+        from engine.sampling_params import SamplingParams
 
         self.matcher = matcher
         self.grammar = GrammarState(grammar_idx=0)
+        # No min_new_tokens: no stop token is held back.
+        self.sampling_params = SamplingParams()
+        self.num_final_tokens = self.prompt_len = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
 
 
 def _raw_fill(backend: str, native: Any, bitmask: Any) -> None:

@@ -90,6 +90,8 @@ def offline(model_dir: Path, prompts: list[list[int]], new_tokens: int,
         run_offline_level(llm, [prompts], 4)  # warm-up
         best: tuple[float, float, int, dict[str, float]] = (0.0, 0.0, 0, {})
         for _ in range(repeat):
+            # The gRPC side sends fresh prompts each repeat: no prefix-cache hits here either.
+            llm.engine.flush_prefix_cache()
             passes, before = llm.engine.pipeline.forward_passes, cpu()
             secs, tokens = run_offline_level(llm, [prompts], new_tokens)
             if tokens / secs > best[0]:

@@ -136,3 +136,13 @@ def test_the_mask_apply_benchmark_runs_and_its_kernels_agree(monkeypatch, capsys
                                       "--iters", "1", "--repeat", "1"])
     assert mask_apply.main() == 0
     assert len([line for line in capsys.readouterr().out.splitlines() if line.endswith("x")]) == 6
+
+
+def test_the_grammar_mask_benchmark_fills_through_the_engines_path(capsys):
+    # Its stand-in for a request's context lacked fields StepMasks.fill came to
+    # read (min_new_tokens' held-back stops): the documented command crashed.
+    from bench import grammar_masks
+
+    assert grammar_masks.main(["--tokenizers", "demo", "--skip-compile", "--iters", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| demo (8192) |")]
+    assert {row.split(" | ")[2] for row in rows} == {"xgrammar", "llguidance"}
