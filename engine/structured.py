@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from grammar import CompiledExport, GrammarCompiler, GrammarSpec, Matcher, SchemaStore
+from grammar import CompiledExport, GrammarCompiler, GrammarError, GrammarSpec, Matcher, SchemaStore
 
 from .config import EngineConfig
 
@@ -40,6 +40,7 @@ class StructuredOutput:
         # compiles (grammar/export.py) so the engine does not compile them again.
         self.export_compiled = export_compiled
         self._compiler: GrammarCompiler | None = None
+        self._closed = False
         self._lock = threading.Lock()
 
     @classmethod
@@ -57,6 +58,10 @@ class StructuredOutput:
     def compiler(self) -> GrammarCompiler:
         """The GrammarCompiler, started on first use (it spawns a worker process)."""
         with self._lock:
+            if self._closed:
+                # Not started again: a compile racing the engine's close started a
+                # new compiler (workers, zygote, threads) that lived until collected.
+                raise GrammarError("the grammar compiler is closed", reason="crashed")
             if self._compiler is None:
                 self._compiler = GrammarCompiler(self._hf_tokenizer, backend=self.backend,
                                                  vocab_size=self.vocab_size,
@@ -81,8 +86,14 @@ class StructuredOutput:
     def compile(self, spec: GrammarSpec, backend: str | None = None) -> Matcher:
         return self.compiler.compile(spec, backend)
 
+    @property
+    def closed(self) -> bool:
+        """Closed with its engine: `compiler` raises GrammarError ("crashed": the server's, not the spec's)."""
+        return self._closed
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._compiler is not None:
                 self._compiler.close()
                 self._compiler = None

@@ -93,7 +93,7 @@ class ConstraintCompiler:
     @property
     def in_flight(self) -> int:
         """Distinct compiles queued or running now."""
-        return self._structured.compiler.pending_compiles if self._started else 0
+        return self._structured.compiler.pending_compiles if self._started and not self._structured.closed else 0
 
     def resamples(self, constraint: ConstraintSpec | None) -> bool:
         """Whether a request with this constraint resamples (see Constraint.resample)."""
@@ -118,18 +118,21 @@ class ConstraintCompiler:
         has not started, and one that has started runs on in its worker,
         bounded by the timeout, and is cached for the next request.
         """
-        if not self._started:
-            # The first call builds the compiler (tokenizer tables, worker
-            # spawn) unless the server warmed it up: not on the event loop.
-            await asyncio.to_thread(lambda: self._structured.compiler)
-            self._started = True
         start = time.monotonic()
         kind = constraint.spec.kind
-        future = self._structured.compiler.compile_async(
-            constraint.spec, constraint.backend, caller_tenant(),
-            max_pending=self.max_in_flight, max_pending_per_tenant=self.max_in_flight_per_caller)
-        cached = future.done()  # a cache hit (or a cached failure), or refused
+        cached = False
         try:
+            if not self._started:
+                # The first call builds the compiler (tokenizer tables, worker
+                # spawn) unless the server warmed it up: not on the event loop.
+                await asyncio.to_thread(lambda: self._structured.compiler)
+                self._started = True
+                start = time.monotonic()
+            # (A compiler closed with its engine, as the server stops, raises here.)
+            future = self._structured.compiler.compile_async(
+                constraint.spec, constraint.backend, caller_tenant(),
+                max_pending=self.max_in_flight, max_pending_per_tenant=self.max_in_flight_per_caller)
+            cached = future.done()  # a cache hit (or a cached failure), or refused
             matcher = future.result() if cached else await self._wait(future, for_request)
         except CompileQueueFull as err:
             note_refusal("grammar_compiles")

@@ -173,6 +173,22 @@ def test_one_slow_grammar_step_passes_and_a_run_of_them_fails(llm, monkeypatch, 
         assert len(out.token_ids) == step_masks.SLOW_STEPS_ALLOWED + 1
 
 
+def test_a_closed_engine_does_not_start_its_grammar_compiler_again(make_llm):
+    # It did: a compile after close started workers, a zygote and four threads
+    # that lived until the engine was collected.
+    llm = make_llm("tiny-llama")
+    structured = llm.engine.structured
+    spec = GrammarSpec.regex("[ab]+")
+    assert structured.compile(spec) is not None
+    llm.close()
+    assert structured.closed
+    for attempt in (lambda: structured.compile_async(spec), lambda: structured.compile(spec)):
+        with pytest.raises(GrammarError, match="closed") as err:
+            attempt()
+        assert err.value.reason == "crashed" and err.value.backend is None  # the server's, not the spec's
+    assert structured._compiler is None
+
+
 def test_invalid_spec_fails_before_any_request_runs(llm):
     with pytest.raises(GrammarError):
         llm.generate(["x"], SamplingParams(max_new_tokens=5), constraint=GrammarSpec.json_schema('{"type": 12}'))

@@ -94,9 +94,12 @@ class FakeStructured:
         self.futures: list[concurrent.futures.Future[Any]] = []
         self.tenants: list[str] = []
         self.built_on: list[threading.Thread] = []
+        self.closed = False
 
     @property
     def compiler(self) -> FakeStructured:
+        if self.closed:
+            raise GrammarError("the grammar compiler is closed", reason="crashed")
         self.built_on.append(threading.current_thread())
         return self
 
@@ -188,6 +191,23 @@ def test_compile_result_and_errors() -> None:
         done.set_result("cached")
         fake.compile_async = lambda *args, **kwargs: done  # type: ignore[method-assign]
         assert await compiler.compile(SPEC) == "cached"
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_compile_after_the_engine_closed_is_unavailable(warm: bool) -> None:
+    # The server stopping closes the engine's compiler; a request racing it
+    # got the compiler's GrammarError raw (it started a new compiler before).
+    async def go() -> None:
+        fake = FakeStructured()
+        compiler = _compiler(fake, warm=warm)
+        fake.closed = True
+        assert compiler.in_flight == 0
+        with pytest.raises(ServiceError) as info:
+            await compiler.compile(SPEC)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert compiler.waiting == 0
 
     asyncio.run(go())
 
