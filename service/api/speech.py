@@ -30,6 +30,7 @@ from service.engine_loop import EngineLoop
 from service.errors import REQUEST_ID_METADATA, Reason, current_request_id, rpc_guard, unavailable
 from service.gen.stencil.v1 import speech_pb2 as pb
 from service.gen.stencil.v1 import speech_pb2_grpc as pb_grpc
+from service.ops.request_log import note_sent
 from service.security.auth import scoped_request_id
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Speech"].full_name
@@ -110,6 +111,8 @@ class SpeechServicer(pb_grpc.SpeechServicer):
                 outputs, final = await next_outputs(stream)
                 for chunk in writer.add(outputs):
                     await context.write(chunk)
+                if outputs:  # the call's line then counts what it produced however it ends
+                    note_sent(stream.observed, outputs[-1])
                 if final is not None:
                     return
         finally:

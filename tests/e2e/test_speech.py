@@ -5,6 +5,7 @@ cancellation frees pages, errors name the field, `stencild say` writes a WAV."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import wave
@@ -186,7 +187,9 @@ def test_speech_and_text_concurrently(which: str, request: pytest.FixtureRequest
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline", "disconnect", "abort"])
-def test_ending_a_speech_stream_frees_its_pages(speech_server: ServerHandle, how: str) -> None:
+def test_ending_a_speech_stream_frees_its_pages(speech_server: ServerHandle, how: str,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="stencild.requests")
     loop = speech_server.server.speech.loop
     assert loop is not None
     before = loop.stats.finished.get("cancelled", 0)
@@ -212,6 +215,14 @@ def test_ending_a_speech_stream_frees_its_pages(speech_server: ServerHandle, how
     assert speech_server.wait_no_pages(speech=True) == (0, 0), "the aborted request still holds pages"
     speech_server.wait_pending(0, speech=True)
     assert loop.stats.finished.get("cancelled", 0) == before + 1, "the request was not aborted"
+    # Its line counts the audio tokens it produced, however it ended (it said 0 when cut).
+    deadline = time.monotonic() + 10  # the line is written as the call ends on the server
+    while not (lines := [r.fields for r in caplog.records  # type: ignore[attr-defined]
+                         if r.name == "stencild.requests" and r.fields.get("request_id") == req.request_id]):
+        assert time.monotonic() < deadline, "no request line"
+        time.sleep(0.02)
+    [line] = lines
+    assert 0 < line["completion_tokens"] < 30 * 12 * 7 and line["audio_s"] < 30
 
 
 def test_a_request_id_is_one_request_across_the_speech_engine(make_server: Callable[..., ServerHandle]) -> None:
