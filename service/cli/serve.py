@@ -58,7 +58,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 picks a free one)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the generation and speech models' dtype (default: auto, float32 on the CPU and bfloat16 "
+                        "on CUDA)")
     p.add_argument("--kv-cache-gib", type=_POSITIVE, default=1.0, help="KV cache size in GiB")
     p.add_argument("--gpu-memory-utilization", type=_POSITIVE, default=None, metavar="FRACTION",
                    help="CUDA: size the KV cache to fill this share of the GPU's memory, weights "
@@ -76,7 +78,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty come "
-                        "from the checkpoint's generation_config.json (vLLM's default); vllm: ignore them")
+                        "from the checkpoint's generation_config.json (as in vLLM); vllm: ignore them")
     p.add_argument("--no-overlap", action="store_true",
                    help="do not overlap host work with the forward pass (engine overlap scheduling)")
     p.add_argument("--engine-process", action="store_true",
@@ -146,7 +148,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "e.g. http://localhost:4317 (needs the otel extra)")
     g = p.add_argument_group("structured output")
     g.add_argument("--grammar-backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
-                   help="default grammar library for constrained requests (a request may pick one)")
+                   help="the grammar library constrained requests use unless they pick one")
     g.add_argument("--grammar-mask-threads", type=_COUNT, default=None, metavar="N",
                    help="threads filling a step's grammar masks (default: 1 on the CPU, else a quarter "
                         "of the usable cores, 1 to 8; the start-up log says how many)")
