@@ -44,14 +44,19 @@ class CompiledExport:
 class ExportSlot:
     """A fresh compile's export, given to the first matcher made from it (`take`)."""
 
-    __slots__ = ("_export",)
+    __slots__ = ("_box",)
 
     def __init__(self, export: CompiledExport):
-        self._export: CompiledExport | None = export
+        self._box = [export]
 
     def take(self) -> CompiledExport | None:
-        export, self._export = self._export, None
-        return export
+        # One atomic pop: two matchers made at once on two threads (a compile's
+        # runner and a caller joining as it finished) both read the swap's
+        # first half, and the engine process loaded the same compile twice.
+        try:
+            return self._box.pop()
+        except IndexError:
+            return None
 
 
 def portable_payload(payload: dict[str, Any]) -> dict[str, Any]:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import sys
+import threading
 
 import pytest
 import torch
 
 from grammar import CompiledExport, GrammarCompiler, GrammarSpec, Matcher
+from grammar.export import ExportSlot
 
 from .conftest import MODEL_VOCAB, STOP_IDS
 
@@ -125,3 +128,31 @@ def test_a_given_compile_that_does_not_fit_is_compiled_here(exporter, tokenizer,
         assert receiver.counts.run == 1 and receiver.counts.loaded == 0
     assert got.accept_tokens(receiver.tokenizer_data.encode(change + "abc")) > 0
     assert ("could not load" in caplog.text) == (change == "payload")
+
+
+def test_an_export_is_taken_once_whatever_the_threads() -> None:
+    # A compile's runner and a caller joining as it finished both make a matcher
+    # from it; a read-then-clear could give both the export (loaded twice; a
+    # window of a few bytecodes, which this rarely hits: it checks the contract).
+    export = CompiledExport("f", "xgrammar", GrammarSpec.regex("a"), {})
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(50):
+            slot = ExportSlot(export)
+            start = threading.Barrier(4)
+            got: list[CompiledExport | None] = []
+
+            def take(slot: ExportSlot = slot, start: threading.Barrier = start,
+                     got: list[CompiledExport | None] = got) -> None:
+                start.wait()
+                got.append(slot.take())
+
+            threads = [threading.Thread(target=take) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sum(g is export for g in got) == 1 and got.count(None) == 3
+    finally:
+        sys.setswitchinterval(interval)
