@@ -133,7 +133,8 @@ class WorkerProcess:
             if not self._recv.poll(max(timeout, 0.0)):
                 raise _Timeout
             reply = self._recv.recv()
-        except (EOFError, OSError, ValueError) as e:
+        except (EOFError, OSError, ValueError, TypeError) as e:
+            # (TypeError: the pool closed this worker's connection mid-read, at shutdown.)
             raise _Crashed from e
         if not isinstance(reply, tuple) or len(reply) != 4 or reply[1] != self._job:
             raise _Crashed
