@@ -510,11 +510,15 @@ def _stencild_batch(llm: Any, key: str, mode: str, batch: int, params: Any, cons
         # The same prompts (the cache flushed) to their first token only: the
         # prefill, which a decode step's time must leave out.
         first_only = replace(params, max_new_tokens=1, min_new_tokens=0)
+
+        def first_tokens(prompts: list[list[int]]) -> int:
+            return len(llm.generate(prompts, first_only))
+
         prefill = []
         for r in range(args.repeat):
-            prompts = make_prompts(batch, args.prompt_len, 1000 * batch + r)
             eng.flush_prefix_cache()
-            prefill.append(timed(lambda p=prompts: len(llm.generate(p, first_only)))[0])
+            prefill.append(timed(functools.partial(first_tokens, make_prompts(batch, args.prompt_len,
+                                                                              1000 * batch + r)))[0])
         extra["prefill_ms"] = 1000 * min(prefill)
         extra["step_ms"] = decode_step_ms(min(times), min(prefill), tokens // batch)
         if eng.graphs is not None and eng.graphs.capture:

@@ -153,7 +153,10 @@ class CallReader:
                 # strings), unless its JSON is still open where the text ends
                 # (an end marker inside one of its strings is no end).
                 end = text.find(CALL_END, body)
-                following = _next_start(text, body)
+                # Strings are JSON's only if the call opened an object: a stray
+                # quote in other text hid the next call's start.
+                opened = text.startswith("{", _skip_space(text, body))
+                following = _next_start(text, body) if opened else text.find(CALL_START, body)
                 if following < 0 or 0 <= end < following:
                     if end < 0 or _ends_open(text, body):
                         break  # cut short

@@ -58,9 +58,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 picks a free one)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the generation and speech models' dtype (default: auto, float32 on the CPU and bfloat16 "
-                        "on CUDA)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the generation and speech models' dtype (auto: float32 on the CPU, bfloat16 on CUDA)")
     p.add_argument("--kv-cache-gib", type=_POSITIVE, default=1.0, help="KV cache size in GiB")
     p.add_argument("--gpu-memory-utilization", type=_POSITIVE, default=None, metavar="FRACTION",
                    help="CUDA: size the KV cache to fill this share of the GPU's memory, weights "

@@ -87,6 +87,12 @@ def test_serve_refuses_engine_flags_beside_embedding_only(capsys: pytest.Capture
     assert "--max-model-len, --num-steps, --engine-process would do nothing" in err
     assert main(["serve", "--embedding-only", "--dtype", "float16"]) == 2
     assert "--dtype would do nothing" in capsys.readouterr().err
+    from service.cli import build_parser
+    from service.cli.serve import ServePlan, plan_serve
+
+    # Saying what is the default anyway is no engine flag.
+    for same in (["--dtype", "auto"], ["--kv-cache-gib", "1"]):
+        assert isinstance(plan_serve(build_parser().parse_args(["serve", "--embedding-only", *same])), ServePlan)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")

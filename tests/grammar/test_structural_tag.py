@@ -242,13 +242,14 @@ def test_a_call_cut_inside_a_string_holding_an_end_marker_is_left_out():
     unended, after = reader.parse(whole.replace("\n</tool_call>", "") + whole)
     assert not unended.validation.parsed and after.name == "get_weather" and after.validation.valid
     # So is one that is not JSON and never ended (its text ran to the next call's end marker).
-    garbage, after = reader.parse("<tool_call>oops" + whole)
-    assert "not JSON" in garbage.validation.message and after.name == "get_weather" and after.validation.valid
+    for junk in ("oops", 'say "hi', "it's"):  # a quote outside any JSON opens no string
+        garbage, after = reader.parse(f"<tool_call>{junk}" + whole)
+        assert "not JSON" in garbage.validation.message and after.name == "get_weather" and after.validation.valid
     broken, after = reader.parse('<tool_call>{"name": "get_weather" ' + whole)
     assert not broken.validation.parsed and after.validation.valid  # was taken for one cut short: none
     # A start marker inside its strings is its own text, not the next call.
-    [cut] = reader.parse('<tool_call>{"name": "x", "arguments": {"a": "<tool_call>"} oops}</tool_call>')
-    assert not cut.validation.parsed
+    [inner] = reader.parse('<tool_call>{"name": "x", "arguments": {"a": "<tool_call>"} oops}</tool_call>')
+    assert not inner.validation.parsed
     assert reader.parse('<tool_call>{"name": "get_weather", "arguments": {"city": "<tool_call>') == []
 
 
