@@ -475,6 +475,28 @@ def test_validate_constraint_reports_without_generating(grammar_server: ServerHa
     assert bad_request_violations(info.value.trailing_metadata())[0][0] == "constraint.json_schema"
 
 
+def test_a_large_constraint_to_validate_is_read_off_the_event_loop(grammar_server: ServerHandle,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A regex's safety scans read the whole source on the loop: an 8 MB one
+    # held it (every stream, every health check) for 6-7 s.
+    from service.api import generation as generation_module
+
+    threads: list[str] = []
+    read = generation_module.constraint_spec
+
+    def recorded(req: pb.GenerateRequest) -> Any:
+        threads.append(threading.current_thread().name)
+        return read(req)
+
+    monkeypatch.setattr(generation_module, "constraint_spec", recorded)
+    loop_thread = grammar_server.runner.thread.name
+    for regex in ("[ab]{3}", "(ab|cd)" * 8000):
+        resp = grammar_server.stub.ValidateConstraint(pb.ValidateConstraintRequest(
+            constraint=pb.Constraint(regex=regex)), timeout=TIMEOUT)
+        assert resp.grammar_backend
+    assert threads[0] == loop_thread != threads[1]  # small: on the loop; large: off it
+
+
 INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "schema not JSON": ({"json_schema": "{not json"}, "constraint.json_schema"),
     "unknown type": ({"json_schema": '{"type": "nonsense"}'}, "constraint.json_schema"),
