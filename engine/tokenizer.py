@@ -46,7 +46,11 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        # The backend's batch call, as transformers' encode makes it, without
+        # the type ids, attention and special-token masks it also turns into
+        # lists: for a prompt of millions of tokens each held the GIL (every
+        # stream, every health check) ~0.1 s; and the work itself releases it.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
                             add_generation_prompt: bool = True, tools: Sequence[dict[str, Any]] | None = None,

@@ -4,10 +4,13 @@ two must agree on every id."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, processors, trainers
 
@@ -63,3 +66,19 @@ def test_a_llama2_style_tokenizer_encodes_as_its_file(tmp_path):
 @pytest.mark.parametrize("preset", ARCHITECTURE_PRESETS)
 def test_every_preset_encodes_as_its_file(preset):
     _same_as_file(ensure_preset(preset))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["Hello", " world", "<|im_start|>", "<|im_end|>", "<think>", "\n", " ", "é",
+                                 "123", "日本", "\u2581", "<s>"]), max_size=12).map("".join), st.booleans())
+def test_encode_gives_transformers_ids(text: str, special: bool) -> None:
+    # Tokenizer.encode calls the backend itself (transformers' encode also built
+    # masks it drops): the ids must be transformers' own, special tokens or not.
+    for tok in _tokenizers():
+        assert tok.encode(text, add_special_tokens=special) == list(
+            tok.hf.encode(text, add_special_tokens=special)), (tok, text)
+
+
+@functools.cache
+def _tokenizers() -> list[Tokenizer]:
+    return [Tokenizer(ensure_preset(name)) for name in ("demo", "tiny-reasoning")]
