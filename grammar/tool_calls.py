@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,45 +205,52 @@ def _unreadable(message: str) -> ToolCall:
     return ToolCall("", "", ValidationResult(False, message=message, parsed=False))
 
 
+class _OutsideStrings:
+    """The characters of the JSON from `pos` that are outside its strings, as
+    (index, character); once iterated, `in_string` says whether the text ended
+    inside one."""
+
+    def __init__(self, text: str, pos: int) -> None:
+        self.text, self.pos = text, pos
+        self.in_string = False
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        escaped = False
+        for i in range(self.pos, len(self.text)):
+            ch = self.text[i]
+            if self.in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            else:
+                yield i, ch
+
+
 def _ends_open(text: str, pos: int) -> bool:
     """Whether the JSON from `pos` is still inside a string, object or array
     where the text ends (its call was cut short, not written badly)."""
-    depth, in_string, escaped = 0, False, False
-    for ch in text[pos:]:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+    depth = 0
+    chars = _OutsideStrings(text, pos)
+    for _, ch in chars:
+        if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
             if depth <= 0:
                 return False
-    return in_string or depth > 0
+    return chars.in_string or depth > 0
 
 
 def _next_start(text: str, pos: int) -> int:
     """Where the next call's start marker is from `pos`, outside the strings of
     the JSON there (-1: none): a marker inside a string is the model's text."""
-    in_string, escaped = False, False
-    for i in range(pos, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch == CALL_START[0] and text.startswith(CALL_START, i):
+    for i, ch in _OutsideStrings(text, pos):
+        if ch == CALL_START[0] and text.startswith(CALL_START, i):
             return i
     return -1
 
