@@ -369,11 +369,13 @@ def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer, max_bytes: int | Non
         if req.offsets_in_utf8_bytes:
             raise invalid_argument("offsets_in_utf8_bytes", "applies with return_offsets only")
         return pb.TokenizeResponse(token_ids=tokenizer.encode(req.text, add_special_tokens=add))
-    enc = tokenizer.hf(req.text, add_special_tokens=add, return_offsets_mapping=True)
-    spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    # The backend's encoding itself: transformers' call also lists type ids and
+    # an attention mask, each a GIL hold for millions of tokens.
+    enc = tokenizer.backend.encode_batch([req.text], add_special_tokens=add)[0]
+    spans = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
     if req.offsets_in_utf8_bytes:
         spans = utf8_offsets(req.text)[spans]
-    ids = enc["input_ids"]
+    ids = enc.ids
     if max_bytes is not None:
         size = _tokenize_answer_bytes(np.asarray(ids, dtype=np.int64), spans)
         if size > max_bytes:
