@@ -132,6 +132,10 @@ class Postprocessor:
         """Realize ctx's sampled tokens (row k of each decode step), apply the stop
         rules, advance its grammar."""
         params = ctx.sampling_params
+        # A stop token (stop_token_ids) the grammar allowed may close a value
+        # that breaks the schema: checked as EOS is before the request ends
+        # (it ended first, and the value stayed unchecked).
+        held: GenerationStatus | None = None
         for tokens, lp, top_ids, top_lp in host:
             tok = int(tokens[k])
             index = ctx.realize_future_token(tok)
@@ -142,27 +146,37 @@ class Postprocessor:
                 ctx.output.logprobs.append(TokenLogprobs(tok, float(lp[k]), top))
             status = token_verdict(ctx, tok, index, self.max_seq_len)
             if status is not None:
-                ctx.finish(status)
+                if status is GenerationStatus.STOP_TOKEN and ctx.constrained and ctx.grammar.resampler is not None:
+                    held = status
+                else:
+                    ctx.finish(status)
                 break
         if ctx.grammar.gate is not None:
             self._advance_gate(ctx)
         if ctx.constrained and not ctx.is_done:
-            verdict = self._advance_grammar(ctx)
+            verdict = self._advance_grammar(ctx, append_forced=held is None)
             if verdict is GenerationStatus.END_OF_SEQUENCE and ctx.grammar.resampler is not None \
                     and self._resample(ctx, at_end=True):
                 verdict = None  # the output broke its schema: rolled back instead
             if verdict is not None:
                 ctx.end(verdict)
         if ctx.grammar.resampler is not None and ctx.constrained and not ctx.is_done:
-            self._resample(ctx)
+            # A stop token that completes the whole output is checked as EOS is.
+            matcher = ctx.matcher
+            whole = held is not None and matcher is not None and matcher.can_terminate()
+            if not self._resample(ctx, at_end=whole) and held is not None:
+                ctx.finish(held)
+        elif held is not None:
+            ctx.finish(held)
         if ctx.is_done:
             ctx.drop_futures()
 
-    def _advance_grammar(self, ctx: TextContext) -> Verdict | None:
+    def _advance_grammar(self, ctx: TextContext, append_forced: bool = True) -> Verdict | None:
         """Feed ctx's matcher its new tokens and append what the grammar forces
-        (StepMasks.advance); how that ends ctx, if it does: the grammar's
-        verdict, or a length limit the forced tokens reached."""
-        verdict, forced = StepMasks.advance(ctx)
+        (StepMasks.advance; not with `append_forced` False); how that ends ctx,
+        if it does: the grammar's verdict, or a length limit the forced tokens
+        reached."""
+        verdict, forced = StepMasks.advance(ctx, append_forced)
         if verdict is None and forced:
             last = ctx.end_idx - 1
             verdict = token_verdict(ctx, int(ctx.tokens[last]), last, self.max_seq_len)

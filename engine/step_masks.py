@@ -359,8 +359,9 @@ class StepMasks:
                                            "see the server log")
 
     @staticmethod
-    def advance(ctx: TextContext) -> tuple[Verdict | None, bool]:
-        """Feed ctx's newly known tokens to its matcher, then append forced tokens.
+    def advance(ctx: TextContext, append_forced: bool = True) -> tuple[Verdict | None, bool]:
+        """Feed ctx's newly known tokens to its matcher, then append forced tokens
+        (not with `append_forced` False: the request is stopping there).
 
         Returns (verdict, forced): how the grammar ends the request (None: it
         goes on) and whether forced tokens were appended. The matcher only sees
@@ -374,12 +375,12 @@ class StepMasks:
         SLOW_STEPS_ALLOWED steps in a row, fails the request.
         """
         began = _Began(time.perf_counter(), time.thread_time())
-        verdict, forced = StepMasks._advance(ctx, began)
+        verdict, forced = StepMasks._advance(ctx, began, append_forced)
         ctx.grammar.slow_steps = ctx.grammar.slow_steps + 1 if began.cpu_over_limit() else 0
         return verdict, forced
 
     @staticmethod
-    def _advance(ctx: TextContext, began: _Began) -> tuple[Verdict | None, bool]:
+    def _advance(ctx: TextContext, began: _Began, append_forced: bool) -> tuple[Verdict | None, bool]:
         matcher = ctx.matcher
         assert matcher is not None
         end = ctx.num_final_tokens
@@ -399,7 +400,7 @@ class StepMasks:
             if (slow := _too_slow(ctx, began)) is not None:
                 return slow, False
         in_flight = ctx.end_idx - ctx.grammar.grammar_idx
-        if in_flight > 1:
+        if in_flight > 1 or not append_forced:
             return None, False  # tokens behind a placeholder are consumed when it is realized
         room = ctx.max_length - ctx.end_idx
         usable = room + in_flight  # the in-flight position, then the room behind it

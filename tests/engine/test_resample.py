@@ -335,3 +335,44 @@ def test_a_value_mended_at_its_closing_bracket_has_the_same_retries_as_any(make_
     out = _generate(llm, schema, max_new_tokens=80)
     assert out.schema_retries == 3 and out.finish_reason == "eos"
     assert out.text == '{"a":1' + ',"c":1' * 3 + "}"
+
+
+@pytest.mark.parametrize("config", [
+    {"grammar_backend": "llguidance"},
+    {"grammar_backend": "xgrammar"},
+    {"grammar_backend": "llguidance", "overlap": False, "num_steps": 3},
+])
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_stop_token_closing_a_value_has_the_value_checked_first(make_llm, tok, config, keep):
+    # A stop token id the grammar allows ("]") ended the request before the
+    # value it closed was checked: [1,1] stayed, where EOS or the same text
+    # as a stop string had it resampled.
+    [bracket] = tok.encode("]", add_special_tokens=False)
+    script = _script(tok, "[1,1]", {3: ["3"]})
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), **config)
+    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=[bracket],
+                            include_stop_str_in_output=keep)
+    out = llm.generate([PROMPT], params, constraint=GrammarSpec.json_schema(json.dumps(INTS)), resample=True)[0]
+    assert out.schema_retries == 1 and out.stop_reason == bracket
+    assert out.text == ("[1,3]" if keep else "[1,3")
+    # A stop token inside a value still open ends the request as before: nothing to check yet.
+    [comma] = tok.encode(",", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=[comma])
+    llm2 = make_llm("tiny-llama", wrap_model=scripted_by_position(_script(tok, "[1,1]", {3: ["3"]})), **config)
+    out = llm2.generate([PROMPT], params, constraint=GrammarSpec.json_schema(json.dumps(INTS)), resample=True)[0]
+    assert out.text == "[1" and out.schema_retries == 0 and out.stop_reason == comma
+
+
+def test_a_stop_token_ending_the_whole_output_has_it_checked_as_eos_does(make_llm, tok):
+    # The object's closing brace is a stop token: the whole output is checked
+    # (check_end) before the request ends, as at EOS.
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 1}}},
+              "required": ["n"], "additionalProperties": False}
+    [brace] = tok.encode("}", add_special_tokens=False)
+    llm = make_llm("tiny-llama", wrap_model=scripted_by_position(_script(tok, '{"n":1}')))
+    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=[brace],
+                            include_stop_str_in_output=True)
+    out = llm.generate([PROMPT], params, constraint=GrammarSpec.json_schema(json.dumps(schema)), resample=True)[0]
+    assert out.schema_retries == 1 and out.stop_reason == brace
+    value = json.loads(out.text)
+    assert isinstance(value["n"], int) and value["n"] != 1
