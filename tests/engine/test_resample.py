@@ -350,14 +350,14 @@ def test_a_stop_token_closing_a_value_has_the_value_checked_first(make_llm, tok,
     [bracket] = tok.encode("]", add_special_tokens=False)
     script = _script(tok, "[1,1]", {3: ["3"]})
     llm = make_llm("tiny-llama", wrap_model=scripted_by_position(script), **config)
-    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=[bracket],
+    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=(bracket,),
                             include_stop_str_in_output=keep)
     out = llm.generate([PROMPT], params, constraint=GrammarSpec.json_schema(json.dumps(INTS)), resample=True)[0]
     assert out.schema_retries == 1 and out.stop_reason == bracket
     assert out.text == ("[1,3]" if keep else "[1,3")
     # A stop token inside a value still open ends the request as before: nothing to check yet.
     [comma] = tok.encode(",", add_special_tokens=False)
-    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=[comma])
+    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=(comma,))
     llm2 = make_llm("tiny-llama", wrap_model=scripted_by_position(_script(tok, "[1,1]", {3: ["3"]})), **config)
     out = llm2.generate([PROMPT], params, constraint=GrammarSpec.json_schema(json.dumps(INTS)), resample=True)[0]
     assert out.text == "[1" and out.schema_retries == 0 and out.stop_reason == comma
@@ -370,7 +370,7 @@ def test_a_stop_token_ending_the_whole_output_has_it_checked_as_eos_does(make_ll
               "required": ["n"], "additionalProperties": False}
     [brace] = tok.encode("}", add_special_tokens=False)
     llm = make_llm("tiny-llama", wrap_model=scripted_by_position(_script(tok, '{"n":1}')))
-    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=[brace],
+    params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=(brace,),
                             include_stop_str_in_output=True)
     out = llm.generate([PROMPT], params, constraint=GrammarSpec.json_schema(json.dumps(schema)), resample=True)[0]
     assert out.schema_retries == 1 and out.stop_reason == brace
