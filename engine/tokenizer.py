@@ -45,12 +45,15 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    def encoding(self, text: str, add_special_tokens: bool = True) -> Any:
+        """The backend's Encoding of `text` (ids, offsets, ...), by the batch call
+        transformers' encode makes, which releases the GIL while it works;
+        transformers also turns type ids and masks into lists, each a GIL hold
+        of ~0.1 s (every stream, every health check) for millions of tokens."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # The backend's batch call, as transformers' encode makes it, without
-        # the type ids, attention and special-token masks it also turns into
-        # lists: for a prompt of millions of tokens each held the GIL (every
-        # stream, every health check) ~0.1 s; and the work itself releases it.
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.encoding(text, add_special_tokens).ids
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
                             add_generation_prompt: bool = True, tools: Sequence[dict[str, Any]] | None = None,

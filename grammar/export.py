@@ -51,8 +51,8 @@ class ExportSlot:
 
     def take(self) -> CompiledExport | None:
         # One atomic pop: two matchers made at once on two threads (a compile's
-        # runner and a caller joining as it finished) both read the swap's
-        # first half, and the engine process loaded the same compile twice.
+        # runner and a caller joining as it finished) could both read a
+        # read-then-clear's first half, and an engine process load it twice.
         try:
             return self._box.pop()
         except IndexError:

@@ -369,9 +369,7 @@ def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer, max_bytes: int | Non
         if req.offsets_in_utf8_bytes:
             raise invalid_argument("offsets_in_utf8_bytes", "applies with return_offsets only")
         return pb.TokenizeResponse(token_ids=tokenizer.encode(req.text, add_special_tokens=add))
-    # The backend's encoding itself: transformers' call also lists type ids and
-    # an attention mask, each a GIL hold for millions of tokens.
-    enc = tokenizer.backend.encode_batch([req.text], add_special_tokens=add)[0]
+    enc = tokenizer.encoding(req.text, add_special_tokens=add)
     spans = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
     if req.offsets_in_utf8_bytes:
         spans = utf8_offsets(req.text)[spans]

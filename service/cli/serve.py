@@ -302,7 +302,8 @@ def _engine_process_factory(args: argparse.Namespace, config: EngineConfig) -> C
 
 # What only a generation (or speech) engine reads: --embedding-only has none.
 _ENGINE_FLAGS = (
-    "dtype", "max_pending_requests", "max_pending_tokens", "stream_messages_per_second", "kv_cache_gib", "gpu_memory_utilization", "attention", "enforce_eager", "page_size", "max_num_seqs",
+    "dtype", "max_pending_requests", "max_pending_tokens", "stream_messages_per_second", "kv_cache_gib",
+    "gpu_memory_utilization", "attention", "enforce_eager", "page_size", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "num_steps", "no_prefix_caching", "generation_config",
     "no_overlap", "engine_process", "grammar_backend", "grammar_mask_threads", "grammar_timeout",
     "schema_store", "no_resample", "no_validate_output", "reasoning_parser", "max_thinking_tokens",
