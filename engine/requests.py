@@ -24,18 +24,34 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> np.ndarr
     its bytes, 2**70 overflowed with a bare OverflowError)."""
     if isinstance(ids, str | bytes | bytearray):
         raise InvalidRequest(field, f"give token ids as a list of integers, not {type(ids).__name__}")
-    # One conversion in C, its dtype read after (not a Python check per id):
-    # floats, strings or bools make another kind, an id past 2^63 an object array.
-    arr = ids if isinstance(ids, np.ndarray) else np.asarray(list(ids))
-    if arr.size and arr.dtype.kind not in "iu":
-        raise InvalidRequest(field, "token ids must be integers in [0, 2^63)"
-                             + (f", got {arr.dtype}" if arr.dtype.kind != "O" else ""))
-    arr = arr.astype(np.int64, copy=False).reshape(-1)  # a uint64 past 2^63 wraps below 0: refused below
+    if isinstance(ids, np.ndarray):
+        arr = _integer_ids(ids, field)
+    else:
+        # Converted in C a slice at a time, each slice's dtype read after (not a
+        # Python check per id): the GIL changes hands between slices, where one
+        # call for millions of ids held it (and every stream's event loop)
+        # ~0.15 s.
+        seq = ids if isinstance(ids, Sequence) else list(ids)
+        arr = np.concatenate([_integer_ids(np.asarray(seq[i:i + _CONVERT_SLICE]), field)
+                              for i in range(0, len(seq), _CONVERT_SLICE)] or [np.zeros(0, np.int64)])
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
         i = int(bad[0])
         raise InvalidRequest(field, f"token id {int(arr[i])} is outside the vocabulary [0, {vocab_size})", index=i)
     return arr
+
+
+# Ids converted to an array per C call (~2 ms each).
+_CONVERT_SLICE = 1 << 15
+
+
+def _integer_ids(arr: np.ndarray, field: str) -> np.ndarray:
+    """`arr` as int64, refused unless integers: floats, strings or bools make
+    another kind, an id past 2^63 an object array."""
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidRequest(field, "token ids must be integers in [0, 2^63)"
+                             + (f", got {arr.dtype}" if arr.dtype.kind != "O" else ""))
+    return arr.astype(np.int64, copy=False).reshape(-1)  # a uint64 past 2^63 wraps below 0: refused after
 
 
 def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:

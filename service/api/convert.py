@@ -410,13 +410,19 @@ def utf8_offsets(text: str) -> np.ndarray:
 
 
 def detokenize(req: pb.DetokenizeRequest, tokenizer: Tokenizer, vocab_size: int) -> pb.DetokenizeResponse:
-    ids = list(req.token_ids)
-    try:
-        check_token_ids(ids, vocab_size, "token_ids")
-    except InvalidRequest as err:
-        raise invalid_argument(f"token_ids[{err.index}]", err.description) from None
     skip = req.skip_special_tokens if req.HasField("skip_special_tokens") else True
-    return pb.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
+    return pb.DetokenizeResponse(text=decode_ids(req.token_ids, tokenizer, vocab_size, "token_ids", skip))
+
+
+def decode_ids(ids: Sequence[int], tokenizer: Tokenizer, vocab_size: int, field: str,
+               skip_special_tokens: bool = True) -> str:
+    """The text of a request's token ids, each checked to be in the
+    vocabulary (INVALID_ARGUMENT naming `field[i]`)."""
+    try:
+        checked = check_token_ids(ids, vocab_size, field)
+    except InvalidRequest as err:
+        raise invalid_argument(f"{field}[{err.index}]", err.description) from None
+    return tokenizer.decode(checked, skip_special_tokens=skip_special_tokens)
 
 
 def model_info(engine: EngineCore, model_name: str, server_version: str) -> pb.GetModelInfoResponse:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 
 from engine import EngineCore
 from service.api import convert
@@ -244,7 +243,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         runtime = self._embedding_runtime()
         text = request.tokenized.original_text
         if not text:
-            ids = list(request.tokenized.input_ids)
+            ids = request.tokenized.input_ids
             if not ids:
                 raise invalid_argument("tokenized.input_ids", "the input is empty")
             loop = self.state.engine_loop
@@ -252,12 +251,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 raise invalid_argument("tokenized.original_text", "required on a server without a generation "
                                                                   "model (token ids cannot be decoded)")
             engine = loop.engine
-            # Up to millions of ids fit in a message: checked in numpy, decoded off the loop when long.
-            array = np.asarray(ids, dtype=np.int64)
-            bad = np.flatnonzero((array < 0) | (array >= engine.vocab_size))
-            if bad.size:
-                raise invalid_argument(f"tokenized.input_ids[{int(bad[0])}]", "outside the vocabulary")
-            text = await run_maybe_off_loop(4 * len(ids), lambda: engine.tokenizer.decode(ids, skip_special_tokens=True))
+            # Up to millions of ids fit in a message: checked and decoded off the loop when long.
+            text = await run_maybe_off_loop(4 * len(ids), convert.decode_ids, ids, engine.tokenizer, engine.vocab_size,
+                                            "tokenized.input_ids")
         from engine.embedding import BatcherClosed, BatcherOverloaded
         from engine.embedding.pipeline import TRUNCATE_HINT
         from engine.errors import InvalidRequest

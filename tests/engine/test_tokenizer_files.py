@@ -82,3 +82,49 @@ def test_encode_gives_transformers_ids(text: str, special: bool) -> None:
 @functools.cache
 def _tokenizers() -> list[Tokenizer]:
     return [Tokenizer(ensure_preset(name)) for name in ("demo", "tiny-reasoning")]
+
+
+def _cleanup_variants(tmp: Path) -> list[Tokenizer]:
+    """Tokenizers whose decode transformers cleans up or not: the bundled
+    WordPiece embedding model as shipped and with its clean-up flag set, and a
+    BPE preset with the flag set (transformers 5 skips it for BPE)."""
+    import shutil
+
+    from engine.embedding.checkpoint import default_model_path
+
+    out = []
+    for name, src in (("minilm", default_model_path()), ("bpe", ensure_preset("demo"))):
+        root = tmp / name
+        shutil.copytree(src, root)
+        config = json.loads((root / "tokenizer_config.json").read_text())
+        config["clean_up_tokenization_spaces"] = True
+        (root / "tokenizer_config.json").write_text(json.dumps(config))
+        out.append(Tokenizer(root))
+    return [*_tokenizers(), Tokenizer(default_model_path()), *out]
+
+
+@functools.cache
+def _all_for_decode() -> list[Tokenizer]:
+    import tempfile
+
+    return _cleanup_variants(Path(tempfile.mkdtemp(prefix="stencild-decode-")))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 10**6), max_size=24), st.booleans())
+def test_decode_gives_transformers_text(picks: list[int], skip: bool) -> None:
+    # Tokenizer.decode calls the backend's batch decode (it releases the GIL)
+    # and cleans up spaces as transformers would: the text must be its own.
+    for tok in _all_for_decode():
+        ids = [p % len(tok) for p in picks]
+        assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip), (tok, ids)
+
+
+def test_decode_leaves_transformers_decode_alone(monkeypatch) -> None:
+    # transformers' decode held the GIL ~1 s for 4M ids; where the clean-up is
+    # known (all of these), it is not called.
+    tokenizers = _all_for_decode()
+    assert [tok._cleanup for tok in tokenizers] == [False, False, False, True, False]
+    for tok in tokenizers:
+        monkeypatch.setattr(tok.hf, "decode", None)
+        assert isinstance(tok.decode(tok.encode("Hello . world")), str)
