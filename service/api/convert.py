@@ -22,7 +22,7 @@ from engine.context import TokenLogprobs
 from engine.reasoning import ReasoningOptions
 from engine.requests import RequestSpec, check_token_ids
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, default_length
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, token_spans
 from service.api.constraints import ToolsSpec, constraint_spec, tools_spec
 from service.errors import (
     Reason,
@@ -370,7 +370,7 @@ def tokenize(req: pb.TokenizeRequest, tokenizer: Tokenizer, max_bytes: int | Non
             raise invalid_argument("offsets_in_utf8_bytes", "applies with return_offsets only")
         return pb.TokenizeResponse(token_ids=tokenizer.encode(req.text, add_special_tokens=add))
     enc = tokenizer.encoding(req.text, add_special_tokens=add)
-    spans = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    spans = token_spans(enc)
     if req.offsets_in_utf8_bytes:
         spans = utf8_offsets(req.text)[spans]
     ids = enc.ids

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, processors, trainers
 
 from engine.presets import ARCHITECTURE_PRESETS, ensure_preset
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, token_spans
 
 TEXTS = ["Hello world", "<s>[INST] What is the capital? [/INST]", " leading space  x",
          "H\u00e9llo 123 \u00fcn\u00ef", "the lazy dog</s>"]
@@ -128,3 +128,14 @@ def test_decode_leaves_transformers_decode_alone(monkeypatch) -> None:
     for tok in tokenizers:
         monkeypatch.setattr(tok.hf, "decode", None)
         assert isinstance(tok.decode(tok.encode("Hello . world")), str)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["Hello", " world", "<|im_start|>", "<think>", "\n", " ", "é", "日本", "<s>",
+                                 "[CLS]", "a . b", "\u2581"]), max_size=12).map("".join), st.booleans())
+def test_token_spans_are_the_encodings_offsets(text: str, special: bool) -> None:
+    # Read a token at a time (offsets builds every tuple in one GIL hold); a
+    # token the post-processor added has (0, 0) in both.
+    for tok in _all_for_decode():
+        enc = tok.encoding(text, add_special_tokens=special)
+        assert token_spans(enc).tolist() == [list(span) for span in enc.offsets], (tok, text)
