@@ -100,6 +100,9 @@ class _Subscriber:
     # that arrives later is ignored); whether it is in the hub's count.
     active: bool = True
     counted: bool = False
+    # Called (on the event loop) when it is dropped: its consumer may be
+    # blocked outside the queue, in a write to a client that stopped reading.
+    on_drop: Callable[[], None] | None = None
 
 
 class KvEventHub:
@@ -183,6 +186,8 @@ class KvEventHub:
                 self._subscribers.discard(sub)
                 sub.queue.put_nowait(None)  # it ends with SubscriberGone
                 log.warning("a KV event subscriber fell %d batches behind and was dropped", MAX_QUEUED)
+                if sub.on_drop is not None:
+                    sub.on_drop()
             else:
                 sub.queue.put_nowait(batch)
 
@@ -214,13 +219,16 @@ class KvEventHub:
     def _replayed(self, missed: list[tuple[int, list[KVEvent]]]) -> list[cpb.KvEventBatch]:
         return [self._batch(n, ev) for n, ev in missed]
 
-    async def subscribe(self, cursor: int = 0) -> AsyncGenerator[cpb.KvEventBatch, None]:
+    async def subscribe(self, cursor: int = 0, on_drop: Callable[[], None] | None = None
+                        ) -> AsyncGenerator[cpb.KvEventBatch, None]:
         """The current state (when there is one), then every batch from now on;
         from `cursor` (the last batch a resuming subscriber has), the batches
-        since instead of the state, while the history holds them."""
+        since instead of the state, while the history holds them. A subscriber
+        MAX_QUEUED batches behind is dropped: its next read raises
+        SubscriberGone, and `on_drop` is called at once."""
         engine_loop = self._engine_loop
         assert engine_loop is not None, "attach the hub first"
-        sub = _Subscriber()
+        sub = _Subscriber(on_drop=on_drop)
         number = 0
         missed: list[tuple[int, list[KVEvent]]] | None = None
 

@@ -345,12 +345,29 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             raise failed_precondition("prefix caching is off on this server (--no-prefix-caching)",
                                       Reason.PREFIX_CACHING_OFF)
         await context.send_initial_metadata(())
-        events = self.kv_events.subscribe(request.start_sequence_number)
+        # A router that stops reading blocks this handler in a write, where the
+        # hub's drop would never be read: the drop cancels the write instead.
+        handler = asyncio.current_task()
+        dropped = False
+
+        def drop() -> None:
+            nonlocal dropped
+            dropped = True
+            if handler is not None:
+                handler.cancel()
+
+        events = self.kv_events.subscribe(request.start_sequence_number, on_drop=drop)
+        gone = unavailable("this subscriber fell behind; subscribe again", Reason.QUEUE_FULL)
         try:
             async for batch in events:
                 await context.write(batch)
         except SubscriberGone:
-            raise unavailable("this subscriber fell behind; subscribe again", Reason.QUEUE_FULL) from None
+            raise gone from None
+        except asyncio.CancelledError:
+            if not dropped or handler is None:
+                raise
+            handler.uncancel()
+            raise gone from None
         finally:
             with contextlib.suppress(Exception):
                 await events.aclose()

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import threading
+import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -431,3 +432,39 @@ def test_an_abort_of_too_many_ids_is_refused(vllm) -> None:  # type: ignore[no-u
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [f for f, _ in bad_request_violations(err.value.trailing_metadata())] == ["request_ids"]
     stub.Abort(vpb.AbortRequest(request_ids=ids[:MAX_ABORT_IDS]), timeout=TIMEOUT)
+
+
+def test_a_kv_event_subscriber_that_stops_reading_is_ended(make_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A router that stops reading blocks the server's write; its queue reached
+    # the limit and it was dropped, but the drop waited behind the blocked
+    # write: the stream stayed open, its handler and queue held for good.
+    from service.vllm_protocol import kv_events
+
+    monkeypatch.setattr(kv_events, "MAX_QUEUED", 4)
+    handle = make_server(engine_factory(page_size=4, kv_cache_gib=0.2))
+    stub = vpb_grpc.VllmEngineStub(handle.channel)
+    hub = handle.server.kv_events
+    # A window of 64 KiB that never grows: the server's writes block soon.
+    channel = grpc.insecure_channel(handle.address, options=[("grpc.http2.bdp_probe", 0)])
+    events = vpb_grpc.VllmEngineStub(channel).SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=TIMEOUT)
+    first = next(events)  # subscribed; read nothing more
+    assert first.HasField("snapshot")
+    with ThreadPoolExecutor(8) as pool:
+        for round_ in range(40):
+            if hub.num_subscribers == 0:
+                break
+            prompts = [[(7 * round_ + 13 * i + k) % 900 + 5 for k in range(120)] for i in range(8)]
+            list(pool.map(lambda p: list(stub.Generate(_req(f"r{p[0]}-{p[1]}", p, max_tokens=2),
+                                                       timeout=TIMEOUT)), prompts))
+    assert hub.num_subscribers == 0, "never dropped: the writes did not block"
+    # Its handler ends now, not when the router reads again.
+    deadline = time.monotonic() + TIMEOUT
+    while hub._listening and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hub._listening == 0, "the dropped subscriber's handler still runs"
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in events:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert error_reason(err.value.trailing_metadata()) == Reason.QUEUE_FULL  # type: ignore[attr-defined]
+    channel.close()
