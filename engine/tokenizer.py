@@ -40,6 +40,7 @@ class Tokenizer:
         if not getattr(self.hf, "is_fast", False):
             raise CheckpointError("a fast tokenizer (tokenizer.json) is required")
         self.backend = self.hf.backend_tokenizer
+        self._encode_fast = getattr(self.backend, "encode_batch_fast", None)
 
     def __len__(self) -> int:
         return len(self.hf)
@@ -60,7 +61,13 @@ class Tokenizer:
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.encoding(text, add_special_tokens).ids
+        """The token ids of `text`. By the backend's fast batch call where it
+        has one (tokenizers >= 0.21): it keeps no token strings or offsets, so
+        the encoding is freed at once, where a full one's free held the GIL
+        ~0.25 s for 3M tokens (and it encodes in about half the time)."""
+        if self._encode_fast is None:
+            return self.encoding(text, add_special_tokens).ids
+        return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
                             add_generation_prompt: bool = True, tools: Sequence[dict[str, Any]] | None = None,

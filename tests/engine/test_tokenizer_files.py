@@ -139,3 +139,18 @@ def test_token_spans_are_the_encodings_offsets(text: str, special: bool) -> None
     for tok in _all_for_decode():
         enc = tok.encoding(text, add_special_tokens=special)
         assert token_spans(enc).tolist() == [list(span) for span in enc.offsets], (tok, text)
+
+
+def test_encode_without_the_fast_call_gives_the_same_ids(monkeypatch) -> None:
+    # The fast batch call keeps no token strings, so a long prompt's encoding
+    # is freed at once (a full one's free held the GIL ~0.25 s for 3M
+    # tokens); tokenizers before 0.21 lack it and take the full encoding.
+    for tok in _all_for_decode():
+        assert tok._encode_fast is not None
+        fast = [tok.encode(text, special) for text in TEXTS for special in (True, False)]
+        monkeypatch.setattr(tok, "encoding", None)  # not called on the fast path
+        assert [tok.encode(text, special) for text in TEXTS for special in (True, False)] == fast
+        monkeypatch.undo()
+        monkeypatch.setattr(tok, "_encode_fast", None)
+        assert [tok.encode(text, special) for text in TEXTS for special in (True, False)] == fast
+        monkeypatch.undo()

@@ -197,7 +197,7 @@ def test_tokenize_offsets_built_in_slices_and_sized_before_they_are(engine: Engi
 
     rng = random.Random(7)
     pieces = ["héllo", " wörld", "\U0001F600", "\n", "abc", "  ", "日本語", "x" * 40, "12345"]
-    monkeypatch.setattr(convert, "_OFFSETS_SLICE", 3)
+    monkeypatch.setattr(convert, "_MESSAGE_SLICE", 3)
     for i in range(60):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
         req = pb.TokenizeRequest(text=text, return_offsets=True, offsets_in_utf8_bytes=i % 2 == 1)
@@ -207,8 +207,11 @@ def test_tokenize_offsets_built_in_slices_and_sized_before_they_are(engine: Engi
         if req.offsets_in_utf8_bytes:
             expected = convert.utf8_offsets(text)[expected]
         assert [[o.start, o.end] for o in answer.offsets] == expected.tolist()
+        assert list(answer.token_ids) == list(whole["input_ids"])
+        plain = convert.tokenize(pb.TokenizeRequest(text=text), engine.tokenizer)
+        assert list(plain.token_ids) == list(whole["input_ids"]) and not plain.offsets
         size = answer.ByteSize()
-        assert size - 12 <= convert._tokenize_answer_bytes(np.asarray(whole["input_ids"]), expected) <= size
+        assert size - 12 <= convert._tokenize_answer_bytes(list(whole["input_ids"]), expected) <= size
         if size > 16:
             with pytest.raises(ServiceError) as info:
                 convert.tokenize(req, engine.tokenizer, max_bytes=size - 16)
