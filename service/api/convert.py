@@ -225,7 +225,7 @@ def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat",
 
 
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer,
-               tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
+               tools: list[dict[str, Any]] | None = None) -> tuple[Sequence[int], str]:
     """The prompt's token ids and the path of the input field they came from
     (`tools` go to a chat input's template)."""
     which = req.WhichOneof("input")
@@ -237,7 +237,9 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer,
         add = req.add_special_tokens if req.HasField("add_special_tokens") else True
         return tokenizer.encode(req.text, add_special_tokens=add), "text"
     if which == "token_ids":
-        ids = list(req.token_ids.ids)
+        # The field itself: the check converts it a slice at a time (a list of
+        # millions of ids in one call held the GIL, and the event loop, ~0.2 s).
+        ids = req.token_ids.ids
         if not ids:
             raise invalid_argument("token_ids.ids", "the prompt is empty")
         return ids, "token_ids.ids"
