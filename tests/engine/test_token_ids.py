@@ -4,6 +4,8 @@ anywhere is refused as if the list were converted whole."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -31,7 +33,7 @@ def test_an_id_of_the_wrong_kind_in_any_slice_is_refused(bad, says, where) -> No
     ids: list[object] = list(_ids())
     ids[where] = bad
     with pytest.raises(InvalidRequest, match="integers") as err:
-        check_token_ids(ids, 1000, "ids")
+        check_token_ids(ids, 1000, "ids")  # type: ignore[arg-type]
     assert says in err.value.description and err.value.field == "ids"
 
 
@@ -49,7 +51,8 @@ def test_an_id_outside_the_vocabulary_is_named_by_its_index_across_slices() -> N
 
 
 def test_empty_ids_give_an_empty_array() -> None:
-    for empty in ([], (), np.zeros(0, np.int64)):
+    empties: list[Any] = [[], (), np.zeros(0, np.int64)]
+    for empty in empties:
         got = check_token_ids(empty, 10, "ids")
         assert got.dtype == np.int64 and got.size == 0
 
