@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 	@echo "installing $(TORCH) for $(DEVICE)"
 	$(TORCH_ENV) $(PIP) install -q $(TORCH_INSTALL)
 	$(PIP) install -q $(TORCH)
-	@$(PY) -c "import sys, torch; sys.exit('$(DEVICE)' == 'cuda' and not torch.version.cuda and 'installed a torch without CUDA')"
+	@$(PY) -W ignore::UserWarning -c "import sys, torch; sys.exit('$(DEVICE)' == 'cuda' and not torch.version.cuda and 'installed a torch without CUDA')"
 	$(PIP) install -q -e '.[dev]'
 	@# buf lints and compiles the protos for other languages (tests/service/test_protos.py);
 	@# from npm, optional: without it that test is skipped.
