@@ -8,6 +8,7 @@ twice.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,10 +31,12 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> np.ndarr
         # Converted in C a slice at a time, each slice's dtype read after (not a
         # Python check per id): the GIL changes hands between slices, where one
         # call for millions of ids held it (and every stream's event loop)
-        # ~0.15 s.
-        seq = ids if isinstance(ids, Sequence) else list(ids)
-        arr = np.concatenate([_integer_ids(np.asarray(seq[i:i + _CONVERT_SLICE]), field)
-                              for i in range(0, len(seq), _CONVERT_SLICE)] or [np.zeros(0, np.int64)])
+        # ~0.15 s. Any iterable: a list, a protobuf field, a deque, dict keys.
+        rest = iter(ids)
+        parts = []
+        while part := list(itertools.islice(rest, _CONVERT_SLICE)):
+            parts.append(_integer_ids(np.asarray(part), field))
+        arr = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
         i = int(bad[0])
@@ -48,10 +51,11 @@ _CONVERT_SLICE = 1 << 15
 def _integer_ids(arr: np.ndarray, field: str) -> np.ndarray:
     """`arr` as int64, refused unless integers: floats, strings or bools make
     another kind, an id past 2^63 an object array."""
-    if arr.size and arr.dtype.kind not in "iu":
+    # A uint64 past 2^63 would wrap below 0 as int64.
+    if arr.size and (arr.dtype.kind not in "iu" or arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max):
         raise InvalidRequest(field, "token ids must be integers in [0, 2^63)"
-                             + (f", got {arr.dtype}" if arr.dtype.kind != "O" else ""))
-    return arr.astype(np.int64, copy=False).reshape(-1)  # a uint64 past 2^63 wraps below 0: refused after
+                             + (f", got {arr.dtype}" if arr.dtype.kind not in "Ou" else ""))
+    return arr.astype(np.int64, copy=False).reshape(-1)
 
 
 def check_params_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -4,6 +4,7 @@ anywhere is refused as if the list were converted whole."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ def _ids() -> list[int]:
     return [i % 1000 for i in range(N)]
 
 
-@pytest.mark.parametrize("form", [list, tuple, np.asarray, iter,
+@pytest.mark.parametrize("form", [list, tuple, np.asarray, iter, collections.deque,
                                   lambda ids: pb.DetokenizeRequest(token_ids=ids).token_ids])
 def test_every_form_gives_the_same_array(form) -> None:
     got = check_token_ids(form(_ids()), 1000, "ids")
@@ -43,11 +44,11 @@ def test_an_id_outside_the_vocabulary_is_named_by_its_index_across_slices() -> N
     with pytest.raises(InvalidRequest, match="outside the vocabulary") as err:
         check_token_ids(ids, 1000, "ids")
     assert err.value.index == _CONVERT_SLICE + 3
-    # One past 2^63 in a slice of its own reads as a uint64 there: still refused.
-    ids = _ids()
-    ids[-1] = 2**63 + 5
-    with pytest.raises(InvalidRequest):
-        check_token_ids(ids, 1000, "ids")
+    # One past 2^63 in a slice of its own reads as a uint64 there: refused as
+    # what it is, not as the negative id it wraps to.
+    for past in ([*_ids(), 2**63 + 5], [np.uint64(2**63 + 1)]):
+        with pytest.raises(InvalidRequest, match=r"integers in \[0, 2\^63\)"):
+            check_token_ids(past, 1000, "ids")
 
 
 def test_empty_ids_give_an_empty_array() -> None:
