@@ -6,6 +6,8 @@ server's loader thread, or an engine process before it reports ready.
 
 from __future__ import annotations
 
+import gc
+
 from grammar import GrammarSpec
 
 from .engine import EngineCore
@@ -47,3 +49,16 @@ def warm_up_speech(engine: EngineCore) -> None:
     engine.add_request(ctx)
     while engine.has_work():
         engine.step()
+
+
+def freeze_heap() -> int:
+    """Collect once, then keep every object alive now out of the garbage
+    collector's reach (`gc.freeze`), as vLLM does after start-up; returns how
+    many were frozen. For a process about to serve: a full collection walks
+    every tracked object, and a loaded engine's libraries make ~250k of them,
+    ~0.2 s on a 2-core box with every thread of the process waiting (each
+    stream, the engine's step). Frozen objects are still freed when nothing
+    refers to them; only a cycle among them would stay."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

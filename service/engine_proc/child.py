@@ -32,6 +32,7 @@ from typing import Any
 from engine import EngineCore, RequestOutput
 from engine.context import TextContext
 from engine.kv_cache import KVEvent, PagesStored
+from engine.warmup import freeze_heap
 from grammar import Matcher
 
 from ..engine_loop import EngineDriver
@@ -284,6 +285,7 @@ def main(read_fd: int, write_fd: int) -> None:
     if engine is None:
         return
     child = EngineChild(engine, outbox)
+    freeze_heap()
     outbox.send(("ready", EngineFacts(os.getpid(), engine.max_model_len, engine.eos_token_ids, engine.load(),
                                       engine.attention.name, engine.structured.mask_threads)))
     threading.Thread(target=child.read_commands, args=(inbox,), name="stencild-engine-commands",

@@ -85,6 +85,8 @@ def test_sigterm_drains_then_exits_zero() -> None:
         while health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status != SERVING:
             assert time.monotonic() < deadline, "never became SERVING"
             time.sleep(0.05)
+        # Once loaded, the start-up heap is out of the garbage collector's walks.
+        assert int(server.wait_for(r"start-up heap frozen: (\d+) objects").group(1)) > 10_000
         # Out of the box, the default embedding model is served next to the generation model.
         embedded = embed_pb2_grpc.EmbeddingsStub(channel).Embed(
             embed_pb2.EmbedRequest(inputs=["hello"]), timeout=TIMEOUT)
