@@ -53,6 +53,9 @@ from service.vllm_protocol.kv_events import KvEventHub, SubscriberGone
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# How long a KV event subscriber dropped while its router reads nothing waits
+# to send its status before its call is cancelled.
+_DROPPED_STATUS_WAIT_S = 1.0
 # What sees or changes every client's state at once (the prefix cache's events
 # carry prompt tokens): with API keys, for a key marked `router` only.
 ROUTER_METHODS = frozenset({f"/{SERVICE_NAME}/SubscribeKvEvents", f"/{SERVICE_NAME}/FlushCache"})
@@ -367,7 +370,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             if not dropped or handler is None:
                 raise
             handler.uncancel()
-            raise gone from None
+            # The status queues behind the write the router is not reading: it
+            # is given a moment, then the call is cancelled without one.
+            try:
+                async with asyncio.timeout(_DROPPED_STATUS_WAIT_S):
+                    await gone.abort(context)
+            except TimeoutError:
+                raise asyncio.CancelledError() from None
         finally:
             with contextlib.suppress(Exception):
                 await events.aclose()

@@ -438,9 +438,20 @@ def test_a_kv_event_subscriber_that_stops_reading_is_ended(make_server, monkeypa
     # A router that stops reading blocks the server's write; its queue reached
     # the limit and it was dropped, but the drop waited behind the blocked
     # write: the stream stayed open, its handler and queue held for good.
+    import asyncio
+
     from service.vllm_protocol import kv_events
+    from service.vllm_protocol.servicer import VllmEngineServicer
 
     monkeypatch.setattr(kv_events, "MAX_QUEUED", 4)
+    handlers: list[asyncio.Task[Any]] = []
+    real = VllmEngineServicer.SubscribeKvEvents
+
+    async def recorded(self, request, context):  # type: ignore[no-untyped-def]
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        return await real(self, request, context)
+
+    monkeypatch.setattr(VllmEngineServicer, "SubscribeKvEvents", recorded)
     handle = make_server(engine_factory(page_size=4, kv_cache_gib=0.2))
     stub = vpb_grpc.VllmEngineStub(handle.channel)
     hub = handle.server.kv_events
@@ -459,9 +470,10 @@ def test_a_kv_event_subscriber_that_stops_reading_is_ended(make_server, monkeypa
     assert hub.num_subscribers == 0, "never dropped: the writes did not block"
     # Its handler ends now, not when the router reads again.
     deadline = time.monotonic() + TIMEOUT
-    while hub._listening and time.monotonic() < deadline:
+    while not all(task.done() for task in handlers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert hub._listening == 0, "the dropped subscriber's handler still runs"
+    assert len(handlers) == 1 and handlers[0].done(), "the dropped subscriber's handler still runs"
+    assert hub._listening == 0
     with pytest.raises(grpc.RpcError) as err:
         for _ in events:
             pass

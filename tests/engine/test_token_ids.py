@@ -48,7 +48,7 @@ def test_an_id_outside_the_vocabulary_is_named_by_its_index_across_slices() -> N
     # what it is, not as the negative id it wraps to.
     for past in ([*_ids(), 2**63 + 5], [np.uint64(2**63 + 1)]):
         with pytest.raises(InvalidRequest, match=r"integers in \[0, 2\^63\)"):
-            check_token_ids(past, 1000, "ids")
+            check_token_ids(past, 1000, "ids")  # type: ignore[arg-type]
 
 
 def test_empty_ids_give_an_empty_array() -> None:
