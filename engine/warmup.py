@@ -62,3 +62,10 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def thaw_heap() -> None:
+    """Undo `freeze_heap`, for a process about to exit: the interpreter's
+    exit collects what is left, and xgrammar's bindings report as leaked
+    (on stderr) what it could not."""
+    gc.unfreeze()

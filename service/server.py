@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 
 from engine import EngineCore
-from engine.warmup import freeze_heap
+from engine.warmup import freeze_heap, thaw_heap
 from service.address import host_port
 from service.api.embeddings import SERVICE_NAME as EMBEDDINGS_SERVICE
 from service.api.embeddings import EmbeddingOptions, EmbeddingSlot, EmbeddingsServicer
@@ -576,4 +576,5 @@ async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str
         log.info("start-up heap frozen: %d objects the garbage collector will not walk", freeze_heap())
     await stopped
     ready.cancel()
+    thaw_heap()
     return EXIT_ENGINE_FAILED if server.engine_failure is not None else 0
