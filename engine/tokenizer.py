@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .errors import InvalidRequest
 from .models.config import CheckpointError
 
 # Text with each space transformers' clean-up removes; _UNKNOWN: a tokenizer
@@ -60,23 +61,35 @@ class Tokenizer:
         of ~0.1 s (every stream, every health check) for millions of tokens."""
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, context: int | None = None) -> list[int]:
         """The token ids of `text`. By the backend's fast batch call where it
         has one (tokenizers >= 0.21): it keeps no token strings or offsets, so
         the encoding is freed at once, where a full one's free held the GIL
-        ~0.25 s for 3M tokens (and it encodes in about half the time)."""
+        ~0.25 s for 3M tokens (and it encodes in about half the time).
+
+        A prompt for a `context` of that many tokens that a part of it shows
+        is far longer is refused (InvalidRequest on "prompt") before the
+        whole is tokenized (`telling_part`)."""
+        if context is not None:
+            part = telling_part(text, context, lambda part: len(self._ids(part, False)))
+            if part is not None:
+                raise InvalidRequest("prompt", f"the prompt has more than {2 * context} tokens (its first "
+                                               f"{len(part)} characters alone); the context holds {context}")
+        return self._ids(text, add_special_tokens)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._encode_fast is None:
             return self.encoding(text, add_special_tokens).ids
         return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
                             add_generation_prompt: bool = True, tools: Sequence[dict[str, Any]] | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None, context: int | None = None) -> list[int]:
         """Render chat messages with the model's template and tokenize them.
 
         `tools` (OpenAI's layout: {"type": "function", "function": {...}}) and
         `template_kwargs` (more variables, such as enable_thinking) go to the
-        template as they are.
+        template as they are; `context` as in `encode`.
         """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template")
@@ -84,7 +97,7 @@ class Tokenizer:
                                            tokenize=False, tools=list(tools) if tools else None,
                                            **(template_kwargs or {}))
         # The template already writes BOS where the model wants it.
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, context=context)
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         """transformers' decode of `ids`, by the backend's batch call, which
@@ -119,6 +132,44 @@ class Tokenizer:
 
     def stream(self, prefix: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, prefix, skip_special_tokens)
+
+
+def telling_part(text: str, limit: int, count: Callable[[str], int], from_end: bool = False) -> str | None:
+    """A prefix of `text` (suffix: `from_end`) already past twice `limit`
+    tokens by `count`, or None when no shorter part is: what tells that a
+    long text is over `limit` at a cost bounded by the limit, not the text.
+
+    A text of megabytes tokenized whole took seconds of a core (and
+    gigabytes) only to be refused. The parts grow x4 a try, up to the whole
+    text. Tokenization is local: a cut changes the tokens next to it, never
+    those a window earlier, so a part's first (last) tokens are the text's."""
+    size = max(PREFIX_CHARS, PREFIX_CHARS_PER_TOKEN * limit)
+    while len(text) > size:
+        part = _cut_at_space(text, size, from_end)
+        if count(part) > 2 * limit:
+            return part
+        size *= 4
+    return None
+
+
+# Where a long text's measuring starts: enough characters for the limit in
+# almost any text (a token is a few characters), cheap to tokenize.
+PREFIX_CHARS = 4096
+PREFIX_CHARS_PER_TOKEN = 16
+
+
+def _cut_at_space(text: str, size: int, from_end: bool) -> str:
+    """About `size` characters of `text`'s start (end: `from_end`), cut at a
+    space when one is near, so no word is split where one can be avoided."""
+    if from_end:
+        part = text[-size:]
+        space = next((i for i, ch in enumerate(part[: size // 2]) if ch.isspace()), None)
+        return part if space is None else part[space:]
+    part = text[:size]
+    for i in range(size - 1, size // 2, -1):
+        if part[i].isspace():
+            return part[:i]
+    return part
 
 
 def token_spans(encoding: Any) -> np.ndarray:

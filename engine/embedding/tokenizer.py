@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.models.config import CheckpointError
+from engine.tokenizer import telling_part
 
 
 def _prepend_lowercase(tok: Any) -> None:
@@ -91,13 +92,9 @@ class EmbeddingTokenizer:
     def _enough_of(self, text: str) -> str:
         """`text`, or a prefix of it (suffix, cutting from the left) already
         twice the window in tokens."""
-        size = max(PREFIX_CHARS, PREFIX_CHARS_PER_TOKEN * self.max_length)
-        while len(text) > size:
-            part = _cut_at_space(text, size, from_end=self._cuts_left)
-            if len(_encode_one(self._whole, part, False)) > 2 * self.max_length:
-                return part
-            size *= 4
-        return text
+        part = telling_part(text, self.max_length, lambda part: len(_encode_one(self._whole, part, False)),
+                            from_end=self._cuts_left)
+        return text if part is None else part
 
 
 def _encode_one(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -105,23 +102,3 @@ def _encode_one(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int
     works: `encode` holds it throughout, and a long text (megabytes of one
     word, measured to its end) stalled the server's event loop for seconds."""
     return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
-
-
-# Where a long input's measuring starts: enough characters for the window in
-# almost any text (a token is a few characters), cheap to tokenize.
-PREFIX_CHARS = 4096
-PREFIX_CHARS_PER_TOKEN = 16
-
-
-def _cut_at_space(text: str, size: int, from_end: bool) -> str:
-    """About `size` characters of `text`'s start (end: `from_end`), cut at a
-    space when one is near, so no word is split where one can be avoided."""
-    if from_end:
-        part = text[-size:]
-        space = next((i for i, ch in enumerate(part[: size // 2]) if ch.isspace()), None)
-        return part if space is None else part[space:]
-    part = text[:size]
-    for i in range(size - 1, size // 2, -1):
-        if part[i].isspace():
-            return part[:i]
-    return part

@@ -192,8 +192,10 @@ def _deeper_than(value: Any, limit: int) -> bool:
 
 
 def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat",
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Render chat messages (and tools) with the model's template."""
+                tools: list[dict[str, Any]] | None = None, context: int | None = None) -> list[int]:
+    """Render chat messages (and tools) with the model's template; one far
+    longer than a `context` of that many tokens is refused before all of it
+    is tokenized."""
     if not tokenizer.has_chat_template:
         raise failed_precondition("the loaded model has no chat template; send text or token_ids",
                                   Reason.NO_CHAT_TEMPLATE)
@@ -208,7 +210,10 @@ def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat",
 
     try:
         return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in chat.messages],
-                                             add_generation_prompt=add_prompt, tools=tools, template_kwargs=kwargs)
+                                             add_generation_prompt=add_prompt, tools=tools, template_kwargs=kwargs,
+                                             context=context)
+    except InvalidRequest as err:  # far too long for the context
+        raise invalid_request(err, f"{field}.messages") from None
     except jinja2.TemplateError as err:
         raise invalid_argument(f"{field}.messages", f"the chat template rejected them: {err}") from None
     except RecursionError:  # template variables (or tools) nested past what the renderer walks
@@ -224,10 +229,11 @@ def chat_prompt(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat",
         raise invalid_argument(f"{field}.messages", f"the chat template failed on them: {err}") from None
 
 
-def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer,
-               tools: list[dict[str, Any]] | None = None) -> tuple[Sequence[int], str]:
+def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, tools: list[dict[str, Any]] | None = None,
+               context: int | None = None) -> tuple[Sequence[int], str]:
     """The prompt's token ids and the path of the input field they came from
-    (`tools` go to a chat input's template)."""
+    (`tools` go to a chat input's template); text far longer than a
+    `context` of that many tokens is refused before all of it is tokenized."""
     which = req.WhichOneof("input")
     if which is None:
         raise invalid_argument("input", "set one of text, token_ids or chat")
@@ -235,7 +241,10 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer,
         if not req.text:
             raise invalid_argument("text", "the prompt is empty")
         add = req.add_special_tokens if req.HasField("add_special_tokens") else True
-        return tokenizer.encode(req.text, add_special_tokens=add), "text"
+        try:
+            return tokenizer.encode(req.text, add_special_tokens=add, context=context), "text"
+        except InvalidRequest as err:
+            raise invalid_request(err, "text") from None
     if which == "token_ids":
         # The field itself: the check converts it a slice at a time (a list of
         # millions of ids in one call held the GIL, and the event loop, ~0.2 s).
@@ -243,7 +252,7 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer,
         if not ids:
             raise invalid_argument("token_ids.ids", "the prompt is empty")
         return ids, "token_ids.ids"
-    return chat_prompt(req.chat, tokenizer, tools=tools), "chat.messages"
+    return chat_prompt(req.chat, tokenizer, tools=tools, context=context), "chat.messages"
 
 
 _STARTS = {pb.ReasoningOptions.CONSTRAINT_START_UNSPECIFIED: None,
@@ -284,7 +293,8 @@ def prepare_generate(req: pb.GenerateRequest, engine: EngineCore, request_id: st
     if constraint is None:
         constraint = constraint_spec(req)
     reasoning = reasoning_options(req, engine)
-    ids, input_field = prompt_ids(req, engine.tokenizer, tools.template_entries if tools is not None else None)
+    ids, input_field = prompt_ids(req, engine.tokenizer, tools.template_entries if tools is not None else None,
+                                  engine.max_model_len)
     try:
         params = default_length(params, engine.default_max_new_tokens, len(ids), engine.max_model_len)
         spec = engine.requests.check(ids, params, request_id)

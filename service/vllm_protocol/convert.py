@@ -160,7 +160,12 @@ def _prompt(req: vpb.GenerateRequest, engine: EngineCore) -> tuple[Sequence[int]
     if which == "text":
         if not req.text:
             raise invalid_argument("text", "the prompt is empty")
-        return engine.tokenizer.encode(req.text, add_special_tokens=True), "text"
+        # Truncated to its end, a prompt of any length may fit.
+        context = None if req.sampling_params.HasField("truncate_prompt_tokens") else engine.max_model_len
+        try:
+            return engine.tokenizer.encode(req.text, add_special_tokens=True, context=context), "text"
+        except InvalidRequest as err:
+            raise invalid_request(err, "text") from None
     raise invalid_argument("input", "set one of tokenized or text")
 
 

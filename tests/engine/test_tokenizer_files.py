@@ -154,3 +154,28 @@ def test_encode_without_the_fast_call_gives_the_same_ids(monkeypatch) -> None:
         monkeypatch.setattr(tok, "_encode_fast", None)
         assert [tok.encode(text, special) for text in TEXTS for special in (True, False)] == fast
         monkeypatch.undo()
+
+
+def test_a_prompt_far_longer_than_the_context_is_refused_on_a_part_of_it(monkeypatch) -> None:
+    # A text of megabytes was tokenized whole (seconds of a core) only to be
+    # refused as longer than the context; a part of it tells.
+    from engine.errors import InvalidRequest
+
+    tok = _tokenizers()[0]
+    measured: list[int] = []
+    ids = tok._ids
+
+    def counted(text: str, special: bool) -> list[int]:
+        measured.append(len(text))
+        return ids(text, special)
+
+    monkeypatch.setattr(tok, "_ids", counted)
+    long = "the cat sat on the mat. " * 200_000  # 4.8 MB
+    with pytest.raises(InvalidRequest, match="more than 4096 tokens") as err:
+        tok.encode(long, context=2048)
+    assert err.value.field == "prompt" and max(measured) < 100_000
+    # Short of that, the whole text's ids, as without a context; a chat too.
+    text = "the cat sat on the mat. " * 1300  # under the first part measured: not measured
+    assert tok.encode(text, context=2048) == tok.encode(text) and len(tok.encode(text)) > 2048
+    with pytest.raises(InvalidRequest, match="more than"):
+        tok.apply_chat_template([{"role": "user", "content": long}], context=2048)

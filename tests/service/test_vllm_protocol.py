@@ -67,3 +67,16 @@ def test_logit_bias_is_copied_out_of_the_message_and_bounded() -> None:
     with pytest.raises(ServiceError) as info:
         convert.sampling_params(p)
     assert "logit_bias" in info.value.violations[0][0]
+
+
+def test_a_text_prompt_far_past_the_context_is_refused_unless_truncated(engine: EngineCore) -> None:
+    # Refused from a part of it (the whole was tokenized first); with
+    # truncate_prompt_tokens its end is kept, so all of it is tokenized.
+    req = vpb.GenerateRequest(request_id="job", text="a b c d " * 100_000)
+    req.sampling_params.max_tokens = 4
+    with pytest.raises(ServiceError) as info:
+        convert.prepare_generate(req, engine, "job")
+    assert info.value.violations[0][0] == "text" and "more than" in info.value.violations[0][1]
+    req.sampling_params.truncate_prompt_tokens = 8
+    prepared = convert.prepare_generate(req, engine, "job")
+    assert len(prepared.specs[0].prompt) == 8

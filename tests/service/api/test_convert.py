@@ -267,3 +267,14 @@ def test_a_chat_template_failing_on_the_messages_is_invalid_argument(tmp_path, t
         convert.chat_prompt(chat, Tokenizer(tmp_path))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.violations[0][0] == "chat.messages"
+
+
+@pytest.mark.parametrize("form", ["text", "chat"])
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_all_tokenized(engine: EngineCore, form: str) -> None:
+    long = "a b c d " * 100_000
+    req = pb.GenerateRequest(text=long) if form == "text" else pb.GenerateRequest(
+        chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content=long)]))
+    with pytest.raises(ServiceError) as info:
+        convert.prepare_generate(req, engine, "job")
+    field, says = info.value.violations[0]
+    assert field == ("text" if form == "text" else "chat.messages") and "more than" in says
