@@ -129,6 +129,7 @@ def tools_spec(req: pb.GenerateRequest) -> ToolsSpec | None:
             raise invalid_argument("tool_choice", "applies with tools")
         return None
     tools = []
+    names: set[str] = set()  # a set: a list's scan per tool took hours for 300k tools
     for i, t in enumerate(req.tools):
         parameters: Any = {"type": "object"}
         if t.parameters:
@@ -141,8 +142,9 @@ def tools_spec(req: pb.GenerateRequest) -> ToolsSpec | None:
         except GrammarError as e:
             field = f"tools[{i}].name" if str(e).startswith("tool name") else f"tools[{i}].parameters"
             raise invalid_argument(field, str(e)) from None
-        if any(other.name == t.name for other in tools[:-1]):  # named where the second one is
+        if t.name in names:  # named where the second one is
             raise invalid_argument(f"tools[{i}].name", f"tool names must be unique: {t.name!r} again")
+        names.add(t.name)
     tc = req.tool_choice
     choice = _MODES.get(tc.mode)
     if choice is None:
