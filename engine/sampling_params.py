@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from types import MappingProxyType
@@ -87,10 +87,14 @@ class SamplingParams:
         # None for a collection is "none given", as vLLM reads it. Ids are
         # checked to be integers before they are converted (`int()` truncated 1.5).
         stop = self.stop if self.stop is not None else ()
+        if not isinstance(stop, str) and isinstance(stop, Sized) and len(stop) > MAX_STOP_STRINGS:
+            raise InvalidSamplingParams("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))
         ids = self.stop_token_ids if self.stop_token_ids is not None else ()
         if isinstance(ids, str | bytes):
             raise InvalidSamplingParams("stop_token_ids", "give a list of token ids")
+        if isinstance(ids, Sized) and len(ids) > MAX_STOP_TOKEN_IDS:  # before millions are converted
+            raise InvalidSamplingParams("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         _check_integers("stop_token_ids", ids)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:

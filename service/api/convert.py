@@ -132,9 +132,9 @@ def sampling_params(req: pb.GenerateRequest, defaults: Mapping[str, float] | Non
             if msg.HasField(name):
                 kwargs[name] = getattr(msg, name)
     if st.stop:
-        kwargs["stop"] = tuple(st.stop)
+        kwargs["stop"] = st.stop  # SamplingParams bounds its length, then copies it
     if st.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(st.stop_token_ids)
+        kwargs["stop_token_ids"] = st.stop_token_ids  # SamplingParams bounds its length, then copies it
     try:
         return SamplingParams(**kwargs)  # type: ignore[arg-type]
     except InvalidRequest as err:

@@ -68,8 +68,14 @@ def speech_sampling_params(req: pb.SynthesizeRequest) -> SamplingParams:
         raise invalid_argument(FIELD_PATHS.get(err.field, err.field), err.description) from None
 
 
-def check_voice_prompt(req: pb.SynthesizeRequest, layout: SpeechLayout) -> list[int] | None:
-    """The voice prompt's codes, validated (index of the first bad code named)."""
+def check_voice_prompt(req: pb.SynthesizeRequest, layout: SpeechLayout, context: int | None = None
+                       ) -> list[int] | None:
+    """The voice prompt's codes, validated (index of the first bad code named);
+    more codes than a `context` of that many tokens holds are refused before
+    they are copied (millions held the GIL, and the event loop, ~0.2 s)."""
+    if context is not None and len(req.audio_prompt_tokens) > context:
+        raise invalid_argument("audio_prompt_tokens", f"{len(req.audio_prompt_tokens)} codes; the context "
+                                                      f"holds {context} tokens, a code each")
     codes = list(req.audio_prompt_tokens)
     if not codes:
         if req.audio_prompt_transcription:
@@ -106,7 +112,7 @@ def prepare_synthesize(req: pb.SynthesizeRequest, engine: EngineCore, request_id
     assert engine.speech_layout is not None
     fmt = audio_format(req)
     params = speech_sampling_params(req)
-    codes = check_voice_prompt(req, engine.speech_layout)
+    codes = check_voice_prompt(req, engine.speech_layout, engine.max_model_len)
     chunk_frames = req.chunk_frames if req.HasField("chunk_frames") else DEFAULT_CHUNK_FRAMES
     seconds = req.max_audio_seconds if req.HasField("max_audio_seconds") else DEFAULT_MAX_AUDIO_SECONDS
     try:

@@ -85,8 +85,8 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
         "ignore_eos": p.ignore_eos,
         "include_stop_str_in_output": p.include_stop_str_in_output,
         "skip_special_tokens": p.skip_special_tokens,
-        "stop": tuple(p.stop),
-        "stop_token_ids": tuple(p.stop_token_ids),
+        "stop": p.stop,
+        "stop_token_ids": p.stop_token_ids,  # SamplingParams bounds its length, then copies it
     }
     if p.HasField("max_tokens"):
         kwargs["max_new_tokens"] = p.max_tokens

@@ -255,6 +255,24 @@ def test_a_lone_stop_string_is_one_stop_string():
     assert SamplingParams(stop=["END", "x"]).stop == ("END", "x")  # type: ignore[arg-type]
 
 
+def test_too_many_stops_are_refused_before_any_is_copied():
+    # Millions of stop token ids in one request were copied (one C call,
+    # ~0.2 s of the GIL, every stream's event loop waiting) before the count
+    # was checked. A list that refuses to be read shows none is.
+    from engine import InvalidSamplingParams
+    from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    class Unread(list):
+        def __iter__(self):
+            raise AssertionError("read before its length was checked")
+
+    for field, limit, item in (("stop_token_ids", MAX_STOP_TOKEN_IDS, 5), ("stop", MAX_STOP_STRINGS, "x")):
+        with pytest.raises(InvalidSamplingParams, match=f"at most {limit}") as err:
+            SamplingParams(**{field: Unread([item] * (limit + 1))})  # type: ignore[arg-type]
+        assert err.value.field == field
+        assert len(getattr(SamplingParams(**{field: [item] * limit}), field)) == limit  # type: ignore[arg-type]
+
+
 def test_vllm_ranges_are_accepted_and_tiny_temperatures_are_greedy():
     SamplingParams(presence_penalty=-2.0, frequency_penalty=-1.5, repetition_penalty=10.0)
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy

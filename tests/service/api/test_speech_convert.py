@@ -116,3 +116,11 @@ def test_sampling_takes_the_speech_defaults_per_field() -> None:
     with pytest.raises(ServiceError) as err:
         speech_sampling_params(req)
     assert [f for f, _ in err.value.violations] == ["sampling.top_p"]
+
+
+def test_a_voice_prompt_longer_than_the_context_is_refused_before_it_is_copied() -> None:
+    req = pb.SynthesizeRequest(input="hi", audio_prompt_tokens=[1] * 70)
+    assert check_voice_prompt(req, LAYOUT, context=70) == [1] * 70
+    with pytest.raises(ServiceError) as err:
+        check_voice_prompt(req, LAYOUT, context=69)
+    assert [f for f, _ in err.value.violations] == ["audio_prompt_tokens"]
