@@ -36,7 +36,7 @@ from typing import Any
 
 from .errors import GrammarError
 from .json_values import INSTANCE_DECODER
-from .spec import GrammarSpec
+from .spec import MAX_SPEC_SOURCE_CHARS, GrammarSpec
 from .validation import SchemaValidator, ValidationResult
 
 CALL_START = "<tool_call>"
@@ -102,6 +102,12 @@ def call_constraint(tools: list[Tool], choice: str, function: str | None = None)
         return None
     if not tools:
         raise GrammarError("tool calls need at least one tool")
+    # Each tag's JSON text holds at least its skeleton and its tool's name:
+    # refused before it is built (300k tools made 61M characters, json.dumps
+    # holding the GIL ~1 s, only to be refused as too large).
+    least = sum(len(t.name) + _TAG_CHARS for t in (tools if mode in ("auto", "required") else tools[:1]))
+    if least > MAX_SPEC_SOURCE_CHARS:
+        raise GrammarError(f"structural_tag source is too large (at least {least} characters)")
     if mode == "auto":
         fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": [CALL_START],
                                "tags": [_tag(t) for t in tools]}
@@ -116,6 +122,10 @@ def call_constraint(tools: list[Tool], choice: str, function: str | None = None)
         fmt = {"type": "tags_with_separator", "separator": "\n", "at_least_one": True,
                "stop_after_first": True, "tags": [_tag(named[0])]}
     return GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
+
+
+# Characters of one tag's JSON text besides its tool's name and schema.
+_TAG_CHARS = len(json.dumps(_tag(Tool("f", {})), ensure_ascii=False)) - len("f") - len("{}")
 
 
 class CallReader:

@@ -364,3 +364,22 @@ def test_a_tag_content_xgrammar_would_read_as_any_value_is_refused(compiler):
         "$ref": "https://example.com/int.json"}, "end": "</f>"}], "triggers": ["<f"]})
     with pytest.raises(GrammarError, match="only local"):
         compiler.compile(tag, backend="xgrammar")
+
+
+def test_too_many_tools_are_refused_before_their_tag_is_built(monkeypatch):
+    # 300k tools made a 61M-character tag, json.dumps holding the GIL ~1 s
+    # (every stream's event loop waiting), only to be refused as too large.
+    import grammar.tool_calls as tool_calls
+    from grammar.spec import MAX_SPEC_SOURCE_CHARS
+
+    tools = [Tool(f"tool_{i}") for i in range(MAX_SPEC_SOURCE_CHARS // 180)]
+    monkeypatch.setattr(tool_calls, "_tag", None)  # never called
+    for choice in ("auto", "required"):
+        with pytest.raises(GrammarError, match="too large"):
+            call_constraint(tools, choice)
+    monkeypatch.undo()
+    # The bound is below each tag's real size: a tag as large as it allows builds.
+    few = tools[:100]
+    spec = call_constraint(few, "auto")
+    assert spec is not None and isinstance(spec.source, str)
+    assert len(spec.source) >= sum(len(t.name) + tool_calls._TAG_CHARS for t in few)
