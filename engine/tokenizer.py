@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ class Tokenizer:
         # The template already writes BOS where the model wants it.
         return self.encode(text, add_special_tokens=False, context=context)
 
-    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         """transformers' decode of `ids`, by the backend's batch call, which
         releases the GIL while it works (transformers' own decode holds it:
         ~1 s for 4M ids, every other stream's event loop stopped), then the
@@ -184,15 +185,20 @@ def token_spans(encoding: Any) -> np.ndarray:
     return flat.reshape(count, 2)
 
 
-def _as_list(ids: Sequence[int] | np.ndarray) -> list[int]:
+def _as_list(ids: Iterable[int] | np.ndarray) -> list[int]:
     """`ids` as a list of ints, built a slice at a time (an array's or a
     protobuf field's conversion in one call held the GIL ~0.1 s for 4M ids)."""
     if isinstance(ids, list):
         return ids
     out: list[int] = []
-    for first in range(0, len(ids), _LIST_SLICE):
-        part = ids[first:first + _LIST_SLICE]
-        out.extend(part.tolist() if isinstance(part, np.ndarray) else part)
+    if isinstance(ids, np.ndarray):
+        flat = ids.reshape(-1)
+        for first in range(0, flat.size, _LIST_SLICE):
+            out.extend(flat[first:first + _LIST_SLICE].tolist())
+        return out
+    rest = iter(ids)
+    while part := list(itertools.islice(rest, _LIST_SLICE)):
+        out.extend(part)
     return out
 
 

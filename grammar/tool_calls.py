@@ -102,10 +102,10 @@ def call_constraint(tools: list[Tool], choice: str, function: str | None = None)
         return None
     if not tools:
         raise GrammarError("tool calls need at least one tool")
-    # Each tag's JSON text holds at least its skeleton and its tool's name:
-    # refused before it is built (300k tools made 61M characters, json.dumps
-    # holding the GIL ~1 s, only to be refused as too large).
-    least = sum(len(t.name) + _TAG_CHARS for t in (tools if mode in ("auto", "required") else tools[:1]))
+    # A tag per tool, whose JSON text holds at least its skeleton and its
+    # tool's name: refused before it is built (300k tools made 61M
+    # characters, json.dumps holding the GIL ~1 s, only to be refused).
+    least = sum(len(t.name) + _TAG_CHARS for t in tools) if mode in ("auto", "required") else 0
     if least > MAX_SPEC_SOURCE_CHARS:
         raise GrammarError(f"structural_tag source is too large (at least {least} characters)")
     if mode == "auto":

@@ -8,6 +8,7 @@ import functools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -179,3 +180,14 @@ def test_a_prompt_far_longer_than_the_context_is_refused_on_a_part_of_it(monkeyp
     assert tok.encode(text, context=2048) == tok.encode(text) and len(tok.encode(text)) > 2048
     with pytest.raises(InvalidRequest, match="more than"):
         tok.apply_chat_template([{"role": "user", "content": long}], context=2048)
+
+
+def test_decode_takes_any_ids_it_took_before() -> None:
+    # A list, a tuple, an iterator, a numpy array, a protobuf field: the same text.
+    from service.gen.stencil.v1 import generate_pb2 as pb
+
+    tok = _tokenizers()[0]
+    ids = tok.encode("Hello world, and more")
+    want = tok.decode(ids)
+    for form in (tuple(ids), iter(ids), np.asarray(ids), pb.DetokenizeRequest(token_ids=ids).token_ids):
+        assert tok.decode(form) == want  # type: ignore[arg-type]
