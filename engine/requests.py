@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +32,7 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> np.ndarr
         # Python check per id): the GIL changes hands between slices, where one
         # call for millions of ids held it (and every stream's event loop)
         # ~0.15 s. Any iterable: a list, a protobuf field, a deque, dict keys.
-        rest = iter(ids)
-        parts = []
-        while part := list(itertools.islice(rest, _CONVERT_SLICE)):
-            parts.append(_integer_ids(np.asarray(part), field))
+        parts = [_integer_ids(np.asarray(part), field) for part in id_slices(ids)]
         arr = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
@@ -44,8 +41,17 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> np.ndarr
     return arr
 
 
-# Ids converted to an array per C call (~2 ms each).
-_CONVERT_SLICE = 1 << 15
+# Ids copied per C call (~2 ms each).
+ID_SLICE = 1 << 15
+
+
+def id_slices(ids: Iterable[int]) -> Iterator[list[int]]:
+    """`ids` as lists of at most ID_SLICE: one copy of millions (a
+    protobuf field's, say) holds the GIL, and every stream's event loop, for
+    ~0.15 s; between slices it changes hands."""
+    rest = iter(ids)
+    while part := list(itertools.islice(rest, ID_SLICE)):
+        yield part
 
 
 def _integer_ids(arr: np.ndarray, field: str) -> np.ndarray:

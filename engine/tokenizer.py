@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 
 from .errors import InvalidRequest
 from .models.config import CheckpointError
+from .requests import ID_SLICE, id_slices
 
 # Text with each space transformers' clean-up removes; _UNKNOWN: a tokenizer
 # whose decode of it keeps none of them.
@@ -193,16 +193,12 @@ def _as_list(ids: Iterable[int] | np.ndarray) -> list[int]:
     out: list[int] = []
     if isinstance(ids, np.ndarray):
         flat = ids.reshape(-1)
-        for first in range(0, flat.size, _LIST_SLICE):
-            out.extend(flat[first:first + _LIST_SLICE].tolist())
+        for first in range(0, flat.size, ID_SLICE):
+            out.extend(flat[first:first + ID_SLICE].tolist())
         return out
-    rest = iter(ids)
-    while part := list(itertools.islice(rest, _LIST_SLICE)):
+    for part in id_slices(ids):
         out.extend(part)
     return out
-
-
-_LIST_SLICE = 1 << 15
 
 # What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
 REPLACEMENT = "\ufffd"

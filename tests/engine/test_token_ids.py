@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from engine.errors import InvalidRequest
-from engine.requests import _CONVERT_SLICE, check_token_ids
+from engine.requests import ID_SLICE, check_token_ids
 from service.gen.stencil.v1 import generate_pb2 as pb
 
-N = 2 * _CONVERT_SLICE + 17  # three slices, the last a short one
+N = 2 * ID_SLICE + 17  # three slices, the last a short one
 
 
 def _ids() -> list[int]:
@@ -29,7 +29,7 @@ def test_every_form_gives_the_same_array(form) -> None:
 
 
 @pytest.mark.parametrize(("bad", "says"), [(2.5, "float64"), ("7", "<U"), (2**70, "integers")])
-@pytest.mark.parametrize("where", [0, _CONVERT_SLICE, N - 1])
+@pytest.mark.parametrize("where", [0, ID_SLICE, N - 1])
 def test_an_id_of_the_wrong_kind_in_any_slice_is_refused(bad, says, where) -> None:
     ids: list[object] = list(_ids())
     ids[where] = bad
@@ -40,10 +40,10 @@ def test_an_id_of_the_wrong_kind_in_any_slice_is_refused(bad, says, where) -> No
 
 def test_an_id_outside_the_vocabulary_is_named_by_its_index_across_slices() -> None:
     ids = _ids()
-    ids[_CONVERT_SLICE + 3] = 1000
+    ids[ID_SLICE + 3] = 1000
     with pytest.raises(InvalidRequest, match="outside the vocabulary") as err:
         check_token_ids(ids, 1000, "ids")
-    assert err.value.index == _CONVERT_SLICE + 3
+    assert err.value.index == ID_SLICE + 3
     # One past 2^63 in a slice of its own reads as a uint64 there: refused as
     # what it is, not as the negative id it wraps to.
     for past in ([*_ids(), 2**63 + 5], [np.uint64(2**63 + 1)]):
@@ -70,4 +70,4 @@ def test_no_conversion_takes_more_than_a_slice(monkeypatch) -> None:
 
     monkeypatch.setattr(np, "asarray", asarray)
     check_token_ids(pb.DetokenizeRequest(token_ids=_ids()).token_ids, 1000, "ids")
-    assert sizes and max(sizes) <= _CONVERT_SLICE
+    assert sizes and max(sizes) <= ID_SLICE
