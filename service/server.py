@@ -574,7 +574,9 @@ async def serve(engine_factory: Callable[[], EngineCore] | None, model_name: str
         return EXIT_LOAD_FAILED
     if ready.done():
         log.info("start-up heap frozen: %d objects the garbage collector will not walk", freeze_heap())
-    await stopped
-    ready.cancel()
-    thaw_heap()
+    try:
+        await stopped
+    finally:
+        ready.cancel()
+        thaw_heap()
     return EXIT_ENGINE_FAILED if server.engine_failure is not None else 0
