@@ -158,6 +158,9 @@ def template_kwargs(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat
     """ChatInput.template_kwargs as a dict (none of apply_chat_template's own parameters)."""
     if not chat.template_kwargs:
         return {}
+    if len(chat.template_kwargs) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise invalid_argument(f"{field}.template_kwargs", f"{len(chat.template_kwargs)} characters; at most "
+                                                            f"{MAX_TEMPLATE_KWARGS_CHARS} are read")
     try:
         kwargs = json.loads(chat.template_kwargs)
     except (ValueError, RecursionError) as e:
@@ -177,6 +180,10 @@ def template_kwargs(chat: pb.ChatInput, tokenizer: Tokenizer, field: str = "chat
 # Template variables are settings (enable_thinking, a date): a few levels at
 # most. transformers walks them recursively before rendering.
 MAX_TEMPLATE_KWARGS_DEPTH = 32
+# And a few kilobytes: measured before parsing, since parsing, walking and
+# rendering 11 MB of them (600k variables) held the GIL, and so every
+# stream's event loop, for ~1 s; a document belongs in a message.
+MAX_TEMPLATE_KWARGS_CHARS = 1 << 20
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

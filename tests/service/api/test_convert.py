@@ -278,3 +278,32 @@ def test_a_prompt_far_past_the_context_is_refused_before_it_is_all_tokenized(eng
         convert.prepare_generate(req, engine, "job")
     field, says = info.value.violations[0]
     assert field == ("text" if form == "text" else "chat.messages") and "more than" in says
+
+
+def test_template_variables_past_their_size_are_refused_unread(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # 600k variables (11 MB) were parsed, walked and handed to the template:
+    # ~1 s with the GIL held. Now their text's length decides, before parsing.
+    import json
+
+    from engine.presets import ensure_preset
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(ensure_preset("tiny-qwen3"))
+    loads: list[str] = []
+
+    def recorded(text, *args, **kwargs):  # type: ignore[no-untyped-def]
+        loads.append(text)
+        return json.JSONDecoder().decode(text)
+
+    monkeypatch.setattr(convert.json, "loads", recorded)
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="a")])
+    chat.template_kwargs = json.dumps({f"k{i}": i for i in range(100_000)})
+    assert len(chat.template_kwargs) > convert.MAX_TEMPLATE_KWARGS_CHARS
+    with pytest.raises(ServiceError) as info:
+        convert.chat_prompt(chat, tokenizer)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.violations[0][0] == "chat.template_kwargs"
+    assert chat.template_kwargs not in loads
+    chat.template_kwargs = json.dumps({"enable_thinking": False, "note": "x" * 1000})
+    assert convert.chat_prompt(chat, tokenizer)
+    assert chat.template_kwargs in loads
