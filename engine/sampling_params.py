@@ -23,6 +23,10 @@ MAX_STOP_STRING_LENGTH = 256
 # Temperatures below this sample greedily (vLLM's rule): dividing logits by a
 # tiny temperature overflows them to infinities.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# A temperature between that and this is raised to this (vLLM's floor too, so
+# a fleet of both samples a request alike): 0.005 would sharpen the
+# distribution twice as much as 0.01, which vLLM serves it.
+MIN_SAMPLING_TEMPERATURE = 1e-2
 # vLLM bounds repetition_penalty only below (> 0); a huge value multiplies
 # negative logits to -inf and is no longer a penalty, so it is capped here.
 MAX_REPETITION_PENALTY = 10.0
@@ -51,7 +55,8 @@ def _check_integers(name: str, values: Iterable[Any]) -> None:
 class SamplingParams:
     """Sampling and stopping options (MAX's SamplingParams, vLLM's names where they differ).
 
-    temperature 0 (or below 1e-5) means greedy; top_k <= 0 means no top-k cut.
+    temperature 0 (or below 1e-5) means greedy, and one in [1e-5, 0.01) is
+    raised to 0.01 (as vLLM does); top_k <= 0 means no top-k cut.
     max_new_tokens None means "until the context is full". Ranges (vLLM's,
     every float finite): temperature >= 0, top_p in (0, 1], min_p in [0, 1],
     frequency and presence penalties in [-2, 2] (negative values encourage
@@ -109,6 +114,8 @@ class SamplingParams:
                 raise InvalidSamplingParams("logit_bias", f"biases must be numbers, got {v!r}")
         object.__setattr__(self, "logit_bias", MappingProxyType({int(k): float(v) for k, v in bias.items()}))
         self._validate()
+        if GREEDY_BELOW_TEMPERATURE <= self.temperature < MIN_SAMPLING_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
 
     def _validate(self) -> None:
         def bad(name: str, msg: str) -> None:

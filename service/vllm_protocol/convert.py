@@ -90,7 +90,7 @@ def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
     }
     if p.HasField("max_tokens"):
         kwargs["max_new_tokens"] = p.max_tokens
-    if p.HasField("seed"):
+    if p.HasField("seed") and p.seed != -1:  # -1: no seed, as vLLM reads it (a fixed seed repeated its draws)
         kwargs["seed"] = p.seed % (1 << 63)  # a signed int32 here, as vLLM takes any integer
     if p.logit_bias:
         kwargs["logit_bias"] = p.logit_bias  # SamplingParams bounds its size, then copies it
@@ -205,6 +205,9 @@ def prepare_generate(req: vpb.GenerateRequest, engine: EngineCore, request_id: s
     if n > MAX_N:
         raise invalid_argument("sampling_params.n", f"must be in [1, {MAX_N}], got {n}")
     params = sampling_params(p)
+    if n > 1 and params.greedy:
+        # As vLLM: n greedy samples would be one answer n times.
+        raise invalid_argument("sampling_params.n", f"must be 1 with greedy sampling (temperature 0), got {n}")
     constraint = constraint_spec(p)
     ids, input_field = _prompt(req, engine)
     cut = 0  # prompt tokens truncation dropped from the front
@@ -212,9 +215,10 @@ def prepare_generate(req: vpb.GenerateRequest, engine: EngineCore, request_id: s
         keep = p.truncate_prompt_tokens
         if keep == -1:
             keep = engine.max_model_len - 1
-        if keep < 1:
+        if not 1 <= keep <= engine.max_model_len:  # as vLLM, a value past the context is refused
             raise invalid_argument("sampling_params.truncate_prompt_tokens",
-                                   f"must be -1 (the model's maximum) or >= 1, got {keep}")
+                                   f"must be -1 (the model's maximum) or in [1, {engine.max_model_len}], "
+                                   f"got {keep}")
         cut = max(0, len(ids) - keep)
         ids = ids[cut:]  # vLLM keeps the end of the prompt
     room = engine.max_model_len - len(ids)

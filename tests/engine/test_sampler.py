@@ -278,6 +278,14 @@ def test_vllm_ranges_are_accepted_and_tiny_temperatures_are_greedy():
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
 
 
+@pytest.mark.parametrize("given, used", [(1e-5, 0.01), (0.005, 0.01), (0.0099, 0.01), (0.01, 0.01),
+                                         (0.5, 0.5), (0.0, 0.0), (1e-6, 1e-6)])
+def test_temperatures_below_a_hundredth_are_raised_to_it_as_vllm_does(given, used):
+    # vLLM serves 0.005 as 0.01; here it sharpened the distribution twice as
+    # much, so one request sampled differently on the two servers of a fleet.
+    assert SamplingParams(temperature=given).temperature == used
+
+
 ALLOWED = (3, 6)
 
 
@@ -292,7 +300,7 @@ def grammar_mask(logits: torch.Tensor) -> None:
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0),
     SamplingParams(temperature=0.8, seed=4, top_p=0.9, top_k=5, min_p=0.1),
-    SamplingParams(temperature=1e-5, seed=4, repetition_penalty=10.0, presence_penalty=-2.0),
+    SamplingParams(temperature=0.01, seed=4, repetition_penalty=10.0, presence_penalty=-2.0),
 ], ids=["greedy", "filtered", "extreme"])
 def test_a_masked_row_never_leaves_its_mask(params, model_logit):
     # The model gives every allowed token (or every token) a non-finite logit:

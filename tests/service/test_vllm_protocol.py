@@ -80,3 +80,34 @@ def test_a_text_prompt_far_past_the_context_is_refused_unless_truncated(engine: 
     req.sampling_params.truncate_prompt_tokens = 8
     prepared = convert.prepare_generate(req, engine, "job")
     assert len(prepared.specs[0].prompt) == 8
+
+
+def test_seed_minus_one_is_no_seed_as_vllm_reads_it(engine: EngineCore) -> None:
+    # -1 was taken modulo 2^63: one fixed seed, so every such request drew the same samples.
+    unseeded = [convert.prepare_generate(_request([5, 6, 7], seed=-1), engine, "job").specs[0] for _ in range(2)]
+    assert unseeded[0].params.seed is None and unseeded[0].seed != unseeded[1].seed
+    assert convert.sampling_params(_request([5], seed=-2).sampling_params).seed == (1 << 63) - 2
+    assert convert.sampling_params(_request([5], seed=7).sampling_params).seed == 7
+
+
+def test_several_greedy_samples_are_refused_as_vllm_does(engine: EngineCore) -> None:
+    req = _request([5, 6, 7], n=2)
+    req.sampling_params.temperature = 0.0
+    with pytest.raises(ServiceError) as info:
+        convert.prepare_generate(req, engine, "job")
+    assert info.value.violations[0][0] == "sampling_params.n"
+    req.sampling_params.temperature = 0.7
+    assert len(convert.prepare_generate(req, engine, "job").specs) == 2
+    req.sampling_params.n = 1
+    req.sampling_params.temperature = 0.0
+    assert len(convert.prepare_generate(req, engine, "job").specs) == 1
+
+
+def test_truncation_past_the_context_is_refused_as_vllm_does(engine: EngineCore) -> None:
+    req = _request([5, 6, 7], truncate_prompt_tokens=engine.max_model_len + 1)
+    with pytest.raises(ServiceError) as info:
+        convert.prepare_generate(req, engine, "job")
+    assert info.value.violations[0][0] == "sampling_params.truncate_prompt_tokens"
+    for keep, kept in ((engine.max_model_len, 3), (-1, 3), (2, 2)):
+        req.sampling_params.truncate_prompt_tokens = keep
+        assert len(convert.prepare_generate(req, engine, "job").specs[0].prompt) == kept
