@@ -8,6 +8,7 @@ tokenizer. `write_preset` writes one to a directory; `ensure_preset` caches it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -233,7 +234,7 @@ def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path
 
         spec = CODEC_PRESETS[name]
         out = write_random_codec(out_dir, seed=spec["seed"], config={**SNAC_24KHZ, **spec.get("config", {})})
-        (out / "stencild_preset.json").write_text(json.dumps({"preset": name, "version": PRESET_VERSION}) + "\n")
+        _mark(out, name)
         return out
     if name not in PRESETS:
         choices = ", ".join(sorted([*PRESETS, *CODEC_PRESETS]))
@@ -254,10 +255,33 @@ def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path
         from engine.speech.layout import SpeechLayout
 
         SpeechLayout(**preset.speech_layout).save(out)
-    (out / "stencild_preset.json").write_text(
-        json.dumps({"preset": name, "version": PRESET_VERSION}) + "\n"
-    )
+    _mark(out, name)
     return out
+
+
+MARKER = "stencild_preset.json"
+
+
+def _writer() -> dict[str, object]:
+    """What wrote a preset: its version, and the transformers release line
+    whose `save_pretrained` wrote its config (5.x writes rotary scaling as
+    `rope_parameters`, 4.x did not: a cache from one is stale for the other)."""
+    import transformers
+
+    return {"version": PRESET_VERSION, "transformers": transformers.__version__.split(".")[0]}
+
+
+def _mark(out: Path, name: str) -> None:
+    (out / MARKER).write_text(json.dumps({"preset": name, **_writer()}) + "\n")
+
+
+def _current(target: Path) -> bool:
+    """Whether `target` holds a whole preset this code and transformers wrote."""
+    try:
+        marker = json.loads((target / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and all(marker.get(k) == v for k, v in _writer().items())
 
 
 def _write_tokenizer(variant: str, out: Path) -> None:
@@ -282,22 +306,27 @@ def _write_tokenizer(variant: str, out: Path) -> None:
 
 
 def ensure_preset(name: str) -> Path:
-    """Return a cached checkpoint directory for preset `name`, writing it on first use."""
+    """Return a cached checkpoint directory for preset `name`, writing it on
+    first use (and again over one another transformers release line wrote)."""
     target = cache_root() / "models" / f"{name}-v{PRESET_VERSION}"
-    if (target / "stencild_preset.json").exists():
+    if _current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temporary sibling and rename, so concurrent callers never see
-    # a half-written checkpoint.
+    # a half-written checkpoint; a stale one is moved aside first.
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    stale = Path(tempfile.mkdtemp(prefix=f".{name}-stale-", dir=target.parent))
     try:
         write_preset(name, tmp)
+        with contextlib.suppress(OSError):  # absent, or another caller moved it
+            target.rename(stale / "old")
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / "stencild_preset.json").exists():
+            if not _current(target):
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for path in (tmp, stale):
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
     return target

@@ -223,3 +223,20 @@ def test_a_bad_prompt_in_a_batch_leaves_none_of_the_others_running(make_llm):
         llm.generate([[5, 6, 7], [8, 9], [5] * 95], SamplingParams(max_new_tokens=4))
     assert not llm.engine.has_work()  # the two good ones were never queued
     assert llm.engine.allocator.num_used == 0
+
+
+def test_a_preset_cached_by_another_transformers_line_is_written_again(tmp_path, monkeypatch) -> None:
+    # A preset written by transformers 4.x (rotary scaling without
+    # `rope_parameters`) was reused after an upgrade to 5.x and read wrong.
+    from engine import presets
+
+    monkeypatch.setenv("STENCILD_CACHE", str(tmp_path))
+    first = presets.ensure_preset("demo")
+    marker = json.loads((first / presets.MARKER).read_text())
+    (first / "config.json").write_text("{}")  # what the old line wrote, as far as this test goes
+    assert presets.ensure_preset("demo") == first and (first / "config.json").read_text() == "{}"
+    (first / presets.MARKER).write_text(json.dumps({**marker, "transformers": "4"}))
+    again = presets.ensure_preset("demo")
+    assert again == first and json.loads((again / presets.MARKER).read_text()) == marker
+    assert json.loads((again / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert sorted(p.name for p in tmp_path.joinpath("models").iterdir()) == [first.name]  # nothing left aside
