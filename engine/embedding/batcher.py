@@ -104,7 +104,7 @@ class EmbeddingBatcher:
 
     # -- caller side ---------------------------------------------------------------
 
-    def submit(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
+    def submit(self, texts: Iterable[str], normalize: bool | None = None, dimensions: int | None = None,
                truncate: bool = False) -> Future[EmbedResult]:
         """Validate and queue a request; raises InvalidRequest, BatcherClosed, BatcherOverloaded.
 
@@ -112,7 +112,7 @@ class EmbeddingBatcher:
         never be queued beside another."""
         return self._submit(texts, normalize, dimensions, truncate).future
 
-    def _submit(self, texts: Iterable[str], normalize: bool, dimensions: int | None, truncate: bool) -> _Job:
+    def _submit(self, texts: Iterable[str], normalize: bool | None, dimensions: int | None, truncate: bool) -> _Job:
         if self._closing:
             raise BatcherClosed("the embedding batcher is shut down")
         limit = self.max_pending_tokens
@@ -134,11 +134,11 @@ class EmbeddingBatcher:
             self._cond.notify()
         return job
 
-    def embed_sync(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
+    def embed_sync(self, texts: Iterable[str], normalize: bool | None = None, dimensions: int | None = None,
                    truncate: bool = False, timeout: float | None = None) -> EmbedResult:
         return self.submit(texts, normalize, dimensions, truncate).result(timeout)
 
-    async def embed(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
+    async def embed(self, texts: Iterable[str], normalize: bool | None = None, dimensions: int | None = None,
                     truncate: bool = False) -> EmbedResult:
         """Asyncio API; cancelling the awaiting task drops what of the request
         has not run (whether it is being tokenized, queued or part way through

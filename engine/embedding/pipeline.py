@@ -123,11 +123,15 @@ class EmbeddingPipeline:
     def forward_passes(self) -> int:
         return self._forward_passes
 
-    def prepare(self, texts: Iterable[str], normalize: bool = True, dimensions: int | None = None,
+    def prepare(self, texts: Iterable[str], normalize: bool | None = None, dimensions: int | None = None,
                 truncate: bool = False, max_tokens: int | None = None) -> EmbedRequest:
         """Validate a request and tokenize it; raises InvalidRequest naming the field.
 
+        `normalize` None: as the checkpoint (whether sentence-transformers'
+        modules end in Normalize, as vLLM and sentence-transformers read it).
         `max_tokens` bounds the request's tokens in all (special tokens included)."""
+        if normalize is None:
+            normalize = self.spec.normalize
         if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
             raise InvalidRequest("inputs", "must be a list of strings")
         texts = list(texts)  # also accepts protobuf repeated fields and generators
@@ -184,7 +188,7 @@ class EmbeddingPipeline:
             out = pooled[0] if len(pooled) == 1 else torch.cat(list(pooled))
             return finalize(out, request.normalize, request.dimensions)
 
-    def embed(self, texts: Sequence[str], normalize: bool = True, dimensions: int | None = None,
+    def embed(self, texts: Sequence[str], normalize: bool | None = None, dimensions: int | None = None,
               truncate: bool = False) -> tuple[np.ndarray, int]:
         """Embed `texts`: (float32 array [len(texts), dimensions or dimension], prompt tokens)."""
         request = self.prepare(texts, normalize, dimensions, truncate)

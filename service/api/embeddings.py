@@ -187,7 +187,7 @@ class EmbeddingsServicer(pb_grpc.EmbeddingsServicer):
     @counted_call
     async def Embed(self, request: pb.EmbedRequest, context: Any) -> pb.EmbedResponse:
         runtime = self._require()
-        normalize = request.normalize if request.HasField("normalize") else True
+        normalize = request.normalize if request.HasField("normalize") else None  # the checkpoint's
         dimensions = request.dimensions if request.HasField("dimensions") else None
         self._check_answer_fits(runtime, len(request.inputs), dimensions)
         try:

@@ -262,7 +262,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         from engine.errors import InvalidRequest
 
         try:
-            vectors, tokens = await runtime.batcher.embed([text], True, None, False)
+            vectors, tokens = await runtime.batcher.embed([text], None, None, False)  # normalized as the checkpoint says
         except InvalidRequest as err:
             # vLLM's EmbedRequest has no truncate to set.
             raise invalid_argument("tokenized", err.description.replace(TRUNCATE_HINT, "; shorten it")) from None

@@ -309,6 +309,22 @@ def test_tiny_checkpoints_match_sentence_transformers(tmp_path: Path, mode: str,
     np.testing.assert_allclose(got, ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+def test_vectors_are_normalized_by_default_as_the_checkpoint_says(tmp_path: Path, normalize: bool) -> None:
+    # A checkpoint without a Normalize module gave unit vectors all the same,
+    # where sentence-transformers and vLLM return them as pooled.
+    from sentence_transformers import SentenceTransformer
+
+    root = make_tiny_bert(tmp_path, normalize=normalize)
+    ours = EmbeddingPipeline(EmbeddingConfig(model=str(root)))
+    got, _ = ours.embed(SHORT, truncate=True)
+    ref = SentenceTransformer(str(root), device="cpu").encode(list(SHORT), convert_to_numpy=True)
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+    norms = np.linalg.norm(got, axis=1)
+    assert np.allclose(norms, 1.0, atol=1e-5) == normalize
+    assert np.allclose(np.linalg.norm(ours.embed(SHORT, normalize=True, truncate=True)[0], axis=1), 1.0, atol=1e-5)
+
+
 # -- packing -----------------------------------------------------------------------
 
 
