@@ -91,6 +91,24 @@ _KIND_ORDER = {
     # tags of JSON schemas (structural_tag.to_lark).
     "structural_tag": ("xgrammar", "llguidance"),
 }
+# Inside a string a schema bounds in length (maxLength, minLength) xgrammar
+# 0.2.8 takes milliseconds a mask (1-6 ms a row inside a maxLength-16 string
+# with an 8k vocabulary, more with a larger one; upstream mlc-ai/xgrammar#852)
+# where llguidance takes tens of microseconds: at batch 64 that was 40-90 ms
+# of mask fill a step. So a JSON schema, or a structural tag's (tool
+# parameters), with such bounds goes to llguidance first, pretty JSON and
+# tool calls included; xgrammar still takes what llguidance cannot compile.
+_BOUNDED_STRINGS_ORDER = ("llguidance", "xgrammar")
+_LENGTH_KEYWORDS = ('"maxLength"', '"minLength"')
+
+
+def bounds_string_lengths(spec: GrammarSpec) -> bool:
+    """Whether a JSON schema or structural tag names a string length bound
+    (read from its text: a property named so counts too, which only moves
+    it to llguidance first)."""
+    if spec.kind not in ("json_schema", "structural_tag") or not isinstance(spec.source, str):
+        return False
+    return any(word in spec.source for word in _LENGTH_KEYWORDS)
 
 
 class CompileQueueFull(GrammarError):
@@ -279,6 +297,8 @@ class GrammarCompiler:
         backend = _check_backend(backend or self.backend)
         if backend != "auto":
             return (backend,)
+        if bounds_string_lengths(spec):
+            return _BOUNDED_STRINGS_ORDER
         if spec.kind in JSON_KINDS:
             return ("xgrammar", "llguidance") if spec.options.whitespace == "pretty" else JSON_ORDER
         return _KIND_ORDER[spec.kind]

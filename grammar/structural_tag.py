@@ -123,20 +123,55 @@ def _check_tag_list(fmt: Any) -> None:
 
 
 def to_lark(tag: dict[str, Any]) -> str:
-    """llguidance's grammar for a normalized structural tag: triggered tags
-    with string begins and ends and JSON-schema contents (GrammarError for
-    anything else: xgrammar compiles it)."""
+    """llguidance's grammar for a normalized structural tag: triggered tags,
+    or tags with a separator (what tool calls make), with string begins and
+    ends and JSON-schema contents (GrammarError for anything else: xgrammar
+    compiles it)."""
     import llguidance
 
     fmt = tag["format"]
-    if fmt.get("type") != "triggered_tags":
-        raise _error(f"llguidance takes triggered tags only, not {fmt.get('type')!r} (use xgrammar)")
+    kind = fmt.get("type")
+    if kind == "tags_with_separator":
+        return _separated_lark(fmt)
+    if kind != "triggered_tags":
+        raise _error(f"llguidance takes triggered tags or tags with a separator only, not {kind!r} (use xgrammar)")
     for option in ("at_least_one", "stop_after_first"):
         if fmt.get(option):
-            raise _error(f"llguidance cannot enforce {option} (use xgrammar)")
+            raise _error(f"llguidance cannot enforce {option} on triggered tags (use xgrammar)")
     if fmt.get("excludes"):
         raise _error("llguidance cannot enforce excludes (use xgrammar)")
     triggers = fmt.get("triggers") or []
+    items = []
+    for i, (begin, schema, end) in enumerate(_json_tags(fmt)):
+        trigger = next((t for t in triggers if isinstance(t, str) and t and begin.startswith(t)), None)
+        if trigger is None:
+            raise _error(f"tags[{i}].begin {begin!r} starts with none of the triggers")
+        items.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+    # Triggers are matched as text: special tokens never appear as text here.
+    return llguidance.StructTag.to_grammar(items, assume_special=False)
+
+
+def _separated_lark(fmt: dict[str, Any]) -> str:
+    """Only tags, `separator` between them, as xgrammar reads
+    `tags_with_separator`: at least one with `at_least_one`, at most one
+    with `stop_after_first`."""
+    separator = fmt.get("separator", "")
+    if not isinstance(separator, str):
+        raise _error("the separator must be a string")
+    rules = [f"tag_{i}: {json.dumps(begin)} %json {json.dumps(schema)} {json.dumps(end)}"
+             for i, (begin, schema, end) in enumerate(_json_tags(fmt))]
+    names = [f"tag_{i}" for i in range(len(rules))]
+    one = names[0] if len(names) == 1 else "(" + " | ".join(names) + ")"
+    sep = f"{json.dumps(separator)} " if separator else ""
+    many = one if fmt.get("stop_after_first") else f"{one} ({sep}{one})*"
+    body = many if fmt.get("at_least_one") else f"({many})?"
+    return "\n".join(["%llguidance {}", f"start: {body}", *rules]) + "\n"
+
+
+def _json_tags(fmt: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    """(begin, schema, end) of each tag of a tag list whose contents llguidance
+    takes: string begins and ends, JSON-schema contents (the schema carries
+    its whitespace bound as llguidance reads it)."""
     items = []
     for i, item in enumerate(fmt.get("tags") or []):
         content = item.get("content") or {}
@@ -146,9 +181,6 @@ def to_lark(tag: dict[str, Any]) -> str:
         if content.get("type") != "json_schema" or content.get("style", "json") != "json" \
                 or content.get("any_order") or content.get("excludes"):
             raise _error(f"tags[{i}]: llguidance takes JSON-schema contents only (use xgrammar)")
-        trigger = next((t for t in triggers if isinstance(t, str) and t and begin.startswith(t)), None)
-        if trigger is None:
-            raise _error(f"tags[{i}].begin {begin!r} starts with none of the triggers")
         schema = content.get("json_schema")
         if schema is True:
             schema = {}
@@ -158,8 +190,7 @@ def to_lark(tag: dict[str, Any]) -> str:
             n = int(content["max_whitespace_cnt"])
             schema = {**schema, "x-guidance": {"whitespace_flexible": True,
                                                "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{n}}}"}}
-        items.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+        items.append((begin, schema, end))
     if not items:
         raise _error("no tags")
-    # Triggers are matched as text: special tokens never appear as text here.
-    return llguidance.StructTag.to_grammar(items, assume_special=False)
+    return items

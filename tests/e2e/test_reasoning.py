@@ -143,7 +143,8 @@ def test_a_structural_tag_in_free_text(reasoner) -> None:  # type: ignore[no-unt
     assert text.endswith("}\n</tool_call>") and done.finish_reason == pb.GenerateComplete.EOS
     call = json.loads(text[len("<tool_call>\n"):-len("\n</tool_call>")])
     jsonschema.validate(call["arguments"], WEATHER)
-    assert done.thought == pb.GenerateComplete.THOUGHT_NONE and done.grammar_backend == "xgrammar"
+    # llguidance: the city's maxLength would make xgrammar's masks slow.
+    assert done.thought == pb.GenerateComplete.THOUGHT_NONE and done.grammar_backend == "llguidance"
     assert done.schema_validation.result == pb.SchemaValidation.VALID
     assert done.usage.forced_tokens > 10  # the begin and the key were forced inside the tag
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grammar import GrammarError, GrammarSpec
+from grammar import GrammarError, GrammarOptions, GrammarSpec
 from grammar.output_check import OutputCheck
 from grammar.tool_calls import CallReader, Tool, call_constraint
 
@@ -21,9 +21,11 @@ LEGACY = {"type": "structural_tag", "structures": [{"begin": "<fn=add>", "schema
 # The same in xgrammar's spelling.
 TRIGGERED: dict[str, Any] = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<fn="], "tags": [
     {"type": "tag", "begin": "<fn=add>", "content": {"type": "json_schema", "json_schema": ADD}, "end": "</fn>"}]}}
-# Calls only, at least one, separated by newlines: llguidance has no such tag.
-CALLS_ONLY = {"type": "structural_tag", "format": {"type": "tags_with_separator", "separator": "\n",
+# Calls only, at least one, separated by newlines.
+CALLS_ONLY: dict[str, Any] = {"type": "structural_tag", "format": {"type": "tags_with_separator", "separator": "\n",
                                                    "at_least_one": True, "tags": TRIGGERED["format"]["tags"]}}
+# Free text with at least one call in it: llguidance has no such tag.
+AT_LEAST_ONE = {"type": "structural_tag", "format": {**TRIGGERED["format"], "at_least_one": True}}
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -56,15 +58,53 @@ def test_both_spellings_on_both_backends(compiler, tag, backend):
 
 
 def test_formats_llguidance_cannot_express_fall_back_to_xgrammar(compiler):
-    spec = GrammarSpec.structural_tag(CALLS_ONLY)
-    with pytest.raises(GrammarError, match="llguidance takes triggered tags only"):
+    spec = GrammarSpec.structural_tag(AT_LEAST_ONE)
+    with pytest.raises(GrammarError, match="llguidance cannot enforce at_least_one"):
         compiler.compile(spec, backend="llguidance")
-    matcher = compiler.compile(spec)  # auto: xgrammar first
-    assert matcher.backend == "xgrammar"
+    bounded = json.loads(json.dumps(AT_LEAST_ONE).replace('"type": "integer"', '"type": "string", "maxLength": 4'))
+    for tag in (AT_LEAST_ONE, bounded):  # llguidance first for the second, which it refuses
+        assert compiler.compile(GrammarSpec.structural_tag(tag)).backend == "xgrammar"
+
+
+SEPARATED_TEXTS = ['<fn=add>{"a":1}</fn>', '<fn=add>{"a":1}</fn>\n<fn=add>{"a":2}</fn>', "",
+                   'Sure <fn=add>{"a":1}</fn>', '<fn=add>{"a":1}</fn><fn=add>{"a":2}</fn>',
+                   '<fn=add>{"a": 1}</fn>', '<fn=add>{"a":"x"}</fn>', '<fn=add>{"a":1}</fn>\n']
+
+
+@pytest.mark.parametrize("options", [{"at_least_one": True}, {"at_least_one": True, "stop_after_first": True},
+                                     {}, {"stop_after_first": True}])
+def test_tags_with_a_separator_read_alike_on_both_backends(compiler, options):
+    # llguidance compiles what tool calls make of them ("required", a named
+    # tool), so tool calls can run where xgrammar's masks are slow.
+    fmt = {**CALLS_ONLY["format"], "at_least_one": False, **options}
+    spec = GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
     tok = compiler.tokenizer_data
-    assert matcher.accept_tokens(tok.encode("Sure")) == 0  # no free text: calls only
-    calls = tok.encode('<fn=add>{"a":1}</fn>\n<fn=add>{"a":2}</fn>')
-    assert matcher.accept_tokens(calls) == len(calls) and matcher.can_terminate()
+    verdicts: dict[str, list[bool]] = {}
+    for backend in ("xgrammar", "llguidance"):
+        matcher = compiler.compile(spec, backend=backend)
+        for text in SEPARATED_TEXTS:
+            matcher.reset()
+            ids = tok.encode(text)
+            verdicts.setdefault(text, []).append(matcher.accept_tokens(ids) == len(ids) and matcher.can_terminate())
+    assert all(a == b for a, b in verdicts.values()), verdicts
+    assert verdicts['<fn=add>{"a":1}</fn>'] == [True, True]
+    assert verdicts[""][0] == ("at_least_one" not in options)
+    two = '<fn=add>{"a":1}</fn>\n<fn=add>{"a":2}</fn>'
+    assert verdicts[two][0] == ("stop_after_first" not in options)
+
+
+@pytest.mark.parametrize("mode", ["auto", "required", "add"])
+def test_tool_calls_with_bounded_strings_go_to_llguidance_first(compiler, mode):
+    # xgrammar's masks inside a maxLength string took milliseconds a row.
+    def spec(parameters):
+        return call_constraint([Tool("add", parameters)], mode)
+
+    bounded = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}, "required": ["s"]}
+    assert compiler.compile(spec(bounded)).backend == "llguidance"
+    assert compiler.compile(spec(ADD)).backend == "xgrammar"
+    pretty = GrammarOptions(whitespace="pretty")
+    assert compiler.compile(GrammarSpec.json_schema(bounded, pretty)).backend == "llguidance"
+    assert compiler.compile(GrammarSpec.json_schema(ADD, pretty)).backend == "xgrammar"
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
