@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import re
 import threading
 import time
 import weakref
@@ -91,24 +92,32 @@ _KIND_ORDER = {
     # tags of JSON schemas (structural_tag.to_lark).
     "structural_tag": ("xgrammar", "llguidance"),
 }
-# Inside a string a schema bounds in length (maxLength, minLength) xgrammar
-# 0.2.8 takes milliseconds a mask (1-6 ms a row inside a maxLength-16 string
-# with an 8k vocabulary, more with a larger one; upstream mlc-ai/xgrammar#852)
-# where llguidance takes tens of microseconds: at batch 64 that was 40-90 ms
-# of mask fill a step. So a JSON schema, or a structural tag's (tool
-# parameters), with such bounds goes to llguidance first, pretty JSON and
-# tool calls included; xgrammar still takes what llguidance cannot compile.
-_BOUNDED_STRINGS_ORDER = ("llguidance", "xgrammar")
+# Inside a string a schema bounds in length (maxLength, minLength), or whose
+# pattern counts a repetition past 128 (where xgrammar stops unrolling it),
+# xgrammar 0.2.8 takes milliseconds a mask (1-6 ms a row inside a
+# maxLength-16 string with an 8k vocabulary, 4-11 ms inside a {10,200}
+# pattern with a 32k one; upstream mlc-ai/xgrammar#852) where llguidance
+# takes tens of microseconds: at batch 64 that was 40-90 ms of mask fill a
+# step. So a JSON schema, or a structural tag's (tool parameters), with such
+# strings goes to llguidance first, pretty JSON and tool calls included;
+# xgrammar still takes what llguidance cannot compile.
+_SLOW_STRINGS_ORDER = ("llguidance", "xgrammar")
 _LENGTH_KEYWORDS = ('"maxLength"', '"minLength"')
+_COUNTED = re.compile(r"\{(\d{1,9})(?:,(\d{0,9}))?\}")
+_UNROLLED_COUNT = 128
 
 
-def bounds_string_lengths(spec: GrammarSpec) -> bool:
-    """Whether a JSON schema or structural tag names a string length bound
-    (read from its text: a property named so counts too, which only moves
-    it to llguidance first)."""
+def slow_strings_on_xgrammar(spec: GrammarSpec) -> bool:
+    """Whether a JSON schema or structural tag has strings whose masks are
+    slow on xgrammar: a length bound, or a counted repetition past 128 (read
+    from its text: a property so named counts too, which only moves it to
+    llguidance first)."""
     if spec.kind not in ("json_schema", "structural_tag") or not isinstance(spec.source, str):
         return False
-    return any(word in spec.source for word in _LENGTH_KEYWORDS)
+    text = spec.source
+    if any(word in text for word in _LENGTH_KEYWORDS):
+        return True
+    return any(int(m.group(2) or m.group(1)) > _UNROLLED_COUNT for m in _COUNTED.finditer(text))
 
 
 class CompileQueueFull(GrammarError):
@@ -297,8 +306,8 @@ class GrammarCompiler:
         backend = _check_backend(backend or self.backend)
         if backend != "auto":
             return (backend,)
-        if bounds_string_lengths(spec):
-            return _BOUNDED_STRINGS_ORDER
+        if slow_strings_on_xgrammar(spec):
+            return _SLOW_STRINGS_ORDER
         if spec.kind in JSON_KINDS:
             return ("xgrammar", "llguidance") if spec.options.whitespace == "pretty" else JSON_ORDER
         return _KIND_ORDER[spec.kind]
