@@ -2,7 +2,7 @@
 
 `StepPhases(llm)` times, while it is open (a context manager), what the
 engine thread does each step (schedule; launch: build the inputs and submit
-the device job; advance: wait for the previous step's tokens, then move its
+the device job, the build beside the mask's fill with overlap on; advance: wait for the previous step's tokens, then move its
 requests on; fill: the grammar mask; report: detokenize and build outputs)
 and how long the device thread waits for each grammar mask before sampling
 (from the end of a constrained step's forward job to the start of its
@@ -85,17 +85,18 @@ class StepPhases:
         self._gaps = MaskGaps()
 
     # -- installing ----------------------------------------------------------
-    def _wrap(self, owner: Any, name: str, key: str, on_class: bool = False) -> None:
+    def _wrap(self, owner: Any, name: str, key: str, on_class: bool = False, less: tuple[str, ...] = ()) -> None:
+        """Time `owner.name` into `key`, less what phases `less` counted during it."""
         real = getattr(owner, name)
         seconds = self._seconds
 
         @functools.wraps(real)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, inner = time.perf_counter(), sum(seconds[k] for k in less)
             try:
                 return real(*args, **kwargs)
             finally:
-                seconds[key] += time.perf_counter() - start
+                seconds[key] += time.perf_counter() - start - (sum(seconds[k] for k in less) - inner)
 
         self._undo.append((owner, name, real, on_class))
         setattr(owner, name, timed)
@@ -106,10 +107,13 @@ class StepPhases:
         eng = self._llm.engine
         pipe = eng.pipeline
         self._wrap(eng.scheduler, "schedule", "schedule")
-        self._wrap(pipe, "launch", "launch")
+        self._wrap(pipe, "prepare", "launch")
+        self._wrap(pipe, "submit", "launch")
         self._wrap(pipe, "advance", "advance")
         self._wrap(eng.postprocessor, "step_done", "step_done")
-        self._wrap(pipe, "fill_grammar", "fill")
+        # The next step is scheduled and built inside the fill (beside the
+        # library's work where it can be): counted there, not twice.
+        self._wrap(pipe, "fill_grammar", "fill", less=("schedule", "launch"))
         self._wrap(pipe, "report", "report")
         self._wrap(SamplerOutput, "host", "tokens_wait", on_class=True)
         self._gaps.__enter__()

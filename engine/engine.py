@@ -306,6 +306,7 @@ class EngineCore:
         """Stop background helpers (the device thread, the grammar compiler's worker)."""
         if self._owns_executor:
             self.executor.close()
+        self.masks.close()
         self.structured.close()
 
     def has_work(self) -> bool:
@@ -349,41 +350,59 @@ class EngineCore:
         was finished (its sampling queued behind its forward pass). A call:
 
         1. waits for N and moves its requests on (tokens, stop rules, grammar,
-           forced tokens; finished requests give back their pages), then fills
-           N+1's grammar mask: N+1's sampling was waiting for it;
-        2. schedules and launches N+2, whose forward pass queues behind N+1's
-           sampling (its placeholders are N+1's tokens, read on the device);
+           forced tokens; finished requests give back their pages);
+        2. fills N+1's grammar mask (N+1's sampling waits for it), and while
+           the library fills it (off this thread where it releases the GIL)
+           schedules N+2 and builds its inputs; queues N+1's sampling, then
+           N+2's forward pass right behind it (its placeholders are N+1's
+           tokens, read on the device);
         3. detokenizes N's tokens and builds its outputs, while N+1 and N+2 run.
 
-        Reporting last keeps detokenizing off the path from N's tokens to
-        N+2's launch. The scheduler sees N's stop rules but not its stop
-        strings: a request a stop string ends may take one more step (and
-        its pages), whose work is thrown away. `last_step`'s mask time is
-        N+1's fill, its batch N+2's. Returns (outputs, contexts launched,
-        their tokens).
+        From N's tokens to N+1's sampling and N+2's forward pass is the path
+        the device waits on, so only what must be is on it: the grammar's
+        advance, its fill, and the schedule and build beside the fill, not
+        after it. Reporting last keeps detokenizing off it. The scheduler sees
+        N's stop rules but not its stop strings: a request a stop string ends
+        may take one more step (and its pages), whose work is thrown away.
+        `last_step`'s mask time is N+1's fill, its batch N+2's. Returns
+        (outputs, contexts launched, their tokens).
         """
         pipeline, in_flight = self.pipeline, self._in_flight
         touched: list[TextContext] = []
-        finished = False
+        launched: list[tuple[int, int]] = []  # (contexts, tokens) of the step built, if any
+
+        def build_next() -> None:
+            sched = self.scheduler.schedule()
+            if sched is not None:
+                tokens = sum(c.active_length for c in sched.contexts)  # before the build moves the indices
+                # Kept before it is queued: whatever fails from here, a step
+                # whose placeholders its requests hold is queued and finished.
+                in_flight.append(pipeline.prepare(sched.contexts, sched.num_steps))
+                launched.append((len(sched.contexts), tokens))
+
         if len(in_flight) == 2:
             try:
                 touched = pipeline.advance(in_flight.popleft())
+            except BaseException:
+                pipeline.fill_grammar(in_flight[0])  # N+1 must still sample
+                raise
+            try:
+                pipeline.fill_grammar(in_flight[0], meanwhile=build_next)  # matchers have now seen N's tokens
             finally:
-                pipeline.fill_grammar(in_flight[0])  # matchers have now seen N's tokens
-            finished = True
-        sched = self.scheduler.schedule()
-        contexts = sched.contexts if sched is not None else []
-        num_tokens = sum(c.active_length for c in contexts)  # before the launch moves the indices
-        if sched is not None:
-            # Kept before its mask is filled: a failed fill must not lose a step
-            # whose placeholders its requests already hold.
-            in_flight.append(pipeline.launch(sched.contexts, sched.num_steps))
-            if len(in_flight) == 1:  # nothing before it in flight: the matchers are up to date
-                pipeline.fill_grammar(in_flight[0])
-        elif in_flight and not finished:  # nothing new to run: drain
-            pipeline.fill_grammar(in_flight[0])  # filled already, unless a fill failed
-            touched = pipeline.advance(in_flight.popleft())
-        return pipeline.report(touched), len(contexts), num_tokens
+                for step in in_flight:
+                    pipeline.submit(step)
+        else:
+            try:
+                build_next()
+            finally:
+                for step in in_flight:
+                    pipeline.submit(step)
+            if in_flight:  # a step just built with nothing before it: its matchers are up to date
+                pipeline.fill_grammar(in_flight[0])  # (filled already otherwise)
+            if not launched and in_flight:  # nothing new to run: drain
+                touched = pipeline.advance(in_flight.popleft())
+        contexts, tokens = launched[0] if launched else (0, 0)
+        return pipeline.report(touched), contexts, tokens
 
     def flush_prefix_cache(self) -> int:
         """Empty the prefix cache (pages running requests hold stay theirs,

@@ -16,7 +16,7 @@ With overlap off the same code runs in order, so outputs are identical either wa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
 
@@ -74,6 +74,11 @@ class TextGenerationPipeline:
 
         A failure building the inputs is the step's failure, handled by `finish`.
         """
+        return self.submit(self.prepare(batch, num_steps))
+
+    def prepare(self, batch: Batch, num_steps: int = 1) -> LaunchedStep:
+        """`launch`'s host half: build the step's inputs and advance its contexts
+        with placeholders; nothing reaches the device thread until `submit`."""
         contexts = tuple(batch.values()) if isinstance(batch, Mapping) else tuple(batch)
         epochs = tuple(c.sched.epoch for c in contexts)
         try:
@@ -84,13 +89,20 @@ class TextGenerationPipeline:
             failed: Future[StepResult | Forwarded] = Future()
             failed.set_exception(exc)
             return LaunchedStep(contexts, epochs, None, failed)
-        job = self.executor.submit(partial(run_step, inputs, self.model, self.attention, self.buffer.tokens,
-                                           self.graphs))
-        return LaunchedStep(contexts, epochs, inputs, job)
+        return LaunchedStep(contexts, epochs, inputs, None)
 
-    def fill_grammar(self, step: LaunchedStep) -> None:
+    def submit(self, step: LaunchedStep) -> LaunchedStep:
+        """Queue a prepared step's run on the device thread (once: a no-op after)."""
+        if step.job is None:
+            assert step.inputs is not None
+            step.job = self.executor.submit(partial(run_step, step.inputs, self.model, self.attention,
+                                                    self.buffer.tokens, self.graphs))
+        return step
+
+    def fill_grammar(self, step: LaunchedStep, meanwhile: Callable[[], object] | None = None) -> None:
         """Fill the step's grammar mask and submit its sampling (a no-op for a
-        step without one, or filled already).
+        step without one, or filled already); `meanwhile` runs on this thread
+        once, beside the fill where it can (`StepMasks.fill`), else after it.
 
         Call when every matcher has consumed the tokens before its sample
         position: right after `launch` when no step is in flight before it,
@@ -98,11 +110,14 @@ class TextGenerationPipeline:
         """
         inputs = step.inputs
         if not step.awaits_mask:
+            if meanwhile is not None:
+                meanwhile()
             return
         assert inputs is not None and inputs.grammar is not None
+        assert step.job is not None, "a step's sampling is queued after its forward pass"
         live = [step.contexts[row] if step.live(row) else None for row in inputs.sampled]
         try:
-            self.masks.fill(inputs.grammar, live)
+            self.masks.fill(inputs.grammar, live, meanwhile)
         finally:  # the mask is set even if the fill failed (StepMasks.fill): never leave the step hanging
             step.sampling = self.executor.submit(partial(sample_step, step.job, inputs.grammar, self.masks.apply))
 

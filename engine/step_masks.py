@@ -35,6 +35,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -194,6 +195,15 @@ class StepMasks:
         # Seconds the last `fill` with constrained rows took (the engine resets
         # it to None at the start of each step and reports it in StepStats).
         self.last_mask_seconds: float | None = None
+        # Runs a batch fill whose library releases the GIL while the engine
+        # thread does the caller's `meanwhile` (see `fill`); made on first use.
+        self._fill_thread: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        """Stop the fill thread, if one was started."""
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown(wait=True)
+            self._fill_thread = None
 
     @property
     def filler(self) -> BitmaskFiller:
@@ -203,7 +213,8 @@ class StepMasks:
         return self._filler
 
     # -- per step (engine thread; `apply` on the device thread) ----------------
-    def fill(self, mask: PendingMask, contexts: Sequence[TextContext | None]) -> None:
+    def fill(self, mask: PendingMask, contexts: Sequence[TextContext | None],
+             meanwhile: Callable[[], object] | None = None) -> None:
         """Fill `mask` for the constrained contexts (None rows are skipped) and release it.
 
         A context whose next token is already decided (`forced_next`, see
@@ -211,103 +222,141 @@ class StepMasks:
         recorded in `mask.failed`; the others are filled all the same. Rows
         inside a thought follow `_thought_row`.
 
+        `meanwhile` runs on this thread once, unless the fill fails first:
+        while the library fills the rows on the fill thread when its batch
+        call releases the GIL (llguidance's), after the fill otherwise. The
+        engine schedules and builds its next step there, work that would
+        otherwise wait for the fill on the device's path. It may not touch the
+        matchers or the bitmask; its failure is raised once the mask is set.
+
         This runs once per step on the engine thread, so it is kept lean: one
         pass over the contexts, a bitmask view per batch size made once, and
         forced rows written through a numpy view (torch indexing costs
         microseconds per call).
         """
-        start = time.perf_counter()
+        pending = [meanwhile] if meanwhile is not None else []
+
+        def run_pending() -> None:
+            while pending:
+                pending.pop()()
+
         try:
-            ctx = contexts[0] if len(contexts) == 1 else None
-            if ctx is not None and ctx.constrained and ctx.grammar.forced_next is None \
-                    and ctx.grammar.resampler is None and (ctx.grammar.gate is None or ctx.grammar.gate.answering) \
-                    and not _stops_held_back(ctx):
-                # One constrained request sampling freely (a lone client): its
-                # row without the batch bookkeeping below, through a fill made
-                # once per request (for xgrammar a native call with no Python
-                # frame: grammar.BitmaskFiller.row_filler).
-                one = self._one_row
-                assert ctx.matcher is not None
-                if one is None or one.matcher is not ctx.matcher:
-                    bitmask = self._view(1)
-                    one = self._one_row = _OneRow(ctx.matcher, self.filler.row_filler(
-                        ctx.matcher, bitmask, 0), bitmask)
-                try:
-                    one.fill()
-                except Exception:  # noqa: BLE001 - terminated (xgrammar refuses) or failing
-                    self._one_row_failed(one, mask)
-                mask.set(one.bitmask, self._rows([0]))
-                self.last_mask_seconds = time.perf_counter() - start
-                return
-            rows: list[int] = []
-            free: list[int] = []
-            matchers: list[Matcher] = []
-            also: list[tuple[int, int]] = []  # (row, token): the grammar's row plus this token
-            blocked: list[tuple[int, frozenset[int]]] = []  # (row, tokens): any token but these
-            held: list[tuple[int, frozenset[int]]] = []  # (row, tokens): the grammar's row less these, if it can
-            for i, ctx in enumerate(contexts):
-                if ctx is None:
-                    continue
-                gate = ctx.grammar.gate
-                if gate is not None and gate.thinking and ctx.grammar.forced_next is None:
-                    stops = _thought_row(ctx)
-                    if ctx.grammar.forced_next is None and not stops:
-                        continue  # sampled freely
-                    rows.append(i)
-                    if stops:
-                        blocked.append((i, stops))
-                    continue
-                if ctx.grammar.forced_next is not None:
-                    rows.append(i)
-                elif ctx.constrained:
-                    assert ctx.matcher is not None
-                    rows.append(i)
-                    free.append(i)
-                    matchers.append(ctx.matcher)
-                    if ctx.sampling_params.min_new_tokens:  # most rows have none: no call
-                        stops = _stops_held_back(ctx)
-                        if stops:
-                            held.append((i, stops))
-                    if gate is not None and gate.undecided:
-                        also.append((i, gate.parser.start_id))
-            if not rows:
-                mask.set(None, [])
-                return
-            bitmask = self._view(len(contexts))
-            if matchers:
-                try:
-                    self.filler.fill(matchers, bitmask, free)
-                except Exception:  # noqa: BLE001 - one matcher's fault must not fail the batch
-                    self._fill_one_by_one(matchers, bitmask, free, mask)
-            words = self._words
-            if len(free) < len(rows):
-                for i in rows:
-                    token = contexts[i].grammar.forced_next  # type: ignore[union-attr]
-                    if token is not None:
-                        words[i] = 0  # allow exactly `token`
-                        words[i, token >> 5] = 1 << (token & 31)
-            for i, token in also:
-                words[i, token >> 5] |= np.uint32(1 << (token & 31))
-            for i, tokens in blocked:
-                words[i] = np.uint32(0xFFFFFFFF)
-                for token in tokens:
-                    if token < self.vocab_size:
-                        words[i, token >> 5] &= ~np.uint32(1 << (token & 31))
-            for i, tokens in held:
-                # min_new_tokens, as vLLM has it: no stop token yet, unless the
-                # grammar allows nothing else (then the grammar's end wins).
-                row = words[i].copy()
-                for token in tokens:
-                    if token < self.vocab_size:
-                        words[i, token >> 5] &= ~np.uint32(1 << (token & 31))
-                if not words[i].any():
-                    words[i] = row
-            _mask_resampled(contexts, bitmask, free)
-            mask.set(bitmask, self._rows(rows))
-            self.last_mask_seconds = time.perf_counter() - start
+            self._fill(mask, contexts, run_pending)
         finally:
             if not mask.is_set:  # its sampling job is submitted next: never unset
                 mask.set(None, [])
+        run_pending()  # nothing ran beside the fill: after it
+
+    def _fill(self, mask: PendingMask, contexts: Sequence[TextContext | None],
+              meanwhile: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        ctx = contexts[0] if len(contexts) == 1 else None
+        if ctx is not None and ctx.constrained and ctx.grammar.forced_next is None \
+                and ctx.grammar.resampler is None and (ctx.grammar.gate is None or ctx.grammar.gate.answering) \
+                and not _stops_held_back(ctx):
+            # One constrained request sampling freely (a lone client): its
+            # row without the batch bookkeeping below, through a fill made
+            # once per request (for xgrammar a native call with no Python
+            # frame: grammar.BitmaskFiller.row_filler).
+            one = self._one_row
+            assert ctx.matcher is not None
+            if one is None or one.matcher is not ctx.matcher:
+                bitmask = self._view(1)
+                one = self._one_row = _OneRow(ctx.matcher, self.filler.row_filler(
+                    ctx.matcher, bitmask, 0), bitmask)
+            try:
+                one.fill()
+            except Exception:  # noqa: BLE001 - terminated (xgrammar refuses) or failing
+                self._one_row_failed(one, mask)
+            mask.set(one.bitmask, self._rows([0]))
+            self.last_mask_seconds = time.perf_counter() - start
+            return
+        rows: list[int] = []
+        free: list[int] = []
+        matchers: list[Matcher] = []
+        also: list[tuple[int, int]] = []  # (row, token): the grammar's row plus this token
+        blocked: list[tuple[int, frozenset[int]]] = []  # (row, tokens): any token but these
+        held: list[tuple[int, frozenset[int]]] = []  # (row, tokens): the grammar's row less these, if it can
+        for i, ctx in enumerate(contexts):
+            if ctx is None:
+                continue
+            gate = ctx.grammar.gate
+            if gate is not None and gate.thinking and ctx.grammar.forced_next is None:
+                stops = _thought_row(ctx)
+                if ctx.grammar.forced_next is None and not stops:
+                    continue  # sampled freely
+                rows.append(i)
+                if stops:
+                    blocked.append((i, stops))
+                continue
+            if ctx.grammar.forced_next is not None:
+                rows.append(i)
+            elif ctx.constrained:
+                assert ctx.matcher is not None
+                rows.append(i)
+                free.append(i)
+                matchers.append(ctx.matcher)
+                if ctx.sampling_params.min_new_tokens:  # most rows have none: no call
+                    stops = _stops_held_back(ctx)
+                    if stops:
+                        held.append((i, stops))
+                if gate is not None and gate.undecided:
+                    also.append((i, gate.parser.start_id))
+        if not rows:
+            mask.set(None, [])
+            return
+        bitmask = self._view(len(contexts))
+        failure: BaseException | None = None
+        if matchers and self.filler.fills_off_gil(matchers):
+            job = self._thread().submit(self.filler.fill, matchers, bitmask, free)
+            paused = time.perf_counter()
+            try:
+                meanwhile()
+            except BaseException as exc:  # noqa: BLE001 - raised once the mask is whole
+                failure = exc
+            start += time.perf_counter() - paused  # the mask's own time leaves it out
+            try:
+                job.result()
+            except Exception:  # noqa: BLE001 - one matcher's fault must not fail the batch
+                self._fill_one_by_one(matchers, bitmask, free, mask)
+        elif matchers:
+            try:
+                self.filler.fill(matchers, bitmask, free)
+            except Exception:  # noqa: BLE001 - one matcher's fault must not fail the batch
+                self._fill_one_by_one(matchers, bitmask, free, mask)
+        words = self._words
+        if len(free) < len(rows):
+            for i in rows:
+                token = contexts[i].grammar.forced_next  # type: ignore[union-attr]
+                if token is not None:
+                    words[i] = 0  # allow exactly `token`
+                    words[i, token >> 5] = 1 << (token & 31)
+        for i, token in also:
+            words[i, token >> 5] |= np.uint32(1 << (token & 31))
+        for i, tokens in blocked:
+            words[i] = np.uint32(0xFFFFFFFF)
+            for token in tokens:
+                if token < self.vocab_size:
+                    words[i, token >> 5] &= ~np.uint32(1 << (token & 31))
+        for i, tokens in held:
+            # min_new_tokens, as vLLM has it: no stop token yet, unless the
+            # grammar allows nothing else (then the grammar's end wins).
+            row = words[i].copy()
+            for token in tokens:
+                if token < self.vocab_size:
+                    words[i, token >> 5] &= ~np.uint32(1 << (token & 31))
+            if not words[i].any():
+                words[i] = row
+        _mask_resampled(contexts, bitmask, free)
+        mask.set(bitmask, self._rows(rows))
+        self.last_mask_seconds = time.perf_counter() - start
+        if failure is not None:
+            raise failure
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="stencil-mask-fill")
+        return self._fill_thread
 
     def _one_row_failed(self, one: _OneRow, mask: PendingMask) -> None:
         """The one-row fill raised: fill (or record the failure) the general

@@ -68,13 +68,14 @@ class Forwarded:
 @dataclass
 class LaunchedStep:
     """A step on its way: its requests (and their epochs at launch), its inputs
-    (None if building them failed), its forward job's future and, for a step
-    with a grammar mask, its sampling job's (set once the mask is filled)."""
+    (None if building them failed), its forward job's future (None while the
+    step is built but not yet queued: `TextGenerationPipeline.submit`) and, for
+    a step with a grammar mask, its sampling job's (set once the mask is filled)."""
 
     contexts: tuple[TextContext, ...]
     epochs: tuple[int, ...]
     inputs: StepInputs | None
-    job: Future[StepResult | Forwarded]
+    job: Future[StepResult | Forwarded] | None
     sampling: Future[StepResult] | None = None
 
     @property
@@ -89,7 +90,10 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         """Wait for the step's device work; its result (re-raises its failure)."""
-        head = (self.sampling if self.sampling is not None else self.job).result()
+        job = self.sampling if self.sampling is not None else self.job
+        if job is None:
+            raise RuntimeError("the step was built but never queued")
+        head = job.result()
         if isinstance(head, Forwarded):
             raise RuntimeError("the step's sampling was never queued: its grammar mask was not filled")
         return head

@@ -150,6 +150,12 @@ class BitmaskFiller:
                                                  _xgr.direct_target(bitmask))
         self._checked, self._base, self._batch, self._xgr_target = known
 
+    def fills_off_gil(self, matchers: Sequence[Matcher | None]) -> bool:
+        """Whether `fill` of these rows spends most of its time with the GIL
+        released (llguidance's executor, for two rows or more), so another
+        thread's Python can run beside it."""
+        return sum(1 for m in matchers if m is not None and m.backend == "llguidance") >= 2
+
     def row_filler(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> Callable[[], object]:
         """A call without arguments that fills `bitmask[row]` for `matcher`,
         for a caller filling the same row for the same matcher step after step

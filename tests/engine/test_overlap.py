@@ -201,16 +201,20 @@ def test_xgrammar_forced_text_with_overlap(make_llm, whitespace):
     off.close()
 
 
-def test_next_mask_and_next_launch_come_before_outputs_are_built(make_llm):
-    """With overlap, step N+1's sampling waits for its grammar mask, and that mask
-    only needs the matchers moved on by step N's tokens: it is filled before step
-    N's outputs are detokenized and built, which is off the device's path; so
-    is the launch of step N+2, which comes between the two.
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_the_next_step_is_built_during_the_fill_and_queued_after_it(make_llm, backend):
+    """With overlap, step N+1's sampling waits for its grammar mask, which
+    only needs the matchers moved on by step N's tokens, and step N+2's
+    forward pass waits for N+1's sampling. So N+2 is scheduled and built
+    while N+1's mask is filled (not after it, which kept the device idle for
+    the build after every sample), queued right behind N+1's sampling, and
+    N's outputs are detokenized and built last, off the device's path.
     (Constrained requests scheduled ahead of their last token, as with graphs.)"""
-    llm = make_llm("tiny-llama", overlap=True, speculative_constrained=True, grammar_backend="xgrammar")
+    llm = make_llm("tiny-llama", overlap=True, speculative_constrained=True, grammar_backend=backend)
     eng = llm.engine
     calls: list[str] = []
-    fill, report, step, launch = eng.masks.fill, eng.postprocessor.outputs, eng.step, eng.pipeline.launch
+    fill, report, step = eng.masks.fill, eng.postprocessor.outputs, eng.step
+    prepare, submit = eng.pipeline.prepare, eng.pipeline.submit
 
     def recording(name, fn):
         def wrapped(*args, **kwargs):
@@ -219,20 +223,60 @@ def test_next_mask_and_next_launch_come_before_outputs_are_built(make_llm):
             return fn(*args, **kwargs)
         return wrapped
 
-    eng.masks.fill = recording("f", fill)
+    def filling(*args, **kwargs):
+        calls.append("f")
+        try:
+            return fill(*args, **kwargs)
+        finally:
+            calls.append("F")
+
+    def queued(launched):  # "q": a step's forward pass queued (once per step)
+        if launched.job is None:
+            calls.append("q")
+        return submit(launched)
+
+    eng.masks.fill = filling
     eng.postprocessor.outputs = recording("r", report)
     eng.step = recording("s", step)
-    eng.pipeline.launch = recording("l", launch)
+    eng.pipeline.prepare = recording("p", prepare)
+    eng.pipeline.submit = queued
     params = SamplingParams(temperature=0, max_new_tokens=48)
     outs = llm.generate(prompts(3), params, constraint=SCHEMA)
     assert all(o.token_ids for o in outs)
     steps = "".join(calls).split("s")[1:]  # what each step called, in order
-    both = [s for s in steps if "f" in s and "r" in s]
-    assert len(both) >= 10, steps
-    assert all(s.index("f") < s.index("r") for s in both), steps
-    steady = [s for s in both if "l" in s]
+    steady = [s for s in steps if "f" in s and "p" in s and "r" in s]
     assert len(steady) >= 10, steps
-    assert all(s.index("f") < s.index("l") < s.index("r") for s in steady), steps
+    assert all(s.index("f") < s.index("p") < s.index("F") < s.index("q") < s.index("r") for s in steady), steps
+
+
+def test_llguidance_fills_on_its_thread_while_the_engine_builds_the_next_step(make_llm):
+    """llguidance's batch fill releases the GIL: it runs on the mask thread
+    while the engine thread schedules and builds the next step."""
+    import threading
+
+    llm = make_llm("tiny-llama", overlap=True, speculative_constrained=True, grammar_backend="llguidance")
+    eng = llm.engine
+    built = threading.Event()
+    overlapped: list[bool] = []
+    filler_fill, prepare = eng.masks.filler.fill, eng.pipeline.prepare
+
+    def fill_waiting_for_a_build(*args, **kwargs):
+        if threading.current_thread() is not engine_thread:
+            # Sequential (on the engine thread) no build could start meanwhile.
+            overlapped.append(built.wait(2))
+            built.clear()
+        return filler_fill(*args, **kwargs)
+
+    def build(*args, **kwargs):
+        built.set()
+        return prepare(*args, **kwargs)
+
+    engine_thread = threading.current_thread()  # the offline LLM steps on its caller's thread
+    eng.masks.filler.fill = fill_waiting_for_a_build
+    eng.pipeline.prepare = build
+    outs = llm.generate(prompts(4), SamplingParams(temperature=0, max_new_tokens=24), constraint=SCHEMA)
+    assert all(o.token_ids and o.error is None for o in outs)
+    assert sum(overlapped) >= 10, overlapped
 
 
 def test_the_device_thread_never_waits_for_the_engine_thread(make_llm):
@@ -242,18 +286,19 @@ def test_the_device_thread_never_waits_for_the_engine_thread(make_llm):
     the device thread never blocks on the engine thread."""
     llm = make_llm("tiny-llama", overlap=True, speculative_constrained=True, grammar_backend="xgrammar")
     eng = llm.engine
-    launch = eng.pipeline.launch
-    waits: list[bool] = []  # per launch behind a step in flight: whether its mask was unfilled
+    submit = eng.pipeline.submit
+    waits: list[bool] = []  # per step queued behind a step in flight: whether its mask was unfilled
 
-    def launch_then_call_the_device(*args, **kwargs):
-        step = launch(*args, **kwargs)
+    def submit_then_call_the_device(step):
+        queued = step.job is None
+        step = submit(step)
         grammar = step.inputs.grammar if step.inputs is not None else None
-        if grammar is not None and not grammar.is_set:  # its mask is not filled yet
+        if queued and grammar is not None and not grammar.is_set:  # its mask is not filled yet
             waits.append(True)
             assert eng.executor.submit(lambda: "ran").result(timeout=10) == "ran"
         return step
 
-    eng.pipeline.launch = launch_then_call_the_device
+    eng.pipeline.submit = submit_then_call_the_device
     outs = llm.generate(prompts(3), SamplingParams(temperature=0, max_new_tokens=32), constraint=SCHEMA)
     assert all(o.token_ids for o in outs)
     assert len(waits) >= 10
