@@ -568,3 +568,38 @@ def _numbers_by_value(out: dict[str, Any]) -> None:
 
 def _number_range(n: int) -> dict[str, Any]:
     return {"type": "number", "minimum": n, "maximum": n}
+
+
+# Where a subschema is merged with its siblings rather than standing for a
+# value of its own: closing its objects would refuse what a sibling allows.
+_MERGED = ("allOf", "not", "if", "then", "else", "dependentSchemas")
+
+
+def strict_defaults(schema: Any, _close: bool = True) -> Any:
+    """`schema` as vLLM reads it by default (xgrammar's strict mode): an
+    object that names its properties admits no others, and an array of
+    `prefixItems` no more items, unless the schema says otherwise. A subset
+    of what JSON Schema allows, so every output still validates against the
+    schema as given. Subschemas merged with others (`allOf`, `if`/`then`/
+    `else`, `not`, `dependentSchemas`) are left as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        close = _close and key not in _MERGED
+        if key in SUBSCHEMA:
+            out[key] = strict_defaults(value, close)
+        elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: strict_defaults(v, close) for k, v in value.items()}
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [strict_defaults(v, close) for v in value]
+        else:
+            out[key] = value
+    if not _close:
+        return out
+    if isinstance(out.get("properties"), dict) and not any(
+            k in out for k in ("additionalProperties", "unevaluatedProperties", "patternProperties", "allOf")):
+        out["additionalProperties"] = False
+    if isinstance(out.get("prefixItems"), list) and "items" not in out and "unevaluatedItems" not in out:
+        out["items"] = False
+    return out

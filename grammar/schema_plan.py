@@ -21,7 +21,7 @@ from typing import Any
 from . import structural_tag
 from .errors import GrammarError
 from .schema_keywords import backend_view
-from .schema_normalize import Unresolved, normalize_schema
+from .schema_normalize import Unresolved, normalize_schema, strict_defaults
 from .schema_store import SchemaStore
 from .spec import GrammarSpec
 from .validation import SchemaValidator
@@ -109,7 +109,7 @@ def prepare_views(spec: GrammarSpec, backends: tuple[str, ...], store: SchemaSto
             raise GrammarError("JSON schema must be a JSON object or a boolean")
     else:
         return None
-    normalized = normalized_schema(schema, store)
+    normalized = normalized_schema(_closed(schema) if spec.options.closed_objects else schema, store)
     views: dict[str, GrammarSpec] = {}
     unenforced: dict[str, tuple[str, ...]] = {}
     try:
@@ -154,6 +154,8 @@ def tag_view(spec: GrammarSpec, backend: str, store: SchemaStore | None = None,
     assert spec.kind == "structural_tag" and isinstance(spec.source, str)
 
     def view(schema: Any) -> Any:
+        if spec.options.closed_objects:
+            schema = _closed(schema)
         cut, left_out = backend_view(normalized_schema(schema, store), backend)
         if unenforced is not None:
             unenforced.update(left_out)
@@ -161,6 +163,13 @@ def tag_view(spec: GrammarSpec, backend: str, store: SchemaStore | None = None,
 
     tag = structural_tag.map_schemas(structural_tag.normalize(spec.source), view)
     return GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False), spec.options)
+
+
+def _closed(schema: Any) -> Any:
+    try:
+        return strict_defaults(schema)
+    except RecursionError:
+        raise _too_deep() from None
 
 
 def _too_deep() -> GrammarError:

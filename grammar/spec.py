@@ -74,11 +74,17 @@ class GrammarOptions:
     docstring for why compact is the default.
     max_whitespace: longest whitespace run under "flexible" (1..64).
     indent: spaces per level under "pretty" (1..8).
+    closed_objects: read schemas as vLLM does (xgrammar's strict mode): an
+    object that names its properties admits no others, an array of
+    `prefixItems` no more items, unless the schema says otherwise
+    (`schema_normalize.strict_defaults`). Also for a structural tag's schemas,
+    the one option that kind keeps.
     """
 
     whitespace: str = "compact"
     max_whitespace: int = _DEFAULT_MAX_WHITESPACE
     indent: int = _DEFAULT_INDENT
+    closed_objects: bool = False
 
     def __post_init__(self) -> None:
         if self.whitespace not in WHITESPACE_STYLES:
@@ -86,6 +92,8 @@ class GrammarOptions:
                 f"unknown whitespace style {self.whitespace!r}; "
                 f"choose one of {', '.join(WHITESPACE_STYLES)}"
             )
+        if not isinstance(self.closed_objects, bool):
+            raise GrammarError(f"closed_objects must be a bool, got {self.closed_objects!r}")
         for name, lo, hi in (("max_whitespace", 1, 64), ("indent", 1, 8)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
@@ -131,7 +139,8 @@ class GrammarSpec:
         if not isinstance(self.options, GrammarOptions):
             raise GrammarError("options must be a GrammarOptions")
         if self.kind not in JSON_KINDS and self.options != GrammarOptions():
-            object.__setattr__(self, "options", GrammarOptions())
+            kept = self.options.closed_objects if self.kind == "structural_tag" else False
+            object.__setattr__(self, "options", GrammarOptions(closed_objects=kept))
         object.__setattr__(self, "source", _checked_source(self.kind, self.source))
 
     # Convenience constructors, so callers need not remember source conventions.

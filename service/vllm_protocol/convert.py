@@ -25,7 +25,7 @@ from engine.context import TokenLogprobs
 from engine.reasoning import ReasoningOptions
 from engine.requests import RequestSpec
 from engine.sampling_params import MAX_LOGPROBS
-from grammar import GrammarError, GrammarSpec
+from grammar import GrammarError, GrammarOptions, GrammarSpec
 from service.errors import Reason, ServiceError, invalid_argument
 from service.gen.vllm import vllm_engine_pb2 as vpb
 from service.structured import ConstraintSpec
@@ -115,11 +115,18 @@ def _reads_as_lark(grammar: str) -> bool:
     return not any("::=" in line for line in lines)
 
 
+_AS_VLLM = GrammarOptions(closed_objects=True)
+
+
 def constraint_spec(p: vpb.SamplingParams) -> ConstraintSpec | None:
     """The request's constraint through our grammar path (None when unconstrained).
 
     JSON is compact (no whitespace at all), as stencil.v1's default: the output
-    is valid JSON a weak model cannot pad with runs of spaces. `grammar` is an
+    is valid JSON a weak model cannot pad with runs of spaces. Schemas, a
+    structural tag's too, are read as vLLM reads them (`closed_objects`: an
+    object that names its properties admits no others): a router builds them
+    for vLLM, as SMG's required tool calls, whose objects say nothing of other
+    properties, so a weak model wrote keys of its own until max_tokens. `grammar` is an
     xgrammar EBNF (GBNF) grammar, or a Lark one as vLLM tells them apart. `structural_tag` is vLLM's JSON text (the
     legacy `structures` + `triggers` or xgrammar's `format`; SMG sends the
     latter for forced tool calls).
@@ -130,7 +137,7 @@ def constraint_spec(p: vpb.SamplingParams) -> ConstraintSpec | None:
     field = "sampling_params.choice.choices" if kind == "choice" else f"sampling_params.{kind}"
     try:
         if kind == "json_schema":
-            spec = GrammarSpec.json_schema(p.json_schema)
+            spec = GrammarSpec.json_schema(p.json_schema, _AS_VLLM)
         elif kind == "json_object":
             if not p.json_object:
                 raise invalid_argument(field, "must be true (leave the constraint unset for free text)")
@@ -142,7 +149,7 @@ def constraint_spec(p: vpb.SamplingParams) -> ConstraintSpec | None:
         elif kind == "choice":
             spec = GrammarSpec.choice(list(p.choice.choices))
         else:
-            spec = GrammarSpec("structural_tag", p.structural_tag)
+            spec = GrammarSpec("structural_tag", p.structural_tag, _AS_VLLM)
     except GrammarError as err:
         raise invalid_argument(field, str(err), Reason.GRAMMAR_INVALID) from None
     return ConstraintSpec(spec, None, field)

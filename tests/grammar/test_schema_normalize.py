@@ -346,3 +346,22 @@ def test_literal_branches_overlap_under_json_schema_equality() -> None:
     for _ in range(5000):
         deep = [deep]
     assert not disjoint([{"const": deep}, {"const": 1}])  # too deep to compare: not known disjoint
+
+
+def test_strict_defaults_close_what_names_its_parts_as_vllm_reads_it():
+    from grammar.schema_normalize import strict_defaults
+
+    named = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}}}
+    assert strict_defaults(named) == {"type": "object", "additionalProperties": False, "properties": {
+        "a": {"type": "object", "properties": {"b": {}}, "additionalProperties": False}}}
+    assert strict_defaults({"prefixItems": [{}]}) == {"prefixItems": [{}], "items": False}
+    kept: Any
+    for kept in ({"type": "object"}, {"properties": {"a": {}}, "additionalProperties": True},
+                 {"properties": {"a": {}}, "patternProperties": {"^x": {}}},
+                 {"prefixItems": [{}], "items": {"type": "integer"}}, True):
+        assert strict_defaults(kept) == kept
+    # Merged subschemas stay open: closing one would refuse what a sibling allows.
+    merged: dict[str, Any] = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert strict_defaults(merged) == merged
+    anyof = {"anyOf": [{"properties": {"a": {}}}, {"type": "integer"}]}
+    assert strict_defaults(anyof)["anyOf"][0]["additionalProperties"] is False

@@ -434,3 +434,21 @@ def test_too_many_tools_are_refused_before_their_tag_is_built(monkeypatch):
     spec = call_constraint(few, "auto")
     assert spec is not None and isinstance(spec.source, str)
     assert len(spec.source) >= sum(len(t.name) + tool_calls._TAG_CHARS for t in few)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_closed_objects_admit_no_property_the_schema_does_not_name(compiler, backend):
+    # vLLM's reading (xgrammar's strict mode), which routers build for: SMG's
+    # required tool calls name their properties and say nothing of others.
+    tok = compiler.tokenizer_data
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tag = json.loads(json.dumps(LEGACY))
+    tag["structures"][0]["schema"] = schema
+    cases = [(GrammarSpec.json_schema(schema, GrammarOptions(closed_objects=c)), '{"a":1,"b":2}', c)
+             for c in (False, True)]
+    cases += [(GrammarSpec("structural_tag", json.dumps(tag), GrammarOptions(closed_objects=c)),
+               '<fn=add>{"a": 1, "b": 2}</fn>', c) for c in (False, True)]
+    for spec, extra, closed in cases:
+        matcher = compiler.compile(spec, backend=backend)
+        ids = tok.encode(extra)
+        assert (matcher.accept_tokens(ids) == len(ids)) is not closed, (spec.kind, closed)

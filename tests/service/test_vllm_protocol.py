@@ -111,3 +111,19 @@ def test_truncation_past_the_context_is_refused_as_vllm_does(engine: EngineCore)
     for keep, kept in ((engine.max_model_len, 3), (-1, 3), (2, 2)):
         req.sampling_params.truncate_prompt_tokens = keep
         assert len(convert.prepare_generate(req, engine, "job").specs[0].prompt) == kept
+
+
+def test_schemas_are_read_as_vllm_reads_them() -> None:
+    # SMG builds required tool calls as an array of objects that name their
+    # properties and say nothing of others; read as JSON Schema reads it, a
+    # weak model wrote keys of its own until max_tokens.
+    for field, value in (("json_schema", '{"type": "object", "properties": {"a": {}}}'),
+                         ("structural_tag", json.dumps({"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}],
+                                                        "triggers": ["<f>"]}))):
+        p = vpb.SamplingParams()
+        setattr(p, field, value)
+        prepared = convert.constraint_spec(p)
+        assert prepared is not None and prepared.spec.options.closed_objects
+    p = vpb.SamplingParams(regex="a+")
+    prepared = convert.constraint_spec(p)
+    assert prepared is not None and not prepared.spec.options.closed_objects
