@@ -117,7 +117,8 @@ def slow_strings_on_xgrammar(spec: GrammarSpec) -> bool:
     text = spec.source
     if any(word in text for word in _LENGTH_KEYWORDS):
         return True
-    return any(int(m.group(2) or m.group(1)) > _UNROLLED_COUNT for m in _COUNTED.finditer(text))
+    return '"pattern"' in text and any(int(m.group(2) or m.group(1)) > _UNROLLED_COUNT
+                                       for m in _COUNTED.finditer(text))
 
 
 class CompileQueueFull(GrammarError):
@@ -306,10 +307,14 @@ class GrammarCompiler:
         backend = _check_backend(backend or self.backend)
         if backend != "auto":
             return (backend,)
-        if slow_strings_on_xgrammar(spec):
-            return _SLOW_STRINGS_ORDER
+        # Read for the kinds xgrammar would otherwise lead (this runs for
+        # every request, cached compile or not: compact JSON skips the scan).
         if spec.kind in JSON_KINDS:
-            return ("xgrammar", "llguidance") if spec.options.whitespace == "pretty" else JSON_ORDER
+            if spec.options.whitespace != "pretty":
+                return JSON_ORDER
+            return _SLOW_STRINGS_ORDER if slow_strings_on_xgrammar(spec) else ("xgrammar", "llguidance")
+        if spec.kind == "structural_tag" and slow_strings_on_xgrammar(spec):
+            return _SLOW_STRINGS_ORDER
         return _KIND_ORDER[spec.kind]
 
     def _artifact_future(
