@@ -144,7 +144,7 @@ class EngineCore:
             # As vLLM: past the positions the model was trained for its output
             # is not to be trusted, and a silent cut hid what was asked for.
             raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context "
-                             f"(max_position_embeddings={mc.max_position_embeddings})")
+                             f"({mc.context_source}={mc.max_position_embeddings})")
         max_len = config.max_model_len or mc.max_position_embeddings
         kv_gib = config.kv_cache_gib if config.gpu_memory_utilization is None else \
             kv_budget_gib(device, config.gpu_memory_utilization, config.max_num_batched_tokens,
@@ -154,9 +154,15 @@ class EngineCore:
         if num_pages < 2:
             raise ValueError(f"kv_cache_gib={config.kv_cache_gib} holds fewer than 2 pages")
         if num_pages * config.page_size < max_len:
-            log.warning("KV cache holds %d tokens; capping the context length from %d",
-                        num_pages * config.page_size, max_len)
-            max_len = num_pages * config.page_size
+            held = num_pages * config.page_size
+            if config.max_model_len is not None:
+                # As vLLM: a context asked for and not there is refused at start-up,
+                # not found out by the first request that needs it.
+                budget = "kv_cache_gib" if config.gpu_memory_utilization is None else "gpu_memory_utilization"
+                raise ValueError(f"max_model_len={config.max_model_len} is longer than the KV cache holds "
+                                 f"({held} tokens); raise {budget} or lower max_model_len")
+            log.warning("KV cache holds %d tokens; capping the context length from %d", held, max_len)
+            max_len = held
         self.max_model_len = max_len
         model.keep_positions(max_len)
         graph_mode = graphs_mode(config.cuda_graphs, device)

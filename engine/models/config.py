@@ -97,6 +97,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     output_bias: bool = False  # on the attention's output projection
     mlp_bias: bool = False  # on the gate, up and down projections
+    # What set max_position_embeddings: the config's own field, or a sliding
+    # window shorter than it (sliding-window attention is not implemented).
+    context_source: str = "max_position_embeddings"
     # generation_config.json's sampling values (vLLM reads the same keys):
     # what a request that leaves them unset samples with (--generation-config).
     sampling_defaults: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
@@ -271,8 +274,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     # Sliding-window attention is not implemented; a window shorter than the
     # context would change the model, so cap the usable context at the window.
     window = _sliding_window(cfg, family, num_layers)
-    if window:
-        max_pos = min(max_pos, window)
+    context_source = "max_position_embeddings"
+    if window and window < max_pos:
+        max_pos, context_source = window, "sliding_window"
 
     eos = _as_ids(cfg.get("eos_token_id"))
     gen_path = root / "generation_config.json"
@@ -291,6 +295,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
+        context_source=context_source,
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral never; Llama and Qwen3 configs say.

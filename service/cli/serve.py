@@ -71,7 +71,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-num-seqs", type=_COUNT, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=_COUNT, default=2048, help="tokens per engine step")
-    p.add_argument("--max-model-len", type=int, default=None, help="the context length: at most the model's (longer is refused); "
+    p.add_argument("--max-model-len", type=int, default=None, help="the context length: at most the model's and the KV cache's (longer is refused); "
                         "default the model's, lowered to what the KV cache holds")
     p.add_argument("--num-steps", type=_COUNT, default=1, help="decode steps per schedule")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")

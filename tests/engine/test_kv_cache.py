@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from engine.context import TextContext
 from engine.kv_cache import KVCacheManager, OutOfPages, PageAllocator, chain_hash
+from engine.presets import ensure_preset
 
 from .reference import GREEDY, hf_greedy, prompts
 
@@ -140,6 +141,15 @@ def test_request_larger_than_the_cache_fails_cleanly(make_llm):
     assert llm.engine.max_model_len == 64  # the context is capped to what the cache holds
     out = llm.generate([list(range(5, 60))], SamplingParams(temperature=0, max_new_tokens=9))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 9
+
+
+def test_a_context_asked_for_past_what_the_cache_holds_is_refused_at_start_up():
+    # It was capped with a log line (vLLM refuses): a prompt that fitted the
+    # context asked for was then refused at request time.
+    per_page = 2 * 2 * 16 * 2 * 16 * 4
+    with pytest.raises(ValueError, match=r"max_model_len=96 is longer than the KV cache holds \(64 tokens\); "
+                                         "raise kv_cache_gib"):
+        LLM(str(ensure_preset("tiny-llama")), kv_cache_gib=4 * per_page / 2**30, max_model_len=96)
 
 
 def test_request_that_can_never_fit_ends_with_an_error(make_llm):

@@ -172,7 +172,10 @@ def test_only_a_sliding_layer_caps_the_context(tmp_path, preset: str, overrides:
     slides = hf.sliding_window is not None and (
         preset == "tiny-mistral" or "sliding_attention" in (getattr(hf, "layer_types", None) or []))
     assert slides == (served is not None)  # transformers agrees
-    assert load_model_config(d).max_position_embeddings == (served or cfg["max_position_embeddings"])
+    mc = load_model_config(d)
+    assert mc.max_position_embeddings == (served or cfg["max_position_embeddings"])
+    # A refusal names what set the context: the window, not max_position_embeddings.
+    assert mc.context_source == ("sliding_window" if served else "max_position_embeddings")
 
 
 def test_an_untied_config_without_a_head_is_refused(tmp_path) -> None:
