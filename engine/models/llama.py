@@ -7,6 +7,7 @@ Weights are fused at load (q|k|v, gate|up) so a layer makes four GEMM calls.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -19,6 +20,8 @@ from .config import CheckpointError, ModelConfig
 from .linear import Linear
 from .rope import apply_rotation, interleave_permutation, rotation_table
 from .weights import WeightSource
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,6 +117,13 @@ class LlamaFamilyModel:
         # vLLM does); untied, it must be there: a config and weights that disagree.
         if config.tie_word_embeddings:
             self.lm_head = linear(self.embed)
+            if "lm_head.weight" in source and not torch.equal(
+                    load("lm_head.weight", config.vocab_size, hidden).to(device), self.embed):
+                # A fine-tune that trained its own head and kept the base config:
+                # transformers would use that head (and warn), so say which we use.
+                log.warning("config.json ties the output head to the embedding, but the checkpoint's "
+                            "lm_head.weight differs from it: serving the embedding as the head, as vLLM does "
+                            "(set tie_word_embeddings to false to serve the stored head)")
         elif "lm_head.weight" in source:
             self.lm_head = linear(load("lm_head.weight", config.vocab_size, hidden).to(device))
         else:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.models.config import CheckpointError, load_model_config
 from engine.presets import ensure_preset
 
@@ -193,6 +193,43 @@ def test_an_untied_config_without_a_head_is_refused(tmp_path) -> None:
         LLM(str(d), kv_cache_gib=0.05)
 
 
+@pytest.mark.parametrize("same", [True, False], ids=["stored-head-equal", "stored-head-differs"])
+def test_a_tied_config_beside_a_stored_head_says_which_head_it_serves(tmp_path, caplog, same: bool) -> None:
+    # A fine-tune with a head of its own and the base model's tied config:
+    # transformers serves the stored head, vLLM (and we) the embedding. It
+    # was silent; now a head that differs is named in the log.
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from .reference import greedy_argmax
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-llama"), d)
+    weights = load_file(d / "model.safetensors")
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    if same:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+        save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    caplog.set_level("WARNING", logger="engine.models.llama")
+    llm = LLM(str(d), kv_cache_gib=0.05)
+    try:
+        warned = [r.getMessage() for r in caplog.records if "lm_head.weight differs" in r.getMessage()]
+        assert len(warned) == (0 if same else 1)
+        # Either way the embedding is the head: the tied model's greedy tokens.
+        del weights["lm_head.weight"]
+        tied = tmp_path / "tied"
+        shutil.copytree(d, tied)
+        save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+        prompt = [5, 17, 33, 2, 9]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_new_tokens=6))[0]
+        hf = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32).eval()
+        assert out.token_ids == list(greedy_argmax(hf, tuple(prompt), 6))
+    finally:
+        llm.close()
+
+
 def test_the_rotation_table_covers_the_served_context_only(make_llm) -> None:
     llm = make_llm("tiny-llama", max_model_len=64)
     assert llm.engine.model.rotations.shape[0] == llm.engine.max_model_len == 64
@@ -210,8 +247,6 @@ def test_a_context_longer_than_the_models_is_refused() -> None:
 
 
 def test_generation_config_sampling_values_are_a_requests_defaults(tmp_path) -> None:
-    from engine import SamplingParams
-
     from .reference import hf_greedy
 
     d = tmp_path / "ckpt"
@@ -239,8 +274,6 @@ def test_generation_config_sampling_values_are_a_requests_defaults(tmp_path) -> 
 
 
 def test_generation_config_max_new_tokens_is_a_default_cut_to_the_room_left(tmp_path) -> None:
-    from engine import SamplingParams
-
     d = tmp_path / "ckpt"
     shutil.copytree(ensure_preset("tiny-llama"), d)
     gen = json.loads((d / "generation_config.json").read_text())
