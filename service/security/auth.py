@@ -155,9 +155,12 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
     def match(self, metadata: Any) -> ApiKey | None:
         """The key the metadata carries, if it is one of ours (constant time over keys)."""
         value = next((v for k, v in metadata or () if k == "authorization"), None)
-        if not isinstance(value, str) or not value.startswith("Bearer "):
+        # The scheme is case-insensitive (RFC 7235 2.1): gateways and clients
+        # that write "bearer" were told their key was wrong.
+        scheme, _, credentials = value.partition(" ") if isinstance(value, str) else ("", "", "")
+        if scheme.lower() != "bearer":
             return None
-        given = _digest(value[len("Bearer "):].strip())
+        given = _digest(credentials.strip())
         found = None
         for digest, key in self._keys:
             if hmac.compare_digest(digest, given):  # no early exit: every key is compared

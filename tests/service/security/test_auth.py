@@ -57,6 +57,10 @@ def test_bad_entries_are_refused(entries: list[str], problem: str) -> None:
 def test_a_key_matches_only_exactly() -> None:
     auth = ApiKeyAuth([ApiKey("a", "sk-a"), ApiKey("b", "sk-b")])
     assert auth.match((("authorization", "Bearer sk-b"),)).name == "b"  # type: ignore[union-attr]
+    # The scheme is case-insensitive (RFC 7235); the key is not.
+    for scheme in ("bearer", "BEARER", "beaRer"):
+        assert auth.match((("authorization", f"{scheme} sk-b"),)).name == "b"  # type: ignore[union-attr]
+    assert auth.match((("authorization", "Bearer SK-B"),)) is None
     for metadata in [(), (("authorization", "Bearer sk-"),), (("authorization", "sk-a"),),
                      (("authorization", "Bearer sk-ab"),), (("x-api-key", "sk-a"),)]:
         assert auth.match(metadata) is None
