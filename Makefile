@@ -39,6 +39,9 @@ $(VENV)/.installed: pyproject.toml
 	@# from npm, optional: without it that test is skipped.
 	-npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0 >/dev/null 2>&1 \
 		|| echo "npm could not install buf: the proto lint test will be skipped"
+	@# A Node.js gRPC client drives the server from another language (tests/e2e/test_node_client.py).
+	-npm install --silent --no-audit --no-fund --prefix .tools @grpc/grpc-js@1.14.7 @grpc/proto-loader@0.8.1 \
+		>/dev/null 2>&1 || echo "npm could not install @grpc/grpc-js: the Node client test will be skipped"
 	touch $@
 
 serve: setup

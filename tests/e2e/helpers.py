@@ -10,11 +10,16 @@ steps, so what they see is consistent.
 from __future__ import annotations
 
 import asyncio
+import os
+import queue
+import re
+import subprocess
 import sys
 import threading
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
@@ -32,6 +37,7 @@ from service.server import StencilServer
 
 # Generous: the CI machine has 2 shared cores.
 TIMEOUT = 60.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class LoopThread:
@@ -280,3 +286,44 @@ def greedy(text: str | None = None, max_new_tokens: int = 16, **fields: Any) -> 
     req.sampling.temperature = 0.0
     req.stopping.max_new_tokens = max_new_tokens
     return req
+
+
+def _stencild() -> list[str]:
+    script = Path(sys.executable).parent / "stencild"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+
+
+class ServeProcess:
+    """`stencild serve` on a free port; its log lines are collected on a thread."""
+
+    def __init__(self, *args: str):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([*_stencild(), "serve", "--port", "0", *args], cwd=REPO_ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.port = int(self.wait_for(r"listening on [^ ]+:(\d+)").group(1))
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float = TIMEOUT) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, "stencild exited:\n" + "".join(self.log)
+                continue
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError(f"no {pattern!r} in the log:\n" + "".join(self.log))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

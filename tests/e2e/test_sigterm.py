@@ -6,15 +6,8 @@ demo-codec, the one test that runs the full-size random SNAC decoder)."""
 
 from __future__ import annotations
 
-import os
-import queue
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,52 +18,10 @@ from service.gen.stencil.v1 import embed_pb2, embed_pb2_grpc, speech_pb2, speech
 from service.gen.stencil.v1 import generate_pb2 as pb
 from service.gen.stencil.v1 import generate_pb2_grpc as pb_grpc
 
-from .helpers import TIMEOUT, greedy
+from .helpers import TIMEOUT, ServeProcess, greedy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def _stencild() -> list[str]:
-    script = Path(sys.executable).parent / "stencild"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
-
-
-class ServeProcess:
-    """`stencild serve` on a free port; its log lines are collected on a thread."""
-
-    def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([*_stencild(), "serve", "--port", "0", *args], cwd=REPO_ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.port = int(self.wait_for(r"listening on [^ ]+:(\d+)").group(1))
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def wait_for(self, pattern: str, timeout: float = TIMEOUT) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                assert self.proc.poll() is None, "stencild exited:\n" + "".join(self.log)
-                continue
-            if m := re.search(pattern, line):
-                return m
-        raise AssertionError(f"no {pattern!r} in the log:\n" + "".join(self.log))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.mark.slow
