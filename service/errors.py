@@ -73,6 +73,7 @@ class Reason:
     GRAMMAR_COMPILER_UNAVAILABLE = "GRAMMAR_COMPILER_UNAVAILABLE"
     UNAUTHENTICATED = "UNAUTHENTICATED"  # a missing or wrong API key
     ROUTER_KEY_REQUIRED = "ROUTER_KEY_REQUIRED"  # a router-only RPC with another key
+    NOT_IMPLEMENTED = "NOT_IMPLEMENTED"  # a method of a protocol we serve that this server does not do
     INTERNAL = "INTERNAL"  # a server bug; details in the server log
 
 

@@ -33,6 +33,7 @@ from service.engine_loop import EngineLoop, RequestStream
 from service.errors import (
     REQUEST_ID_METADATA,
     Reason,
+    ServiceError,
     current_request_id,
     failed_precondition,
     invalid_argument,
@@ -61,6 +62,13 @@ _DROPPED_STATUS_WAIT_S = 1.0
 ROUTER_METHODS = frozenset({f"/{SERVICE_NAME}/SubscribeKvEvents", f"/{SERVICE_NAME}/FlushCache"})
 
 
+def _no_profiler() -> ServiceError:
+    # Left to grpcio's generated base class, StartProfile and StopProfile
+    # answered without the ErrorInfo and request id every other error carries.
+    return ServiceError(grpc.StatusCode.UNIMPLEMENTED, "this server has no profiler to start or stop; "
+                        "profile it from outside (py-spy, nsys)", Reason.NOT_IMPLEMENTED)
+
+
 class _Sequence:
     """One of a request's n sequences: its engine stream and what it produced."""
 
@@ -74,7 +82,7 @@ class _Sequence:
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     """VllmEngine over the server's EngineLoop, embedding model and KV event hub.
 
-    StartProfile and StopProfile are left UNIMPLEMENTED.
+    StartProfile and StopProfile answer UNIMPLEMENTED (NOT_IMPLEMENTED).
     """
 
     def __init__(self, state: ServingState, embedding: EmbeddingSlot, kv_events: KvEventHub,
@@ -380,6 +388,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         finally:
             with contextlib.suppress(Exception):
                 await events.aclose()
+
+    @rpc_guard
+    async def StartProfile(self, request: cpb.StartProfileRequest,
+                           context: grpc.aio.ServicerContext) -> cpb.ProfileResponse:
+        raise _no_profiler()
+
+    @rpc_guard
+    async def StopProfile(self, request: cpb.StopProfileRequest,
+                          context: grpc.aio.ServicerContext) -> cpb.ProfileResponse:
+        raise _no_profiler()
 
     @rpc_guard
     async def FlushCache(self, request: cpb.FlushCacheRequest,

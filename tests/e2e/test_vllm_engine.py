@@ -388,9 +388,17 @@ def test_info_loads_tokenizer_and_health(vllm) -> None:  # type: ignore[no-untyp
     health = health_pb2_grpc.HealthStub(handle.channel)
     status = health.Check(health_pb2.HealthCheckRequest(service="vllm.grpc.engine.VllmEngine"), timeout=TIMEOUT)
     assert status.status == health_pb2.HealthCheckResponse.SERVING
-    with pytest.raises(grpc.RpcError) as err:
-        stub.StartProfile(cpb.StartProfileRequest(), timeout=TIMEOUT)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # No profiler: UNIMPLEMENTED, with the ErrorInfo and request id every error carries.
+    from service.errors import REQUEST_ID_METADATA, error_reason
+
+    for call in (lambda: stub.StartProfile(cpb.StartProfileRequest(), timeout=TIMEOUT),
+                 lambda: stub.StopProfile(cpb.StopProfileRequest(), timeout=TIMEOUT)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
+        trailers = err.value.trailing_metadata()  # type: ignore[attr-defined]
+        assert error_reason(trailers) == "NOT_IMPLEMENTED"
+        assert dict(trailers).get(REQUEST_ID_METADATA)
 
 
 def test_answers_over_the_message_limit_are_refused_by_name(make_server) -> None:  # type: ignore[no-untyped-def]

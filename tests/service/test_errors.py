@@ -136,3 +136,13 @@ def test_failures_carry_the_request_id() -> None:
     assert code == grpc.StatusCode.UNAVAILABLE
     assert (REQUEST_ID_METADATA, "req-7") in metadata
     assert error_reason(metadata) == Reason.DRAINING
+
+
+def test_every_reason_is_in_the_api_reference() -> None:
+    # Clients branch on the reason: one the reference does not list is one they cannot handle.
+    from pathlib import Path
+
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    reasons = [v for k, v in vars(Reason).items() if k.isupper()]
+    assert len(reasons) > 20
+    assert [r for r in reasons if f"`{r}`" not in reference] == []
