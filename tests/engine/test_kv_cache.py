@@ -135,6 +135,31 @@ def test_preemption_under_a_tiny_cache_keeps_greedy_output(make_llm):
     assert llm.engine.scheduler.prefix_cache_hits == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_takes_the_newest_running_request_and_puts_it_first_in_line(make_llm, overlap):
+    # First come, first served under memory pressure too: the oldest keeps its
+    # pages (its progress), the newest gives them up and goes back ahead of the
+    # requests that never ran.
+    per_page = 2 * 2 * 16 * 2 * 16 * 4
+    llm = make_llm("tiny-llama", kv_cache_gib=5 * per_page / 2**30, max_num_seqs=2, overlap=overlap)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)
+    first, second, third = (eng.make_context(list(range(5 + i, 25 + i)), params) for i in range(3))
+    for ctx in (first, second, third):
+        eng.add_request(ctx)
+    steps = 0
+    while eng.scheduler.num_preemptions == 0:
+        assert eng.has_work() and steps < 200
+        eng.step()
+        steps += 1
+    sched = eng.scheduler
+    assert first in sched.running and second not in sched.running
+    assert list(sched.waiting)[:2] == [second, third]
+    while eng.has_work():  # and all three still finish
+        eng.step()
+    assert all(c.is_done for c in (first, second, third))
+
+
 def test_request_larger_than_the_cache_fails_cleanly(make_llm):
     per_page = 2 * 2 * 16 * 2 * 16 * 4
     llm = make_llm("tiny-llama", kv_cache_gib=4 * per_page / 2**30)
@@ -188,6 +213,27 @@ def test_truncate_gives_back_published_pages_tail_first():
     assert a.num_cached == 3
     probe = _ctx(known + [5], "p")
     assert m.claim(probe) == 12  # pages 0-2 still reachable: the tail went
+
+
+def test_release_gives_back_published_pages_tail_first():
+    # The same for a finished request: head first, eviction took its first
+    # page and left the rest cached but unreachable, a lost prefix hit.
+    a = PageAllocator(6, page_size=4)
+    m = KVCacheManager(torch.zeros(6, 2, 1, 4, 1, 2), a)
+    ctx = _ctx([1, 2, 3])
+    m.claim(ctx)
+    for tok in range(10, 22):  # 15 tokens, 12 computed: 3 full pages published
+        assert m.reserve(ctx, ctx.end_idx + 1)
+        ctx.update(tok)
+    m.commit(ctx, 12)
+    known = ctx.tokens[:12].tolist()
+    m.release(ctx)
+    assert m.num_pages_held("r") == 0 and a.num_cached == 3
+    other = _ctx([99] * 4, "o")
+    m.claim(other)
+    assert m.reserve(other, 4 * 4)  # the 3 free pages, then one cached page evicted
+    assert a.num_cached == 2
+    assert m.claim(_ctx(known + [5], "p")) == 8  # pages 0-1 still reachable: the tail went
 
 
 def test_truncate_after_a_rollback_never_rewrites_a_published_page():

@@ -78,6 +78,19 @@ def summary(out):
             out.reasoning_tokens)
 
 
+def test_reasoning_tokens_count_only_the_thought_inside_the_output_sent() -> None:
+    import numpy as np
+
+    parser = ReasoningParser("deepseek_r1", start_id=THINK_ID, end_id=END_THINK_ID, opens_implicitly=True)
+    gate = parser.gate([1, 2])  # thinking from the first output token
+    tokens = np.array([1, 2, 7, 8, 9, END_THINK_ID, 5, 6])
+    gate.observe(tokens, len(tokens))
+    assert gate.thought_end == 5 and gate.reasoning_tokens(8) == 3  # the marker is not counted
+    # A stop string that cut the output inside the thought, its end marker
+    # already read (the step after it ran): only what was sent counts.
+    assert gate.reasoning_tokens(4) == 2
+
+
 def test_parsers_resolve_their_markers(tok):
     parser = ReasoningParser.load("qwen3", tok.hf.get_vocab())
     assert (parser.start_id, parser.end_id) == (THINK_ID, END_THINK_ID)

@@ -189,6 +189,21 @@ def test_logit_bias_and_min_new_tokens_block_eos():
     assert out[0, 9] == -math.inf
 
 
+def test_a_token_range_keeps_its_row_inside_lo_to_hi_and_its_extra_token():
+    # Speech: a row samples only its codebook's codes [lo, hi) (hi is the next
+    # codebook's first code) and one extra token; other rows are untouched.
+    ranged, free = ctx(SamplingParams()), ctx(SamplingParams())
+    ranged.allowed_token_range = lambda: (3, 6, 8)  # type: ignore[method-assign]
+    out = torch.zeros(2, VOCAB)
+    apply_penalties_and_bias(out, batch_for(free, ranged))
+    assert support(out[1]) == {3, 4, 5, 8}
+    assert torch.isfinite(out[0]).all()
+    ranged.allowed_token_range = lambda: (3, 6, None)  # type: ignore[method-assign]
+    out = torch.zeros(2, VOCAB)
+    apply_penalties_and_bias(out, batch_for(free, ranged))
+    assert support(out[1]) == {3, 4, 5}
+
+
 def test_greedy_is_argmax_and_logprobs_are_raw():
     c = ctx(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0))
     logits = torch.tensor([[0.1, 3.0, 0.2, 2.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
@@ -247,6 +262,32 @@ def test_invalid_values_name_their_field(field, value):
     with pytest.raises(InvalidSamplingParams) as err:
         SamplingParams(**{field: value})
     assert err.value.field == field
+
+
+def test_min_new_tokens_may_equal_max_new_tokens_but_not_pass_it():
+    from engine import InvalidSamplingParams
+
+    assert SamplingParams(min_new_tokens=5, max_new_tokens=5).min_new_tokens == 5  # a fixed length
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(min_new_tokens=6, max_new_tokens=5)
+    assert err.value.field == "min_new_tokens"
+
+
+def test_the_models_default_length_applies_only_inside_the_room_the_prompt_leaves():
+    from engine import InvalidSamplingParams
+    from engine.sampling_params import default_length
+
+    # generation_config.json's max_new_tokens 7; a 3-token prompt; a context of 100.
+    assert default_length(SamplingParams(), 7, 3, 100).max_new_tokens == 7
+    assert default_length(SamplingParams(max_new_tokens=50), 7, 3, 100).max_new_tokens == 50  # the caller's
+    # At or past the room left it is no limit of the request's: the context's
+    # is, and the output ends CONTEXT_LENGTH, not LENGTH.
+    assert default_length(SamplingParams(), 97, 3, 100).max_new_tokens is None
+    assert default_length(SamplingParams(), 96, 3, 100).max_new_tokens == 96
+    # min_new_tokens up to the default is fine; past it the request must say.
+    assert default_length(SamplingParams(min_new_tokens=7), 7, 3, 100).max_new_tokens == 7
+    with pytest.raises(InvalidSamplingParams, match="default"):
+        default_length(SamplingParams(min_new_tokens=8), 7, 3, 100)
 
 
 def test_a_lone_stop_string_is_one_stop_string():

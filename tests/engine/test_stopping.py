@@ -84,6 +84,17 @@ def test_stop_string_across_token_boundary(script_llm, include):
     assert out.text == TEXT[:start + (len(stop) if include else 0)]
 
 
+def test_two_stop_strings_in_one_token_the_earliest_in_the_text_wins(script_llm):
+    # " strings" is one token holding both: the one that starts first ends
+    # the text and is reported, whichever the request lists first.
+    llm, ids = script_llm()
+    assert " strings" in [llm.tokenizer.decode([t]) for t in ids]
+    for stop in (("ngs", "str"), ("str", "ngs")):
+        out = run(llm, SamplingParams(temperature=0, stop=stop))
+        assert out.finish_reason == "stop_string" and out.stop_reason == "str"
+        assert out.text == TEXT[:TEXT.index("strings")]
+
+
 def test_no_stop_string_before_min_new_tokens(script_llm):
     # As vLLM: stop strings count once the output has more than
     # min_new_tokens tokens, and only in the text added since.

@@ -81,6 +81,12 @@ def test_apply_masks_ids_past_the_bitmask_and_1d_logits():
     logits = torch.zeros(1, 100)
     apply_token_bitmask_inplace(logits, mask)
     assert bool(torch.isinf(logits[0, 64:]).all()) and bool((logits[0, :64] == 0).all())
+    # ... on the rows given only, as a sequence or a tensor (the engine's fallback passes rows).
+    for rows in ([1], torch.tensor([1])):
+        logits = torch.zeros(2, 100)
+        apply_token_bitmask_inplace(logits, torch.full((2, 2), -1, dtype=torch.int32), rows=rows)
+        assert bool(torch.isinf(logits[1, 64:]).all()) and bool((logits[1, :64] == 0).all())
+        assert bool((logits[0] == 0).all())
     flat = torch.zeros(64)
     one = torch.zeros(2, dtype=torch.int32)
     one[0] = 1 << 5

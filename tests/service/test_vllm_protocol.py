@@ -111,6 +111,11 @@ def test_truncation_past_the_context_is_refused_as_vllm_does(engine: EngineCore)
     for keep, kept in ((engine.max_model_len, 3), (-1, 3), (2, 2)):
         req.sampling_params.truncate_prompt_tokens = keep
         assert len(convert.prepare_generate(req, engine, "job").specs[0].prompt) == kept
+    # -1 on a prompt past the context keeps its end, one token short of the
+    # context: room for the answer's first token, where it ends ("length").
+    long = _request([5] * (engine.max_model_len + 10), truncate_prompt_tokens=-1)
+    spec = convert.prepare_generate(long, engine, "job").specs[0]
+    assert len(spec.prompt) == engine.max_model_len - 1 and spec.params.max_new_tokens == 1
 
 
 def test_schemas_are_read_as_vllm_reads_them() -> None:
