@@ -192,46 +192,46 @@ def test_request_that_can_never_fit_ends_with_an_error(make_llm):
     assert not eng.has_work()
 
 
-def test_truncate_gives_back_published_pages_tail_first():
-    # Head first, eviction took a parent before its children: they stayed
-    # published (and announced stored) though no claim could reach them.
+def _published(pages: int) -> tuple[PageAllocator, KVCacheManager, TextContext, list[int]]:
+    """A 6-page pool of 4-token pages and a request whose first `pages` pages
+    are computed and published (one token more written); their tokens."""
     a = PageAllocator(6, page_size=4)
     m = KVCacheManager(torch.zeros(6, 2, 1, 4, 1, 2), a)
     ctx = _ctx([1, 2, 3])
     m.claim(ctx)
-    for tok in range(10, 24):  # 17 tokens, 16 computed: 4 full pages published
+    for tok in range(10, 10 + 4 * pages - 2):
         assert m.reserve(ctx, ctx.end_idx + 1)
         ctx.update(tok)
-    m.commit(ctx, 16)
-    known = ctx.tokens[:16].tolist()
+    m.commit(ctx, 4 * pages)
+    return a, m, ctx, ctx.tokens[:4 * pages].tolist()
+
+
+def _take(m: KVCacheManager, pages: int) -> None:
+    """Another request takes `pages` pages (the free ones first, then cached ones)."""
+    other = _ctx([99] * 4, "o")
+    m.claim(other)
+    assert m.reserve(other, 4 * pages)
+
+
+def test_truncate_gives_back_published_pages_tail_first():
+    # Head first, eviction took a parent before its children: they stayed
+    # published (and announced stored) though no claim could reach them.
+    a, m, ctx, known = _published(4)
     ctx.rollback(11)  # back into page 1, as a resample does: pages 1-3 go
     m.truncate(ctx)
     assert m.num_pages_held("r") == 1 and a.num_cached == 4
-    other = _ctx([99] * 4, "o")
-    m.claim(other)
-    assert m.reserve(other, 4 * 3)  # the free pages, then one cached page evicted
+    _take(m, 3)  # the 2 free pages, then one cached page evicted
     assert a.num_cached == 3
-    probe = _ctx(known + [5], "p")
-    assert m.claim(probe) == 12  # pages 0-2 still reachable: the tail went
+    assert m.claim(_ctx(known + [5], "p")) == 12  # pages 0-2 still reachable: the tail went
 
 
 def test_release_gives_back_published_pages_tail_first():
     # The same for a finished request: head first, eviction took its first
     # page and left the rest cached but unreachable, a lost prefix hit.
-    a = PageAllocator(6, page_size=4)
-    m = KVCacheManager(torch.zeros(6, 2, 1, 4, 1, 2), a)
-    ctx = _ctx([1, 2, 3])
-    m.claim(ctx)
-    for tok in range(10, 22):  # 15 tokens, 12 computed: 3 full pages published
-        assert m.reserve(ctx, ctx.end_idx + 1)
-        ctx.update(tok)
-    m.commit(ctx, 12)
-    known = ctx.tokens[:12].tolist()
+    a, m, ctx, known = _published(3)
     m.release(ctx)
     assert m.num_pages_held("r") == 0 and a.num_cached == 3
-    other = _ctx([99] * 4, "o")
-    m.claim(other)
-    assert m.reserve(other, 4 * 4)  # the 3 free pages, then one cached page evicted
+    _take(m, 4)  # the 3 free pages, then one cached page evicted
     assert a.num_cached == 2
     assert m.claim(_ctx(known + [5], "p")) == 8  # pages 0-1 still reachable: the tail went
 
