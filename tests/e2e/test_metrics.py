@@ -83,6 +83,18 @@ def test_requests_awaiting_their_compile_count_as_waiting(msrv: ServerHandle) ->
         constraints.waiting -= 2
 
 
+def test_generated_tokens_count_every_token_of_a_step_that_delivers_several(msrv: ServerHandle) -> None:
+    # A constraint's forced run comes out several tokens at once: each counts.
+    before = wait_for(msrv, lambda s: running(s) == 0)
+    req = greedy("Say it:", max_new_tokens=40)
+    req.constraint.regex = "the answer is forty two, as it was always going to be"
+    result = generate(msrv.stub, req)
+    usage = result[2].usage
+    assert usage.forced_tokens > 1
+    after = wait_for(msrv, lambda s: running(s) == 0)
+    assert delta(before, after, "vllm:generation_tokens_total", **MODEL) == usage.completion_tokens
+
+
 def test_running_goes_up_then_back_and_tokens_match_usage(msrv: ServerHandle) -> None:
     before = wait_for(msrv, lambda s: running(s) == 0)
     n = 3

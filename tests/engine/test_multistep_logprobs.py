@@ -53,6 +53,21 @@ def test_logprobs_match_transformers(make_llm, monkeypatch, slice_rows):
         assert abs(entry.logprob - float(ref[i - 1, prompt[i]])) < 1e-4
 
 
+def test_each_request_gets_the_top_logprobs_it_asked_for_in_a_mixed_batch(make_llm):
+    # The step computes the batch's widest top-N; each row keeps its own N
+    # (and a request without logprobs none), its own token always listed.
+    llm = make_llm("tiny-llama")
+    wants = [1, 5, None, 0]
+    params = [SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True, logprobs=n, prompt_logprobs=n)
+              for n in wants]
+    for n, out in zip(wants, llm.generate(prompts(4), params), strict=True):
+        if n is None:
+            assert not out.logprobs and not out.prompt_logprobs
+            continue
+        assert len(out.logprobs) == 4 and all(len(lp.top) == n for lp in out.logprobs)
+        assert all(lp is None or len(lp.top) == n for lp in out.prompt_logprobs or [])
+
+
 def test_prompt_logprobs_bypass_the_prefix_cache(make_llm):
     llm = make_llm("tiny-llama", max_num_batched_tokens=16)
     prompt = prompts(2)[1]

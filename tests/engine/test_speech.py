@@ -204,12 +204,18 @@ def test_voice_prompt_and_bad_requests(speech_llm, make_llm):
     ctx = eng.make_speech_context("clone this voice", audio_prompt_codes=codes,
                                   audio_prompt_transcription="reference words")
     assert eng.speech_layout.codes_to_tokens(np.array(codes)).tolist()[0] in ctx.prompt_tokens.tolist()
+    size = eng.speech_layout.codebook_size
     cases: dict[str, dict[str, Any]] = {"input": dict(text=""), "audio_prompt_tokens": dict(text="x", audio_prompt_codes=[1, 2, 3]),
              "chunk_frames": dict(text="x", chunk_frames=0)}
+    # Each range's last value is in it, the next one is not.
+    eng.make_speech_context("x", chunk_frames=64)
+    eng.make_speech_context("x", audio_prompt_codes=[0] * 6 + [size - 1])
+    cases |= {"chunk_frames ": dict(text="x", chunk_frames=65),
+              "audio_prompt_tokens ": dict(text="x", audio_prompt_codes=[0] * 6 + [size])}
     for field, kwargs in cases.items():
         with pytest.raises(InvalidRequest) as err:
             eng.make_speech_context(**kwargs)
-        assert err.value.field == field
+        assert err.value.field == field.strip()
     with pytest.raises(InvalidRequest, match="at most"):
         eng.make_speech_context("x" * 5000)
     text_only = make_llm("tiny-llama")

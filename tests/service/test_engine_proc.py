@@ -217,6 +217,9 @@ def test_a_step_message_carries_times_only_when_they_change() -> None:
     server_ctx = TextContext(tokens=np.array([5, 6, 7]), max_length=7)
     mirror_times(server_ctx, outbox.sent[3][2][0][1])
     assert times_of(server_ctx) == (1.0, None, 2.0, 3.0, 0)
+    # ... and the passes its grammar's forced runs saved (the passes_saved metric).
+    mirror_times(server_ctx, (1.0, None, 2.0, 3.0, 7))
+    assert server_ctx.grammar.num_jumped == 7
 
 
 def test_a_call_answers_with_its_result_or_its_error() -> None:

@@ -132,3 +132,28 @@ def test_schemas_are_read_as_vllm_reads_them() -> None:
     p = vpb.SamplingParams(regex="a+")
     prepared = convert.constraint_spec(p)
     assert prepared is not None and not prepared.spec.options.closed_objects
+
+
+def test_outputs_read_as_vllm_writes_them() -> None:
+    from engine import GenerationStatus, RequestOutput
+    from engine.context import TokenLogprobs
+
+    # A context-length cut is "length", as a max_tokens one is.
+    for status, reason in ((GenerationStatus.CONTEXT_LENGTH, "length"), (GenerationStatus.MAXIMUM_LENGTH, "length"),
+                           (GenerationStatus.CANCELLED, "abort"), (GenerationStatus.END_OF_SEQUENCE, "stop")):
+        assert convert.finish_reason(RequestOutput("r", finished=True, status=status)) == reason
+    # logprobs=0: the sampled tokens' log-probabilities, no top entries.
+    items = [TokenLogprobs(5, -0.1, [])]
+    out = convert.output_logprobs(items, 0)
+    assert out is not None and list(out.token_ids) == [5] and len(out.top_logprobs) == 0
+    out = convert.output_logprobs([TokenLogprobs(5, -0.1, [(5, -0.1)])], 1)
+    assert out is not None and list(out.top_logprobs[0].token_ids) == [5]
+
+
+def test_n_up_to_its_maximum_is_served(engine: EngineCore) -> None:
+    req = _request([5, 6, 7], n=convert.MAX_N)
+    req.sampling_params.temperature = 1.0
+    assert len(convert.prepare_generate(req, engine, "job").specs) == convert.MAX_N
+    req.sampling_params.n = convert.MAX_N + 1
+    with pytest.raises(ServiceError):
+        convert.prepare_generate(req, engine, "job")

@@ -307,3 +307,36 @@ def test_template_variables_past_their_size_are_refused_unread(monkeypatch) -> N
     chat.template_kwargs = json.dumps({"enable_thinking": False, "note": "x" * 1000})
     assert convert.chat_prompt(chat, tokenizer)
     assert chat.template_kwargs in loads
+
+
+def test_a_reasoning_only_chunk_is_sent_without_token_ids() -> None:
+    # With token ids off, a chunk of thought alone is still news.
+    outputs = [RequestOutput("r", token_ids=[5], text="", reasoning="hmm")]
+    msg = convert.chunk_response("r", outputs, convert.OutputOptions(return_token_ids=False))
+    assert msg is not None and msg.chunk.reasoning == "hmm" and not msg.chunk.token_ids
+    assert convert.chunk_response("r", [RequestOutput("r", token_ids=[5])],
+                                  convert.OutputOptions(return_token_ids=False)) is None
+
+
+def test_limits_admit_their_own_value() -> None:
+    from service.ops.request_log import MAX_REQUEST_ID_LENGTH
+
+    assert convert.check_request_id("a" * MAX_REQUEST_ID_LENGTH) == "a" * MAX_REQUEST_ID_LENGTH
+    with pytest.raises(ServiceError):
+        convert.check_request_id("a" * (MAX_REQUEST_ID_LENGTH + 1))
+
+    def nested(levels: int) -> list:
+        value: list = []
+        for _ in range(levels - 1):
+            value = [value]
+        return value
+
+    limit = convert.MAX_TEMPLATE_KWARGS_DEPTH
+    assert not convert._deeper_than(nested(limit), limit) and convert._deeper_than(nested(limit + 1), limit)
+
+
+def test_utf8_offsets_at_each_encoded_width_boundary() -> None:
+    for char, width in (("\x7f", 1), ("\x80", 2), ("\u07ff", 2), ("\u0800", 3), ("\uffff", 3),
+                        ("\U00010000", 4)):
+        assert convert.utf8_offsets(char + "a").tolist() == [0, width, width + 1], hex(ord(char))
+        assert len((char + "a").encode()) == width + 1
