@@ -102,6 +102,14 @@ def test_regex_and_choice(llm):
     assert all(o.text in choices and o.finish_reason == "eos" for o in outs)
 
 
+def test_a_requests_backend_reaches_the_compiler(llm):
+    # The engine process compiles what the server sends with the backend the
+    # request named; dropped, it compiled with auto's choice instead.
+    spec = GrammarSpec.regex("[0-9]+ backend")  # auto: llguidance
+    for backend in ("xgrammar", "llguidance"):
+        assert llm.engine.structured.compile_async(spec, backend).result(30).backend == backend
+
+
 def test_mixed_batch_leaves_unconstrained_rows_alone(llm):
     batch = prompts(4)
     spec = GrammarSpec.json_schema(json.dumps(PERSON))

@@ -253,6 +253,21 @@ def test_a_fallback_left_without_time_does_not_cache_the_first_refusal(tokenizer
         assert c.compile(spec).backend == "xgrammar"
 
 
+def test_a_timeout_under_auto_is_not_remembered_as_the_specs_answer(tokenizer):
+    # A compile that timed out once (a loaded server) must not refuse every
+    # later request for the schema: auto caches refusals, never timeouts.
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"timed": {"type": "integer"}}})
+    with GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=STOP_IDS, isolation="thread") as c:
+        def timed_out(backend, view, deadline, given=None):  # type: ignore[no-untyped-def]
+            raise GrammarError("timed out", reason="timeout", backend=backend)
+
+        c._compile_one = timed_out  # type: ignore[method-assign]
+        err = c.compile_async(spec).exception(timeout=30)
+        assert isinstance(err, GrammarError) and err.reason == "timeout"
+        del c._compile_one
+        assert c.compile(spec).backend in ("xgrammar", "llguidance")
+
+
 def test_a_schema_whose_planning_queued_and_then_ran_out_of_time_is_a_busy_timeout(tokenizer, monkeypatch):
     # Under a flood of compiles, a schema that plans in 1.7 s alone was
     # refused as the spec's own timeout (INVALID_ARGUMENT): it had waited in
@@ -405,6 +420,18 @@ def test_thread_isolation_and_shared_cache(tokenizer, compiler):
     ) as other:
         assert other.tokenizer_data.fingerprint != compiler.tokenizer_data.fingerprint
         assert other.allocate_bitmask(1).shape[1] == 256
+        misses = shared.info().misses
+        other.compile(spec)  # compiled for its own vocabulary, not the entry above
+        assert shared.info().misses > misses
+
+
+def test_one_spec_asked_of_two_backends_at_once_compiles_on_each(compiler):
+    # Two requests naming different backends for one spec share no compile:
+    # each gets the library it asked for.
+    spec = GrammarSpec.regex("k-[a-z]{3}-two-backends")
+    first = compiler.compile_async(spec, "xgrammar")
+    second = compiler.compile_async(spec, "llguidance")
+    assert (first.result(30).backend, second.result(30).backend) == ("xgrammar", "llguidance")
 
 
 def test_cache_is_bounded():

@@ -74,6 +74,16 @@ def test_all_of_of_objects_is_merged():
     assert "allOf" in normalize_schema(kept)
 
 
+def test_all_of_bounds_merge_to_the_tighter_one():
+    # Both members hold: the larger lower bound, the smaller upper bound.
+    merged = normalize_schema({"allOf": [{"type": "integer", "minimum": 1, "maximum": 50},
+                                         {"minimum": 5, "maximum": 70}]})
+    assert (merged["minimum"], merged["maximum"]) == (5, 50)
+    merged = normalize_schema({"allOf": [{"type": "string", "minLength": 2, "maxLength": 9},
+                                         {"minLength": 4, "maxLength": 3}]})
+    assert (merged["minLength"], merged["maxLength"]) == (4, 3)
+
+
 def test_single_enum_becomes_const():
     assert normalize_schema({"enum": ["only"]}) == {"const": "only"}
     assert normalize_schema({"enum": [1, 2]}) == {"enum": [1, 2]}
@@ -191,6 +201,9 @@ def test_validator_results():
     assert missing.keyword == "required" and missing.instance_path == ""
     broken = v.validate_text('{"tags":')
     assert not broken.valid and broken.keyword == "" and "not JSON" in broken.message
+    # The path is a JSON Pointer: "~" and "/" in a key are escaped, "~" first.
+    odd = SchemaValidator({"properties": {"a/b~c": {"type": "array", "items": {"type": "integer"}}}})
+    assert odd.validate_text('{"a/b~c":[1,"x"]}').instance_path == "/a~1b~0c/1"
     # A number past a double's range is a number (Python reads it as infinity,
     # which the validator saw as null: "not of type number").
     huge = SchemaValidator({"type": "number", "minimum": 0})

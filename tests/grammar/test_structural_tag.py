@@ -66,6 +66,30 @@ def test_formats_llguidance_cannot_express_fall_back_to_xgrammar(compiler):
         assert compiler.compile(GrammarSpec.structural_tag(tag)).backend == "xgrammar"
 
 
+def _with_content(**options: Any) -> dict[str, Any]:
+    tag = json.loads(json.dumps(TRIGGERED))
+    tag["format"]["tags"][0]["content"].update(options)
+    return tag
+
+
+@pytest.mark.parametrize("tag", [
+    {"type": "structural_tag", "format": {**TRIGGERED["format"], "excludes": ["<fn=add>"]}},
+    _with_content(style="qwen_xml"),
+], ids=["excludes", "xml-style-content"])
+def test_what_llguidance_would_not_enforce_is_refused_there_and_goes_to_xgrammar(compiler, tag):
+    # Compiled as if absent, llguidance would have let the output break them.
+    spec = GrammarSpec.structural_tag(tag)
+    with pytest.raises(GrammarError, match="llguidance"):
+        compiler.compile(spec, backend="llguidance")
+    assert compiler.compile(spec).backend == "xgrammar"
+
+
+def test_a_whitespace_bound_in_a_tag_holds_on_llguidance(compiler):
+    spec = GrammarSpec.structural_tag(_with_content(max_whitespace_cnt=2))
+    assert _accepts(compiler, spec, '<fn=add>{"a":  1}</fn>', backend="llguidance")
+    assert not _accepts(compiler, spec, '<fn=add>{"a":   1}</fn>', backend="llguidance")
+
+
 SEPARATED_TEXTS = ['<fn=add>{"a":1}</fn>', '<fn=add>{"a":1}</fn>\n<fn=add>{"a":2}</fn>', "",
                    'Sure <fn=add>{"a":1}</fn>', '<fn=add>{"a":1}</fn><fn=add>{"a":2}</fn>',
                    '<fn=add>{"a": 1}</fn>', '<fn=add>{"a":"x"}</fn>', '<fn=add>{"a":1}</fn>\n']

@@ -25,6 +25,15 @@ def _first_violation(schema: dict, text: str, keywords: tuple[str, ...]) -> Viol
     return next((d for d in found if d is not None), None)
 
 
+def test_of_two_violations_read_at_once_the_first_is_reported():
+    # One token can complete two bad values ("1,1]"): the earlier one is rolled
+    # back and resampled; naming the later one shipped the earlier.
+    plan = WatchPlan.for_schema(INTS)
+    assert plan is not None
+    watch = ValueWatch(plan, ("uniqueItems",))
+    assert watch.feed(b"[1,1,1]") == Violation(3, 4, "uniqueItems")
+
+
 def test_a_duplicate_is_found_when_its_item_completes():
     plan = WatchPlan.for_schema(INTS)
     assert plan is not None and plan.located(("uniqueItems",)) == ("uniqueItems",)
