@@ -5,11 +5,15 @@ the grammar does not enforce (a duplicate item under `uniqueItems`, a value
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.presets import ensure_preset
+from engine.resample import Resampler
 from engine.tokenizer import Tokenizer
 from grammar import GrammarSpec
 
@@ -376,3 +380,27 @@ def test_a_stop_token_ending_the_whole_output_has_it_checked_as_eos_does(make_ll
     assert out.schema_retries == 1 and out.stop_reason == brace
     value = json.loads(out.text)
     assert isinstance(value["n"], int) and value["n"] != 1
+
+
+def test_a_ban_that_would_leave_the_grammar_nothing_is_not_applied() -> None:
+    # Banned tokens leave a value's next sample, unless they are all the
+    # grammar allows: an empty row is a dead end that fails the request.
+    resampler = Resampler(watch=None, token_bytes=lambda token: b"")  # type: ignore[arg-type]
+    resampler._bans[(2, (7,))] = {5}  # at position 3, after token 7 at the value's start (2)
+    ctx = SimpleNamespace(tokens=np.array([1, 2, 7]), num_final_tokens=3)
+
+    def row(*allowed: int) -> torch.Tensor:
+        r = torch.zeros(1, dtype=torch.int32)
+        for token in allowed:
+            r |= 1 << token
+        return r
+
+    both = row(5, 6)
+    resampler.mask(ctx, both[0:1])  # type: ignore[arg-type]
+    assert int(both[0]) == 1 << 6
+    only = row(5)
+    resampler.mask(ctx, only[0:1])  # type: ignore[arg-type]
+    assert int(only[0]) == 1 << 5
+    elsewhere = row(5, 6)
+    resampler.mask(SimpleNamespace(tokens=np.array([1, 2, 8]), num_final_tokens=3), elsewhere[0:1])  # type: ignore[arg-type]
+    assert int(elsewhere[0]) == (1 << 5) | (1 << 6)
