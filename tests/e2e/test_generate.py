@@ -91,6 +91,11 @@ def test_model_info(server: ServerHandle) -> None:
     assert info.device == "cpu" and info.dtype == "float32"
     assert info.kv_cache_pages == engine.allocator.num_pages
     assert info.max_logprobs == 20 and info.max_stop_strings == 16
+    mc = engine.model_config
+    assert mc.num_kv_heads < mc.num_heads  # grouped-query attention tells the two apart
+    assert (info.num_layers, info.hidden_size, info.num_attention_heads, info.num_kv_heads) == \
+        (mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads)
+    assert (info.page_size, info.max_num_seqs) == (engine.config.page_size, engine.config.max_num_seqs)
 
 
 def test_stop_string_and_stop_token(stub) -> None:

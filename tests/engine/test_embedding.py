@@ -434,6 +434,15 @@ def test_async_large_request_tokenizes_off_the_loop(pipeline: EmbeddingPipeline)
     np.testing.assert_allclose(vecs, ref, atol=1e-5)
 
 
+def test_an_input_as_long_as_the_batch_budget_is_embedded(pipeline: EmbeddingPipeline) -> None:
+    # The smallest budget allowed is the model's length: an input that long
+    # must fit a batch of its own (a strict comparison never took it).
+    long = "lorem ipsum dolor sit amet " * 800
+    with EmbeddingBatcher(pipeline, max_batch_tokens=pipeline.max_length) as batcher:
+        vecs, tokens = batcher.embed_sync([long, "small"], truncate=True, timeout=30)
+    assert vecs.shape[0] == 2 and tokens > pipeline.max_length
+
+
 def test_many_short_inputs_tokenize_off_the_loop(pipeline: EmbeddingPipeline) -> None:
     # Each input is a tokenizer call of its own: 2,000 empty strings weigh as
     # much as long text (300k of them held the loop for 3 s), a few do not.
