@@ -65,6 +65,14 @@ def test_generate_stream_and_unary_agree(vllm) -> None:  # type: ignore[no-untyp
     unary = list(stub.Generate(_req("u1", prompt), timeout=TIMEOUT))
     assert len(unary) == 1 and list(unary[0].complete.output_ids) == tokens
     assert unary[0].complete.completion_tokens == 6 and unary[0].complete.prompt_tokens == len(prompt)
+    # Streaming, each message counts its own tokens (a router adds them up):
+    # the closing one its last delta, not the whole output.
+    assert done.completion_tokens == len(done.output_ids)
+    assert sum(c.completion_tokens for c in chunks) == 6
+    # Prompt log-probabilities come with the first chunk, once.
+    with_prompt = list(stub.Generate(_req("s2", prompt, stream=True, prompt_logprobs=1), timeout=TIMEOUT))
+    first = with_prompt[0].chunk
+    assert with_prompt[0].HasField("chunk") and len(first.input_logprobs.token_logprobs) == len(prompt)
 
 
 def test_text_input_stop_token_and_logprobs(vllm) -> None:  # type: ignore[no-untyped-def]

@@ -31,3 +31,20 @@ def test_only_the_constraints_own_failures_count_as_compile_failures(error: Gram
     telemetry._count(record)
     assert m.compile_failures.labels("regex", outcome)._value.get() == int(counted)
     assert m.compile_timeouts.labels("regex")._value.get() == int(outcome == "timeout")
+
+
+def test_only_answered_embed_calls_count_as_embeddings() -> None:
+    # A refused Embed (bad input, over a limit) embedded nothing: counting it
+    # (and its latency) made the embedding dashboards read errors as work.
+    from service.ops.telemetry import EMBED_METHOD
+
+    telemetry = Telemetry(TelemetryConfig(metrics_port=0))
+    m = telemetry.metrics
+    assert m is not None
+    name = telemetry.embedding_model
+    for code, inputs in (("OK", 3), ("INVALID_ARGUMENT", 5), ("RESOURCE_EXHAUSTED", 7)):
+        record = CallRecord(EMBED_METHOD, "r", "peer", 0.0, code=code, inputs=inputs)
+        record.end = 0.25
+        telemetry._count(record)
+    assert m.embed_requests.labels(name)._value.get() == 1
+    assert m.embed_inputs.labels(name)._value.get() == 3
