@@ -197,6 +197,20 @@ def test_preempted_speech_gives_the_same_audio(speech_llm, make_llm):
         assert np.abs(x.audio - y.audio).max() < STREAM_BOUND
 
 
+def test_a_chunk_is_ready_once_its_frames_and_their_look_ahead_are_there(speech_llm):
+    llm = speech_llm()
+    eng = llm.engine
+    ctx = eng.make_speech_context("ready when whole", chunk_frames=2)
+    codes = np.arange(5 * CODES_PER_FRAME) % eng.speech_layout.codebook_size
+    tokens = eng.speech_layout.codes_to_tokens(codes).tolist()
+    for token in tokens[:-1]:
+        ctx.update(token)
+    assert ctx.next_speech_tokens(lookahead=3) is None  # the fifth frame is not whole
+    ctx.update(tokens[-1])
+    window = ctx.next_speech_tokens(lookahead=3)  # 2 frames + 3 of look-ahead: no waiting for a sixth
+    assert window is not None and (window.keep_start, window.keep_end) == (0, 2)
+
+
 def test_voice_prompt_and_bad_requests(speech_llm, make_llm):
     llm = speech_llm()
     eng = llm.engine

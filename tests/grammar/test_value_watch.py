@@ -34,6 +34,18 @@ def test_of_two_violations_read_at_once_the_first_is_reported():
     assert watch.feed(b"[1,1,1]") == Violation(3, 4, "uniqueItems")
 
 
+def test_the_stable_point_is_the_outermost_open_checked_value():
+    # "[[1],[1" may still become a duplicate of "[1]": the open outer item
+    # (from byte 5) can be taken back whole, not only the inner one's items.
+    nested = {"type": "array", "uniqueItems": True,
+              "items": {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}}
+    plan = WatchPlan.for_schema(nested)
+    assert plan is not None
+    watch = ValueWatch(plan, ("uniqueItems",))
+    assert watch.feed(b"[[1],[1") is None and watch.stable == 5
+    assert watch.feed(b",2") is None and watch.stable == 5
+
+
 def test_a_duplicate_is_found_when_its_item_completes():
     plan = WatchPlan.for_schema(INTS)
     assert plan is not None and plan.located(("uniqueItems",)) == ("uniqueItems",)
