@@ -118,6 +118,28 @@ def test_a_multi_sequence_call_holds_room_for_the_sequences_it_submits_later(eng
     run(engine, body, limits=AdmissionLimits(max_pending_requests=4))
 
 
+def test_the_token_room_of_sequences_that_never_started_comes_back_whole(engine: EngineCore) -> None:
+    # An n=3 call that ends before its other two start gives back the tokens
+    # held for both, not for one: the rest stayed held for good.
+    def spec(rid: str) -> Any:
+        return engine.requests.check(engine.tokenizer.encode("hello"),
+                                     SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True), rid)
+
+    cost = spec("probe").max_length
+
+    async def body(loop: EngineLoop) -> None:
+        first = loop.submit_request(spec("a"), room_for=3)
+        assert first.cost == cost
+        loop.release(2, first.cost)
+        second = loop.submit_request(spec("b"), room_for=2)  # a's one + b's two: the whole budget
+        for s in (first, second):
+            loop.abort(s.request_id)
+            await drain(s)
+        loop.release(1, second.cost)
+        assert loop.pending_tokens == 0
+    run(engine, body, limits=AdmissionLimits(max_pending_requests=100, max_pending_tokens=3 * cost))
+
+
 def test_token_budget(engine: EngineCore) -> None:
     async def body(loop: EngineLoop) -> None:
         big = loop.submit(ctx(engine, n=400))  # over budget, but the server is idle
