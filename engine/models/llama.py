@@ -117,8 +117,11 @@ class LlamaFamilyModel:
         # vLLM does); untied, it must be there: a config and weights that disagree.
         if config.tie_word_embeddings:
             self.lm_head = linear(self.embed)
+            # Compared as loaded, on the host: a transient copy on the GPU
+            # would be held by its allocator when the KV cache is sized.
             if "lm_head.weight" in source and not torch.equal(
-                    load("lm_head.weight", config.vocab_size, hidden).to(device), self.embed):
+                    load("lm_head.weight", config.vocab_size, hidden),
+                    load("model.embed_tokens.weight", config.vocab_size, hidden)):
                 # A fine-tune that trained its own head and kept the base config:
                 # transformers would use that head (and warn), so say which we use.
                 log.warning("config.json ties the output head to the embedding, but the checkpoint's "
