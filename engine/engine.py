@@ -144,7 +144,7 @@ class EngineCore:
             # As vLLM: past the positions the model was trained for its output
             # is not to be trusted, and a silent cut hid what was asked for.
             raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context "
-                             f"({mc.context_source}={mc.max_position_embeddings})")
+                             f"(max_position_embeddings={mc.max_position_embeddings})")
         max_len = config.max_model_len or mc.max_position_embeddings
         kv_gib = config.kv_cache_gib if config.gpu_memory_utilization is None else \
             kv_budget_gib(device, config.gpu_memory_utilization, config.max_num_batched_tokens,
@@ -190,11 +190,12 @@ class EngineCore:
             kv_blocks = torch.zeros(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(kv_blocks, self.allocator)
-        self.attention = make_attention(self.attention_choice, kv_blocks, mc.num_heads, mc.head_dim, max_len)
+        self.attention = make_attention(self.attention_choice, kv_blocks, mc.num_heads, mc.head_dim, max_len,
+                                        mc.sliding_windows)
         self.graphs: DecodeGraphs | None = None
         if graph_mode is not None:
             graph_attention = self.attention if self.attention_choice.graph_capturable else \
-                DenseDecodeAttention(mc.num_heads, mc.head_dim, Staging(device))
+                DenseDecodeAttention(mc.num_heads, mc.head_dim, Staging(device), mc.sliding_windows)
             self.graphs = DecodeGraphs(self.model, graph_attention, kv_blocks, dummy_page=num_pages,
                                        max_batch=graph_batch, max_pages=-(-max_len // config.page_size),
                                        vocab_size=mc.vocab_size, capture=graph_mode == "capture")

@@ -24,7 +24,7 @@ choice and its reason.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,18 +130,19 @@ def choose_attention(device: torch.device, dtype: torch.dtype, prefer: str = "au
 
 
 def make_attention(choice: AttentionChoice, kv_blocks: torch.Tensor, num_heads: int,
-                   head_dim: int, max_keys: int) -> AttentionBackend:
+                   head_dim: int, max_keys: int, windows: Sequence[int] = ()) -> AttentionBackend:
     """The chosen backend over the page tensor `kv_blocks` (`max_keys`: the
-    longest context a sequence may have)."""
+    longest context a sequence may have; `windows`: each layer's sliding
+    window, 0 for none, or empty)."""
     staging = Staging(kv_blocks.device)
     if choice.name == "triton":
         from .triton_backend import TritonAttention
 
-        return TritonAttention(num_heads, head_dim, staging, kv_blocks.shape[4], max_keys)
+        return TritonAttention(num_heads, head_dim, staging, kv_blocks.shape[4], max_keys, windows)
     if choice.name == "cpu-kernel":
         from engine.kernels import cpu_ops
 
         ops = cpu_ops()
         assert ops is not None
-        return KernelAttention(num_heads, head_dim, ops, kv_blocks)
-    return TorchAttention(num_heads, head_dim, staging)
+        return KernelAttention(num_heads, head_dim, ops, kv_blocks, windows)
+    return TorchAttention(num_heads, head_dim, staging, windows)

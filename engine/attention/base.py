@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -141,26 +142,33 @@ SCORE_BYTES = 256 << 20
 
 
 def gathered_attention(q: torch.Tensor, rows: CacheRows, layer: int, item: Gathered,
-                       scale: float) -> torch.Tensor:
+                       scale: float, window: int = 0) -> torch.Tensor:
     """SDPA of one span's queries over its keys and values read from the pages.
     Several queries are causal: query i (at position cache_len + i) sees keys
-    0..cache_len + i, a mask made on the device (a host-built one would be
-    q_len x ctx_len bytes to copy every step)."""
+    0..cache_len + i, or with a sliding `window` only the last `window` of
+    them, a mask made on the device (a host-built one would be q_len x ctx_len
+    bytes to copy every step)."""
     span = item.span
     if span.q_len == 0:  # a sequence with nothing to compute this step, as the other backends allow
         return q[span.q_start:span.q_end]
-    keys = rows.flat.index_select(0, rows.key_rows(item.rows, layer))
-    values = rows.flat.index_select(0, rows.value_rows(item.rows, layer))
+    # Keys before `first` are out of every query's window.
+    first = max(0, span.cache_len + 1 - window) if window else 0
+    base = item.rows[first:] if first else item.rows
+    keys = rows.flat.index_select(0, rows.key_rows(base, layer))
+    values = rows.flat.index_select(0, rows.value_rows(base, layer))
     queries = q[span.q_start:span.q_end]
     if span.q_len == 1:
         return sdpa(queries, keys, values, None, False, scale)
     per_slice = max(1, SCORE_BYTES // (q.shape[1] * span.ctx_len * 4))
-    key_pos = torch.arange(span.ctx_len, device=q.device)
+    key_pos = torch.arange(first, span.ctx_len, device=q.device)
     out = []
     for start in range(0, span.q_len, per_slice):
         end = min(start + per_slice, span.q_len)
         query_pos = torch.arange(span.cache_len + start, span.cache_len + end, device=q.device)
-        out.append(sdpa(queries[start:end], keys, values, key_pos[None, :] <= query_pos[:, None], False, scale))
+        visible = key_pos[None, :] <= query_pos[:, None]
+        if window:
+            visible &= key_pos[None, :] > query_pos[:, None] - window
+        out.append(sdpa(queries[start:end], keys, values, visible, False, scale))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
@@ -178,11 +186,19 @@ class AttentionBackend(ABC, Generic[M]):
 
     name = "base"
 
-    def __init__(self, num_heads: int, head_dim: int, staging: Staging | None = None):
+    def __init__(self, num_heads: int, head_dim: int, staging: Staging | None = None,
+                 windows: Sequence[int] = ()):
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
         self.staging = staging or Staging(torch.device("cpu"))
+        # Per layer, the sliding window of its queries (0: the whole context);
+        # empty: no layer slides (ModelConfig.sliding_windows).
+        self.windows = tuple(windows)
+
+    def window(self, layer: int) -> int:
+        """How many keys up to its own position a query of `layer` sees (0: all)."""
+        return self.windows[layer] if self.windows else 0
 
     @abstractmethod
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> M:

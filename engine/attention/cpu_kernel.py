@@ -10,6 +10,7 @@ context over keys gathered from the pages.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -73,8 +74,9 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
 
     name = "cpu-kernel"
 
-    def __init__(self, num_heads: int, head_dim: int, ops: ModuleType, kv_blocks: torch.Tensor):
-        super().__init__(num_heads, head_dim)
+    def __init__(self, num_heads: int, head_dim: int, ops: ModuleType, kv_blocks: torch.Tensor,
+                 windows: Sequence[int] = ()):
+        super().__init__(num_heads, head_dim, windows=windows)
         self.ops = ops
         # The kernel's fp32 fast path (head_dim 64 or 128) takes whole prompt
         # chunks while their context is short enough; other layouts only decode.
@@ -106,20 +108,29 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
         kv = meta.kv
         self.ops.write_kv(k, v, kv.kv_blocks, layer, meta.write_page, meta.write_offset)
         out = q.new_empty(q.shape)
+        window = self.window(layer)
         if meta.short_tokens is not None:
             self.ops.paged_attention(out, q, kv.kv_blocks, layer, meta.short_tokens, meta.token_seq,
-                                     meta.token_ctx, kv.lookup_table, self.scale)
+                                     meta.token_ctx, kv.lookup_table, self.scale, window)
         for run in meta.fresh_runs:
             sl = slice(run.start, run.start + run.count * run.length)
             shape = (run.count, run.length)
+            mask = _window_mask(run.length, window, q.device) if window and run.length > window else None
             res = F.scaled_dot_product_attention(
                 q[sl].unflatten(0, shape).transpose(1, 2), k[sl].unflatten(0, shape).transpose(1, 2),
-                v[sl].unflatten(0, shape).transpose(1, 2), is_causal=True, scale=self.scale,
-                enable_gqa=q.shape[1] != k.shape[1])
+                v[sl].unflatten(0, shape).transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+                scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
             out[sl].unflatten(0, shape).copy_(res.transpose(1, 2))
         for item in meta.cached:
-            out[item.span.q_start:item.span.q_end] = gathered_attention(q, meta.rows, layer, item, self.scale)
+            out[item.span.q_start:item.span.q_end] = gathered_attention(q, meta.rows, layer, item, self.scale,
+                                                                        window)
         return out
+
+
+def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[length, length] bool: query i of a fresh chunk sees keys (i - window, i]."""
+    pos = torch.arange(length, device=device)
+    return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
 
 
 def _int32(a: np.ndarray) -> torch.Tensor:

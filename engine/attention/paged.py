@@ -74,7 +74,12 @@ class DenseDecodeAttention(AttentionBackend[PagedMetadata]):
         slots = meta.block_table.to(torch.int64)[:, :, None] * (2 * rows.layers * page_size) \
             + torch.arange(page_size, device=q.device)
         slots = slots.reshape(batch, width * page_size)
-        visible = torch.arange(width * page_size, device=q.device)[None, :] < meta.seq_lens[:, None].to(torch.int64)
+        slot_pos = torch.arange(width * page_size, device=q.device)[None, :]
+        seq_lens = meta.seq_lens[:, None].to(torch.int64)
+        visible = slot_pos < seq_lens
+        window = self.window(layer)
+        if window:  # the one query sits at seq_len - 1 and sees the last `window` keys
+            visible &= slot_pos >= seq_lens - window
         return decode_over_slots(q, rows, layer, slots, visible, self.scale)  # one query per sequence: T == B
 
 

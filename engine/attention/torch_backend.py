@@ -54,6 +54,8 @@ class TorchAttention(AttentionBackend[TorchMetadata]):
                  meta: TorchMetadata) -> torch.Tensor:
         meta.rows.write(meta.write_rows, layer, k, v)
         out = q.new_empty(q.shape)
+        window = self.window(layer)
         for item in meta.spans:
-            out[item.span.q_start:item.span.q_end] = gathered_attention(q, meta.rows, layer, item, self.scale)
+            out[item.span.q_start:item.span.q_end] = gathered_attention(q, meta.rows, layer, item, self.scale,
+                                                                        window)
         return out

@@ -11,6 +11,8 @@ the same way, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -30,8 +32,9 @@ class TritonAttention(AttentionBackend[PagedMetadata]):
     name = "triton"
     rotates_in_write = True
 
-    def __init__(self, num_heads: int, head_dim: int, staging: Staging, num_kv_heads: int, max_keys: int):
-        super().__init__(num_heads, head_dim, staging)
+    def __init__(self, num_heads: int, head_dim: int, staging: Staging, num_kv_heads: int, max_keys: int,
+                 windows: Sequence[int] = ()):
+        super().__init__(num_heads, head_dim, staging, windows)
         self.decode_splits = default_num_splits(1, num_kv_heads, max_keys, sm_count(staging.device))
 
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> PagedMetadata:
@@ -54,4 +57,4 @@ class TritonAttention(AttentionBackend[PagedMetadata]):
 
     def _attend(self, q: torch.Tensor, layer: int, meta: PagedMetadata) -> torch.Tensor:
         return paged_attention(q, meta.rows.blocks, layer, meta.block_table, meta.seq_lens, meta.cu_q, meta.max_q,
-                               self.scale, num_splits=self.decode_splits)
+                               self.scale, num_splits=self.decode_splits, window=self.window(layer))

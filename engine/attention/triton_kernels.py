@@ -123,11 +123,12 @@ def _decode_kernel(
     stride_pt, stride_ph, stride_ps,
     stride_lt, stride_lh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_SPLIT_PAGES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT_PAGES: tl.constexpr, WINDOW: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One (sequence, kv head, split): the group's query heads over a page range."""
+    """One (sequence, kv head, split): the group's query heads over a page range
+    (with a sliding WINDOW > 0, of the pages holding the last WINDOW keys)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,11 +139,18 @@ def _decode_kernel(
     # interpreter turns `bool_block & bool_scalar` into ints, which it then refuses as a mask)
     seq_len = tl.load(seq_lens_ptr + seq) * live  # an empty row reads no keys
 
-    # This split's keys: a run of whole pages, at least one key block long.
-    num_pages = tl.cdiv(seq_len, PAGE_SIZE)
+    # The first key the query sees: 0, or the first of the last WINDOW.
+    lo = seq_len * 0
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    first_page = lo // PAGE_SIZE
+    # This split's keys: a run of whole pages, at least one key block long,
+    # of those from the one holding `lo` (its keys before `lo` are skipped).
+    num_pages = tl.cdiv(seq_len, PAGE_SIZE) - first_page
     split_pages = tl.maximum(tl.cdiv(num_pages, NUM_SPLITS), MIN_SPLIT_PAGES)
-    start = split * split_pages * PAGE_SIZE
+    start = (first_page + split * split_pages) * PAGE_SIZE
     end = tl.minimum(start + split_pages * PAGE_SIZE, seq_len)
+    start = tl.maximum(start, lo)
 
     rows = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -230,11 +238,14 @@ def _prefill_kernel(
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One (query block, sequence, kv head): BLOCK_Q queries x GROUP heads as BLOCK_M rows."""
+    """One (query block, sequence, kv head): BLOCK_Q queries x GROUP heads as BLOCK_M rows.
+    With a sliding WINDOW > 0 a query sees only the last WINDOW keys up to its
+    own: every key block runs masked, from the block holding the first query's
+    first key."""
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -248,6 +259,10 @@ def _prefill_kernel(
     # Keys the block's queries see: [0, kv_end); all of them see [0, full_end).
     kv_end = tl.where(live, tl.minimum(seq_len, first_pos + BLOCK_Q), 0)
     full_end = tl.where(live, ((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)
+    mask_start = full_end  # the masked blocks: [mask_start, kv_end)
+    if WINDOW > 0:
+        mask_start = (tl.maximum(first_pos - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        full_end = full_end * 0
 
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -282,14 +297,17 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
-    # Across the diagonal: the causal mask, and keys past kv_end never loaded.
-    for n0 in range(full_end, kv_end, BLOCK_N):
+    # Across the diagonal (and the window's edge): the mask, and keys past kv_end never loaded.
+    for n0 in range(mask_start, kv_end, BLOCK_N):
         keys = n0 + offs_n
         k_ok = keys < kv_end
         k, v = _kv_block(k_ptr, v_ptr, table_row, keys, kv_end, head_offs, d_ok, stride_kp, stride_ks,
                          PAGE_SIZE, True, UPCAST)
         s = _dot(q, tl.trans(k), IEEE) * scale_log2
-        s = tl.where((keys[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        seen = (keys[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOW > 0:
+            seen = seen & (keys[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
         alpha = tl.exp2(m_i - m_safe)
@@ -418,13 +436,14 @@ def default_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, b
 
 def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, cu_q: torch.Tensor, max_q: int, scale: float,
-                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, num_splits: int | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of a flat, mixed batch over the paged cache (keys/values of this step already written).
     q: [T, H, D]; block_table: [B, W] int32 page ids per sequence (row width W fixed, unused entries may hold anything);
     seq_lens: [B] int32 keys of each sequence INCLUDING this step's new tokens; cu_q: [B+1] int32 query offsets
     (sequence b's queries are rows cu_q[b]:cu_q[b+1] of q, at absolute positions seq_lens[b]-q_len_b .. seq_lens[b]-1:
     bottom-right aligned causal mask, which is what chunked prefill and decode need); max_q: a host int >= every q_len
-    (grid sizing only). A sequence with q_len 0 contributes nothing. Returns out [T, H, D] in q's dtype.
+    (grid sizing only); window: a sliding window (a query at position p sees keys p - window + 1 .. p), 0 for none.
+    A sequence with q_len 0 contributes nothing. Returns out [T, H, D] in q's dtype.
 
     Rows of `out` outside cu_q[0]:cu_q[B] (padding of a captured batch) are left as
     they are. `num_splits` applies to the decode path (max_q == 1) only: None picks
@@ -434,7 +453,7 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
     """
     if triton is None:
         raise RuntimeError("paged_attention needs Triton, which is not installed")
-    _check(q, kv_blocks, layer, block_table, seq_lens, cu_q, max_q, out)
+    _check(q, kv_blocks, layer, block_table, seq_lens, cu_q, max_q, out, window)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = kv_blocks.shape[4]
     page_size = kv_blocks.shape[3]
@@ -454,7 +473,7 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
     upcast = q.dtype == torch.bfloat16 and interpreted(_decode_kernel)
     ieee = q.dtype == torch.float32 or upcast
     kv_strides = keys.stride()
-    common = dict(PAGE_SIZE=page_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_D=block_d,
+    common = dict(PAGE_SIZE=page_size, HEAD_DIM=head_dim, GROUP=group, WINDOW=window, BLOCK_D=block_d,
                   UPCAST=upcast, IEEE=ieee, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
     if max_q > 1:
@@ -550,7 +569,7 @@ def rotate_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation_
 
 
 def _check(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: torch.Tensor,
-           seq_lens: torch.Tensor, cu_q: torch.Tensor, max_q: int, out: torch.Tensor | None) -> None:
+           seq_lens: torch.Tensor, cu_q: torch.Tensor, max_q: int, out: torch.Tensor | None, window: int) -> None:
     """Shape, dtype and device checks (metadata only, nothing is read from the device)."""
     if q.dim() != 3 or kv_blocks.dim() != 6:
         raise ValueError(f"q must be [T, H, D] and kv_blocks 6-D, got {tuple(q.shape)}, {tuple(kv_blocks.shape)}")
@@ -581,5 +600,7 @@ def _check(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: to
         raise ValueError(f"kv_blocks is on {kv_blocks.device}, q on {q.device}")
     if max_q < 0:
         raise ValueError("max_q must be >= 0")
+    if window < 0:
+        raise ValueError("window must be >= 0")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")

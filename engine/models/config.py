@@ -97,9 +97,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     output_bias: bool = False  # on the attention's output projection
     mlp_bias: bool = False  # on the gate, up and down projections
-    # What set max_position_embeddings: the config's own field, or a sliding
-    # window shorter than it (sliding-window attention is not implemented).
-    context_source: str = "max_position_embeddings"
+    # Per layer, the keys a query sees: the last `w` positions up to its own
+    # (0: all of them). Empty: no layer slides.
+    sliding_windows: tuple[int, ...] = ()
     # generation_config.json's sampling values (vLLM reads the same keys):
     # what a request that leaves them unset samples with (--generation-config).
     sampling_defaults: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
@@ -203,29 +203,35 @@ def _sampling_defaults(gen: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _sliding_window(cfg: dict[str, Any], family: str, num_layers: int) -> int | None:
-    """The window of the checkpoint's sliding-window layers (None: every layer
-    attends to the whole context), read as transformers reads it: Mistral's
-    applies to every layer; Qwen's is off unless `use_sliding_window`, and then
-    only on the layers `layer_types` names, or else those from
-    `max_window_layers` (28 by default) on; Llama has none of its own (a
-    `layer_types` that names one is honoured, as vLLM does)."""
+def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: it attends to the whole context; empty:
+    no layer slides), read as transformers reads it: Mistral's applies to every
+    layer; Qwen's is off unless `use_sliding_window`, and then only on the
+    layers `layer_types` names, or else those from `max_window_layers` (28 by
+    default) on; Llama has none of its own (a `layer_types` that names one is
+    honoured, as vLLM does). A window as long as the context never binds and
+    is dropped."""
+    layer_types: list[str] | None
     if family == "mistral":
         window = cfg.get("sliding_window", 4096)
-        return int(window) if window else None
-    if family in ("qwen2", "qwen3"):
-        if not cfg.get("use_sliding_window", False):
-            return None
-        window = cfg.get("sliding_window", 4096)
+        layer_types = ["sliding_attention"] * num_layers
     else:
-        window = cfg.get("sliding_window")
-    if not window:
-        return None
-    layer_types = cfg.get("layer_types")
-    if layer_types is None and family in ("qwen2", "qwen3"):
-        first = int(cfg.get("max_window_layers", 28))
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    return int(window) if layer_types and "sliding_attention" in layer_types else None
+        if family in ("qwen2", "qwen3"):
+            if not cfg.get("use_sliding_window", False):
+                return ()
+            window = cfg.get("sliding_window", 4096)
+        else:
+            window = cfg.get("sliding_window")
+        layer_types = cfg.get("layer_types")
+        if layer_types is None and family in ("qwen2", "qwen3"):
+            first = int(cfg.get("max_window_layers", 28))
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if not window or not layer_types or int(window) >= max_pos:
+        return ()
+    if len(layer_types) != num_layers:
+        raise CheckpointError(f"layer_types names {len(layer_types)} layers; the model has {num_layers}")
+    windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
+    return windows if any(windows) else ()
 
 
 def _required(cfg: dict[str, Any], key: str) -> int:
@@ -271,12 +277,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     _full_rotary(cfg)
     rope = _rope_config(cfg)
     max_pos = rope.positions(int(cfg.get("max_position_embeddings", 2048)))
-    # Sliding-window attention is not implemented; a window shorter than the
-    # context would change the model, so cap the usable context at the window.
-    window = _sliding_window(cfg, family, num_layers)
-    context_source = "max_position_embeddings"
-    if window and window < max_pos:
-        max_pos, context_source = window, "sliding_window"
+    windows = _sliding_windows(cfg, family, num_layers, max_pos)
 
     eos = _as_ids(cfg.get("eos_token_id"))
     gen_path = root / "generation_config.json"
@@ -295,7 +296,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
-        context_source=context_source,
+        sliding_windows=windows,
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral never; Llama and Qwen3 configs say.

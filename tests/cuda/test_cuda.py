@@ -40,7 +40,7 @@ from engine.presets import ARCHITECTURE_PRESETS, ensure_preset
 from engine.step_inputs import advance_with_placeholders, build_step_inputs
 from grammar import GrammarSpec
 
-from ..engine.reference import engine_logits, prompts
+from ..engine.reference import engine_logits, greedy_argmax, prompts, variant_checkpoint
 from ..engine.test_speech import STREAM_BOUND
 from ..engine.test_stream_order import EVERY_OPTION, step_tensors
 from ..engine.test_structured import PERSON
@@ -118,6 +118,24 @@ def test_fp32_greedy_equals_transformers(cuda_llm, arch: str, attention: str) ->
     ref = hf_cuda_log_softmax(arch, tokens, "float32")
     for chunks in ([60], [20, 33, 1, 1, 5]):
         torch.testing.assert_close(_our_log_softmax(llm, tokens, chunks), ref, atol=FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("cuda_graphs", ["auto", "off"])
+def test_fp32_sliding_window_greedy_equals_transformers(tmp_path: Path, cuda_graphs: str) -> None:
+    """A Mistral checkpoint whose layers see their last 12 keys, prompts up to
+    60 tokens on 4-token pages: the same greedy tokens as transformers on this
+    GPU, through the Triton kernels (graphs and eager)."""
+    path, model = variant_checkpoint("tiny-mistral", {"sliding_window": 12}, tmp_path / "mistral")
+    model = model.cuda()
+    llm = LLM(str(path), device="cuda", dtype="float32", page_size=4, kv_cache_gib=0.25, cuda_graphs=cuda_graphs)
+    try:
+        assert llm.engine.attention_choice.name == "triton"
+        batch = prompts(4)
+        params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        for prompt, res in zip(batch, llm.generate(batch, params), strict=True):
+            assert res.token_ids == list(greedy_argmax(model, tuple(prompt), 24, device="cuda"))
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("page_size", [1, 7, 64])

@@ -24,15 +24,16 @@ pytestmark = pytest.mark.skipif(_loaded is None, reason="CPU kernels unavailable
 ops = cast(ModuleType, _loaded)  # None only where pytestmark skips every test
 
 
-def reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale):
+def reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale, window=0):
     kv_heads, head_dim = cache.shape[4], cache.shape[5]
     group = q.shape[1] // kv_heads
     out = torch.zeros_like(q, dtype=torch.float64)
     for t in tokens.tolist():
         n = int(token_ctx[t])
+        first = max(0, n - window) if window else 0
         pages = table[int(token_seq[t])]
-        keys = cache[pages.long(), 0, layer].reshape(-1, kv_heads, head_dim)[:n].double()
-        values = cache[pages.long(), 1, layer].reshape(-1, kv_heads, head_dim)[:n].double()
+        keys = cache[pages.long(), 0, layer].reshape(-1, kv_heads, head_dim)[first:n].double()
+        values = cache[pages.long(), 1, layer].reshape(-1, kv_heads, head_dim)[first:n].double()
         for h in range(q.shape[1]):
             scores = keys[:, h // group] @ q[t, h].double() * scale
             out[t, h] = torch.softmax(scores, 0) @ values[:, h // group]
@@ -59,7 +60,7 @@ def test_paged_attention_matches_reference(head_dim, kv_heads, group, page_size,
     scale = head_dim ** -0.5
     for layer in range(layers):
         out = torch.full_like(q, float("nan"))
-        ops.paged_attention(out, q, cache, layer, tokens, token_seq, token_ctx, table, scale)
+        ops.paged_attention(out, q, cache, layer, tokens, token_seq, token_ctx, table, scale, 0)
         expected = reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -82,9 +83,38 @@ def test_long_contexts_span_several_held_chunks(head_dim, kv_heads, group, num_t
     q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=g)
     tokens = torch.arange(num_tokens, dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
-    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, head_dim ** -0.5)
+    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, head_dim ** -0.5, 0)
     expected = reference(q, cache, 0, tokens, token_seq, token_ctx, table, head_dim ** -0.5)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(16, torch.float32), (64, torch.float32), (128, torch.float32),
+                                            (64, torch.bfloat16)])
+@pytest.mark.parametrize("page_size,window", [(16, 16), (16, 5), (8, 37), (32, 200)])
+def test_a_sliding_window_reads_only_the_last_keys(head_dim, dtype, page_size, window):
+    """With a window, token t sees keys [ctx - window, ctx): starting mid-page,
+    on a page edge, or at 0 for a context shorter than the window. Every key
+    before a token's window is NaN, so one read shows (the fast path for
+    head_dim 64/128 in fp32, the generic one otherwise)."""
+    g = torch.Generator().manual_seed(head_dim + page_size + window)
+    kv_heads, group, max_pages = 2, 3, 12
+    table = torch.randperm(max_pages, generator=g).int().unsqueeze(0)
+    lengths = [1, window, window + 1, window + page_size + 3, page_size * max_pages, 50]
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=g).to(dtype)
+    tokens = torch.arange(len(lengths), dtype=torch.int32)
+    token_seq = torch.zeros(len(lengths), dtype=torch.int32)
+    scale = head_dim ** -0.5
+    for i, n in enumerate(lengths):
+        cache = torch.randn(max_pages, 2, 1, page_size, kv_heads, head_dim, generator=g).to(dtype)
+        for pos in range(max(0, n - window)):
+            cache[table[0, pos // page_size], :, 0, pos % page_size] = float("nan")
+        one = tokens[i:i + 1]
+        token_ctx = torch.tensor(lengths, dtype=torch.int32)
+        out = torch.full_like(q, float("nan"))
+        ops.paged_attention(out, q, cache, 0, one, token_seq, token_ctx, table, scale, window)
+        expected = reference(q.float(), cache.float(), 0, one, token_seq, token_ctx, table, scale, window)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i].double(), expected[i], rtol=tol, atol=tol)
 
 
 def test_paged_attention_bf16_cache():
@@ -96,7 +126,7 @@ def test_paged_attention_bf16_cache():
     token_seq = torch.zeros(3, dtype=torch.int32)
     tokens = torch.arange(3, dtype=torch.int32)
     out = torch.empty_like(q)
-    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, 0.125)
+    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, 0.125, 0)
     expected = reference(q.float(), cache.float(), 0, tokens, token_seq, token_ctx, table, 0.125)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 

@@ -1,7 +1,7 @@
 """Config variants real checkpoints use, read as transformers reads them:
 rotary scaling (linear, dynamic, llama3, yarn; old and new config forms),
-sliding windows (which only cap the context we serve), and an untied head
-that must be in the weights."""
+which layers slide and by how much (tests/engine/test_sliding_window.py
+serves them), and an untied head that must be in the weights."""
 
 from __future__ import annotations
 
@@ -138,26 +138,29 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
         positions(_rope(1e4, rope_type="longrope", factor=2.0))
 
 
-@pytest.mark.parametrize(("preset", "overrides", "served"), [
+@pytest.mark.parametrize(("preset", "overrides", "windows"), [
     # Qwen2/Qwen3: sliding only when asked for, and only on layers from max_window_layers on.
     ("tiny-qwen2", {"sliding_window": 16}, None),
     ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 2}, None),
-    ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1}, 16),
+    ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1}, (0, 16)),
     ("tiny-qwen3", {"sliding_window": 16, "use_sliding_window": False}, None),
     ("tiny-qwen3", {"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}, None),
     ("tiny-qwen3", {"sliding_window": 16, "use_sliding_window": True,
-                    "layer_types": ["full_attention", "sliding_attention"]}, 16),
-    ("tiny-mistral", {"sliding_window": 16}, 16),
+                    "layer_types": ["full_attention", "sliding_attention"]}, (0, 16)),
+    ("tiny-mistral", {"sliding_window": 16}, (16, 16)),
     ("tiny-mistral", {"sliding_window": None}, None),
+    # A window as long as the context never binds.
+    ("tiny-mistral", {"sliding_window": 512}, None),
     # Qwen's max_window_layers defaults to 28: a deeper model's last layers slide.
     ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "num_hidden_layers": 30,
-                    "max_window_layers": None}, 16),
+                    "max_window_layers": None}, (*[0] * 28, 16, 16)),
     # Llama has no window of its own: a stray key changes nothing.
     ("tiny-llama", {"sliding_window": 16}, None),
 ], ids=["qwen2-unset", "qwen2-no-sliding-layer", "qwen2-sliding-layer", "qwen3-off", "qwen3-layer-types-off",
-        "qwen3-layer-types", "mistral", "mistral-none", "qwen2-default-window-layers", "llama-stray-window"])
-def test_only_a_sliding_layer_caps_the_context(tmp_path, preset: str, overrides: dict[str, Any],
-                                               served: int | None) -> None:
+        "qwen3-layer-types", "mistral", "mistral-none", "mistral-whole-context", "qwen2-default-window-layers",
+        "llama-stray-window"])
+def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str, overrides: dict[str, Any],
+                                                          windows: tuple[int, ...] | None) -> None:
     import transformers
 
     d = tmp_path / "ckpt"
@@ -169,13 +172,16 @@ def test_only_a_sliding_layer_caps_the_context(tmp_path, preset: str, overrides:
     cfg = {k: v for k, v in cfg.items() if not (k in overrides and v is None and k != "sliding_window")}
     (d / "config.json").write_text(json.dumps(cfg))
     hf = getattr(transformers, cfg["architectures"][0].replace("ForCausalLM", "Config")).from_dict(cfg)
-    slides = hf.sliding_window is not None and (
-        preset == "tiny-mistral" or "sliding_attention" in (getattr(hf, "layer_types", None) or []))
-    assert slides == (served is not None)  # transformers agrees
+    # transformers' windows per layer (Mistral slides every layer; the others those layer_types names),
+    # a window as long as the context dropped.
+    kinds = ["sliding_attention"] * hf.num_hidden_layers if preset == "tiny-mistral" else \
+        getattr(hf, "layer_types", None) or []
+    theirs = tuple(hf.sliding_window if kind == "sliding_attention" else 0 for kind in kinds) \
+        if hf.sliding_window and hf.sliding_window < hf.max_position_embeddings else ()
+    assert (theirs if any(theirs) else None) == windows  # transformers agrees
     mc = load_model_config(d)
-    assert mc.max_position_embeddings == (served or cfg["max_position_embeddings"])
-    # A refusal names what set the context: the window, not max_position_embeddings.
-    assert mc.context_source == ("sliding_window" if served else "max_position_embeddings")
+    assert mc.sliding_windows == (windows or ())
+    assert mc.max_position_embeddings == cfg["max_position_embeddings"]  # a window no longer caps the context
 
 
 def test_an_untied_config_without_a_head_is_refused(tmp_path) -> None:

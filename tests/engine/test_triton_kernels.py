@@ -60,10 +60,11 @@ class Case:
     cu_q: torch.Tensor
     max_q: int
     scale: float
+    window: int = 0  # sliding window (0: none)
 
     def run(self, **kwargs: Any) -> torch.Tensor:
         return tk.paged_attention(self.q, self.kv_blocks, LAYER, self.block_table, self.seq_lens, self.cu_q,
-                                  self.max_q, self.scale, **kwargs)
+                                  self.max_q, self.scale, window=self.window, **kwargs)
 
 
 def build(seqs: list[tuple[int, int]], *, dtype: torch.dtype, page_size: int, head_dim: int, group: int,
@@ -100,7 +101,8 @@ def build(seqs: list[tuple[int, int]], *, dtype: torch.dtype, page_size: int, he
 
 
 def reference(case: Case) -> torch.Tensor:
-    """float64 attention of each sequence over its gathered keys, causal mask bottom-right aligned."""
+    """float64 attention of each sequence over its gathered keys, causal mask bottom-right aligned
+    (and a query at position p sees keys from p - window + 1 with a window)."""
     q = case.q.double().cpu()
     kv = case.kv_blocks.double().cpu()
     table = case.block_table.cpu().long()
@@ -116,9 +118,14 @@ def reference(case: Case) -> torch.Tensor:
         page, slot = table[b, pos // page_size], pos % page_size
         k = kv[page, 0, LAYER, slot].repeat_interleave(group, 1)  # [n, H, D]
         v = kv[page, 1, LAYER, slot].repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[lo:hi], k) * case.scale
         q_pos = n - (hi - lo) + torch.arange(hi - lo)
+        if case.window:  # keys before every query's window may be poisoned: none of them counts
+            unseen = pos <= int(q_pos[0]) - case.window
+            k[unseen], v[unseen] = 0.0, 0.0
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi], k) * case.scale
         scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
+        if case.window:
+            scores = scores.masked_fill(pos[None, :] <= q_pos[:, None] - case.window, float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
@@ -198,6 +205,45 @@ def test_mixed_batch_matches_reference(dtype, page_size, head_dim, group):
     assert case.run(out=out) is out
     check(case, out)
     assert bool((out[-2:] == 7.0).all()), "rows outside the batch were written"
+
+
+# -- sliding windows: a query at position p sees keys p - window + 1 .. p ---------------------------
+
+WINDOW_CASES = [(F32, 1, 5), (F32, 16, 16), (F32, 3, 40), (F16, 4, 7), (BF16, 64, 20), (F32, 5, 1)]
+
+
+@pytest.mark.parametrize("dtype,page_size,window", WINDOW_CASES, ids=_ids(WINDOW_CASES, ",p,w"))
+def test_sliding_window_decode_matches_reference(dtype, page_size, window):
+    p = page_size
+    # Shorter than the window, exactly it, one past it, a window starting mid-page and
+    # many pages past it (so whole pages and key blocks lie before the window).
+    seqs = [(1, 1), (window, 1), (window + 1, 1), (window + p + p // 2 + 1, 1), (9, 0), (150, 1)]
+    case = build(seqs, dtype=dtype, page_size=page_size, head_dim=32, group=2, seed=window)
+    case.window = window
+    # Keys no query's window reaches on pages the decode kernel reads are poisoned:
+    # it must skip them, not mask them (a NaN value times a zero weight is NaN).
+    table = case.block_table.long()
+    for b, n in enumerate(case.seq_lens.tolist()):
+        first = max(0, n - window)
+        for pos in range(first - first % p, first):
+            case.kv_blocks[table[b, pos // p], :, LAYER, pos % p] = float("nan")
+    for splits in (1, 3, None):
+        check(case, case.run(num_splits=splits))
+
+
+@pytest.mark.parametrize("dtype,page_size,window", WINDOW_CASES, ids=_ids(WINDOW_CASES, ",p,w"))
+def test_sliding_window_mixed_batch_matches_reference(dtype, page_size, window):
+    seqs = [(11 + 37, 37), (5, 1), (9, 0), (20, 20), (70, 1), (64, 2), (window + 3, 3)]
+    case = build(seqs, dtype=dtype, page_size=page_size, head_dim=32, group=4, max_q=40, seed=window)
+    case.window = window
+    check(case, case.run())
+
+
+def test_a_window_as_long_as_the_context_changes_nothing():
+    case = build([(48, 37), (5, 1), (64, 2)], dtype=F32, page_size=4, head_dim=16, group=2)
+    full = case.run()
+    case.window = 64
+    torch.testing.assert_close(case.run(), full)
 
 
 def test_decode_rows_same_through_either_path():
@@ -339,7 +385,7 @@ def test_cuda_graph_replay_follows_new_metadata(max_q):
 # -- GPU code generation, checked without a GPU ---------------------------------------------------
 
 _COMPILE_SCRIPT = r"""
-import os, re, subprocess, sys
+import itertools, os, re, subprocess, sys
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -413,11 +459,11 @@ for name in ("_decode_kernel", "_merge_kernel", "_prefill_kernel"):
 for dtype, head_dim, page_size, group in ((torch.float32, 80, 3, 4), (torch.float16, 128, 16, 8),
                                           (torch.bfloat16, 256, 64, 1), (torch.float16, 16, 1, 2)):
     kv = torch.zeros(8, 2, 2, page_size, 2, head_dim, dtype=dtype)
-    for max_q, splits in ((1, 1), (1, 4), (64, None)):
+    for (max_q, splits), window in itertools.product(((1, 1), (1, 4), (64, None)), (0, 5)):
         q = torch.zeros(3 * max_q, 2 * group, head_dim, dtype=dtype)
         cu_q = torch.arange(4, dtype=torch.int32) * max_q
         tk.paged_attention(q, kv, 1, torch.zeros(3, 8, dtype=torch.int32), torch.ones(3, dtype=torch.int32),
-                           cu_q, max_q, 0.125, num_splits=splits)
+                           cu_q, max_q, 0.125, num_splits=splits, window=window)
 # The KV writes (plain, and with the rotary embedding in) and the pointwise kernels, at Llama-3-8B's widths.
 from engine.kernels import triton_ops as to
 for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kernel"):
@@ -486,8 +532,9 @@ def test_kernels_compile_for_gpus(tmp_path):
         for compiler in compilers:
             compiler.kill()
             compiler.wait()
-    # Per architecture: 4 configurations x (decode, decode + merge, prefill), then
+    # Per architecture: 4 configurations x (decode, decode + merge, prefill) x (with and
+    # without a sliding window), then
     # 3 dtypes x 5 pointwise kernels (both KV writes among them), then 2 dtypes x 9 GEMV
     # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
     # the 9 gated ones in bfloat16, and the grammar mask's.
-    assert counts == [4 * 4 + 3 * 5 + 3 * 9 + 1] * 2
+    assert counts == [4 * 4 * 2 + 3 * 5 + 3 * 9 + 1] * 2

@@ -101,7 +101,7 @@ struct PagePrefetch {
 template <typename scalar_t, typename MakeKernel>
 void walk_pages(at::Tensor& out, const at::Tensor& q, const AttentionArgs<scalar_t>& a, int64_t layer,
                 const at::Tensor& tokens, const at::Tensor& token_seq, const at::Tensor& token_ctx,
-                const at::Tensor& lookup_table, double scale, MakeKernel make_kernel) {
+                const at::Tensor& lookup_table, double scale, int64_t window, MakeKernel make_kernel) {
   const int64_t D = a.D, G = a.G, P = a.P;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t table_stride = lookup_table.stride(0);
@@ -120,6 +120,8 @@ void walk_pages(at::Tensor& out, const at::Tensor& q, const AttentionArgs<scalar
   const int64_t heads_per_item = a.KVH / groups;
   const float fscale = static_cast<float>(scale);
   const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
+  // A token's first visible key: 0, or with a sliding window the first of its last `window`.
+  auto first_key = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, ctx[t] - window) : int64_t{0}; };
 
   at::parallel_for(0, n_tokens * groups, 1, [&](int64_t begin, int64_t end) {
     const int64_t HG = heads_per_item * G;  // query heads handled by one item
@@ -130,7 +132,7 @@ void walk_pages(at::Tensor& out, const at::Tensor& q, const AttentionArgs<scalar
     // (each item would otherwise start on two cold pages).
     auto prefetch_ahead = [&](int64_t item, int64_t pi, int64_t ahead) {
       PagePrefetch pf;
-      for (; item < end; ++item, pi = 0) {
+      for (; item < end; ++item, pi = item < end ? first_key(tok[item / groups]) / P : 0) {
         const int64_t t = tok[item / groups];
         const int64_t n_pages = (ctx[t] + P - 1) / P;
         if (pi + ahead < n_pages) {
@@ -157,9 +159,13 @@ void walk_pages(at::Tensor& out, const at::Tensor& q, const AttentionArgs<scalar
         st.l[h] = 0.f;
       }
       std::fill(st.acc.begin(), st.acc.end(), 0.f);
-      for (int64_t start = 0; start < n_keys; start += P)
-        kernel.page(st, layer_base + pages[start / P] * a.page_stride, std::min<int64_t>(P, n_keys - start), g0,
-                    heads_per_item, prefetch_ahead(item, start / P, 2));
+      // Page by page from the first visible key (mid-page when a window starts there).
+      for (int64_t start = first_key(t); start < n_keys;) {
+        const int64_t pi = start / P, in_page = start % P, rows = std::min<int64_t>(P - in_page, n_keys - start);
+        kernel.page(st, layer_base + pages[pi] * a.page_stride + in_page * a.slot_stride, rows, g0,
+                    heads_per_item, prefetch_ahead(item, pi, 2));
+        start += rows;
+      }
       kernel.finish(st, g0, heads_per_item);
       for (int64_t h = 0; h < HG; ++h) {
         scalar_t* dst = op + t * os0 + (g0 * G + h) * os1;
@@ -337,10 +343,10 @@ struct F32Kernel {
 template <int DV>
 void attention_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
                    const at::Tensor& tokens, const at::Tensor& token_seq,
-                   const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale) {
+                   const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale, int64_t window) {
 #ifdef __AVX512F__
   const AttentionArgs<float> a(q, cache);
-  walk_pages<float>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale,
+  walk_pages<float>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale, window,
                     [&](int64_t item_heads) { return F32Kernel<DV>(a, item_heads); });
 #else
   TORCH_CHECK(false, "attention_f32 needs AVX-512");
@@ -414,9 +420,9 @@ struct GenericKernel {
 template <typename scalar_t>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
                     const at::Tensor& tokens, const at::Tensor& token_seq,
-                    const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale) {
+                    const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale, int64_t window) {
   const AttentionArgs<scalar_t> a(q, cache);
-  walk_pages<scalar_t>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale,
+  walk_pages<scalar_t>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale, window,
                        [&](int64_t) { return GenericKernel<scalar_t>(a); });
 }
 
@@ -439,10 +445,11 @@ void write_kv(at::Tensor k_new, at::Tensor v_new, at::Tensor cache, int64_t laye
 }
 
 // Attention of the query tokens listed in `tokens` over their sequences' cached
-// keys [0, token_ctx[t]); results go to out[t].
+// keys [0, token_ctx[t]), or with a sliding `window` > 0 only the last `window`
+// of them; results go to out[t].
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor cache, int64_t layer,
                      at::Tensor tokens, at::Tensor token_seq, at::Tensor token_ctx,
-                     at::Tensor lookup_table, double scale) {
+                     at::Tensor lookup_table, double scale, int64_t window) {
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 6, "cache must be a contiguous 6-D page tensor");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out rows must be contiguous in head_dim");
   check_index(tokens, "tokens");
@@ -453,14 +460,14 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor cache, int64_t lay
   if (cache.scalar_type() == at::kFloat && q.scalar_type() == at::kFloat &&
       (cache.size(5) == 64 || cache.size(5) == 128)) {
     if (cache.size(5) == 64)
-      attention_f32<4>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale);
+      attention_f32<4>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window);
     else
-      attention_f32<8>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale);
+      attention_f32<8>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window);
     return;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "paged_attention", [&] {
-    attention_impl<scalar_t>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale);
+    attention_impl<scalar_t>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window);
   });
 }
 
