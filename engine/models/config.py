@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -97,6 +98,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     output_bias: bool = False  # on the attention's output projection
     mlp_bias: bool = False  # on the gate, up and down projections
+    # The checkpoint stores q|k|v as one `qkv_proj` and gate|up as one
+    # `gate_up_proj` (Phi-3), not a tensor each.
+    fused_checkpoint: bool = False
     # Per layer, the keys a query sees: the last `w` positions up to its own
     # (0: all of them). Empty: no layer slides.
     sliding_windows: tuple[int, ...] = ()
@@ -206,14 +210,14 @@ def _sampling_defaults(gen: dict[str, Any]) -> dict[str, float]:
 def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: it attends to the whole context; empty:
     no layer slides), read as transformers reads it: Mistral's applies to every
-    layer; Qwen's is off unless `use_sliding_window`, and then only on the
-    layers `layer_types` names, or else those from `max_window_layers` (28 by
-    default) on; Llama has none of its own (a `layer_types` that names one is
-    honoured, as vLLM does). A window as long as the context never binds and
-    is dropped."""
+    layer (as Phi-3's, when its config gives one); Qwen's is off unless
+    `use_sliding_window`, and then only on the layers `layer_types` names, or
+    else those from `max_window_layers` (28 by default) on; Llama has none of
+    its own (a `layer_types` that names one is honoured, as vLLM does). A
+    window as long as the context never binds and is dropped."""
     layer_types: list[str] | None
-    if family == "mistral":
-        window = cfg.get("sliding_window", 4096)
+    if family in ("mistral", "phi3"):
+        window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
         layer_types = ["sliding_attention"] * num_layers
     else:
         if family in ("qwen2", "qwen3"):
@@ -299,8 +303,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         sliding_windows=windows,
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases, Mistral never; Llama and Qwen3 configs say.
-        attention_bias=family == "qwen2" or (family != "mistral" and bool(cfg.get("attention_bias", False))),
+        # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama and Qwen3 configs say.
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False))),
         qk_norm=family == "qwen3",
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's and Qwen3's attention_bias is on
@@ -308,6 +312,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # mlp_bias on all three MLP projections.
         output_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
         mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
+        fused_checkpoint=family == "phi3",
         sampling_defaults=_sampling_defaults(gen),
         extra={"hidden_act": cfg.get("hidden_act", "silu")},
     )

@@ -1,8 +1,10 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
 
-One class covers the four architectures: they differ only in q/k/v biases
-(Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings and rope scaling.
-Weights are fused at load (q|k|v, gate|up) so a layer makes four GEMM calls.
+One class covers the five architectures: they differ only in q/k/v biases
+(Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling, sliding
+windows (the attention backend's) and how the checkpoint stores the
+projections (Phi-3 fuses q|k|v and gate|up). Weights are fused at load (q|k|v,
+gate|up) so a layer makes four GEMM calls.
 """
 
 from __future__ import annotations
@@ -80,13 +82,25 @@ class LlamaFamilyModel:
             shape = t.shape
             return t.reshape(heads, config.head_dim, -1)[:, perm].reshape(shape)
 
+        def qkv_weights(attn: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            if config.fused_checkpoint:  # rows q | k | v
+                qkv = load(attn + "qkv_proj.weight", q_size + 2 * kv_size, hidden)
+                return qkv[:q_size], qkv[q_size:q_size + kv_size], qkv[q_size + kv_size:]
+            return (load(attn + "q_proj.weight", q_size, hidden), load(attn + "k_proj.weight", kv_size, hidden),
+                    load(attn + "v_proj.weight", kv_size, hidden))
+
+        def gate_up_weight(mlp: str) -> torch.Tensor:
+            if config.fused_checkpoint:  # rows gate | up, as we keep them
+                return load(mlp + "gate_up_proj.weight", 2 * inter, hidden)
+            return torch.cat([load(mlp + "gate_proj.weight", inter, hidden), load(mlp + "up_proj.weight", inter, hidden)])
+
         self.embed = load("model.embed_tokens.weight", config.vocab_size, hidden).to(device)
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            q = permute_heads(load(p + "self_attn.q_proj.weight", q_size, hidden), config.num_heads)
-            k = permute_heads(load(p + "self_attn.k_proj.weight", kv_size, hidden), config.num_kv_heads)
-            v = load(p + "self_attn.v_proj.weight", kv_size, hidden)
+            q, k, v = qkv_weights(p + "self_attn.")
+            q = permute_heads(q, config.num_heads)
+            k = permute_heads(k, config.num_kv_heads)
             bias = None
             if config.attention_bias:
                 bias = torch.cat([
@@ -101,8 +115,7 @@ class LlamaFamilyModel:
                 o_proj=linear(load(p + "self_attn.o_proj.weight", hidden, q_size).to(device),
                               load(p + "self_attn.o_proj.bias", hidden).to(device) if config.output_bias else None),
                 post_norm=load(p + "post_attention_layernorm.weight", hidden).to(device),
-                gate_up=linear(torch.cat([load(mlp + "gate_proj.weight", inter, hidden),
-                                          load(mlp + "up_proj.weight", inter, hidden)]).to(device),
+                gate_up=linear(gate_up_weight(mlp).to(device),
                                torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
                                if config.mlp_bias else None),
                 down=linear(load(mlp + "down_proj.weight", hidden, inter).to(device),

@@ -1,7 +1,7 @@
 """Random-weight checkpoints in the Hugging Face layout, written by `transformers`.
 
 Nothing can be downloaded at run time, so tests, benchmarks and the demo server
-use checkpoints made here: real architectures (Llama, Mistral, Qwen2, Qwen3),
+use checkpoints made here: real architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3),
 random weights from a fixed seed, saved as safetensors with the committed demo
 tokenizer. `write_preset` writes one to a directory; `ensure_preset` caches it.
 """
@@ -194,6 +194,14 @@ PRESETS: dict[str, Preset] = {
         seed=5,
         initializer_range=_TEST_INIT,
     ),
+    # Phi-3: q|k|v and gate|up fused in the checkpoint, and (as Phi-3-mini's
+    # 2047 of 4096) a sliding window shorter than the tests' longer prompts.
+    "tiny-phi3": Preset(
+        "Phi3ForCausalLM",
+        _llama_like(sliding_window=24),
+        seed=7,
+        initializer_range=_TEST_INIT,
+    ),
     # A reasoning model's shape: the tiny Qwen3 with a tokenizer that has
     # `<think>`, `</think>`, `<tool_call>` and `</tool_call>` as single tokens
     # and a chat template that opens the assistant turn inside a thought
@@ -208,7 +216,7 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
+ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.

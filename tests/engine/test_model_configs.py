@@ -151,13 +151,17 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
     ("tiny-mistral", {"sliding_window": None}, None),
     # A window as long as the context never binds.
     ("tiny-mistral", {"sliding_window": 512}, None),
+    # Phi-3 slides every layer when its config gives a window (no default one).
+    ("tiny-phi3", {"sliding_window": 16}, (16, 16)),
+    ("tiny-phi3", {"sliding_window": None}, None),
     # Qwen's max_window_layers defaults to 28: a deeper model's last layers slide.
     ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "num_hidden_layers": 30,
                     "max_window_layers": None}, (*[0] * 28, 16, 16)),
     # Llama has no window of its own: a stray key changes nothing.
     ("tiny-llama", {"sliding_window": 16}, None),
 ], ids=["qwen2-unset", "qwen2-no-sliding-layer", "qwen2-sliding-layer", "qwen3-off", "qwen3-layer-types-off",
-        "qwen3-layer-types", "mistral", "mistral-none", "mistral-whole-context", "qwen2-default-window-layers",
+        "qwen3-layer-types", "mistral", "mistral-none", "mistral-whole-context", "phi3", "phi3-none",
+        "qwen2-default-window-layers",
         "llama-stray-window"])
 def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str, overrides: dict[str, Any],
                                                           windows: tuple[int, ...] | None) -> None:
@@ -174,7 +178,7 @@ def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str,
     hf = getattr(transformers, cfg["architectures"][0].replace("ForCausalLM", "Config")).from_dict(cfg)
     # transformers' windows per layer (Mistral slides every layer; the others those layer_types names),
     # a window as long as the context dropped.
-    kinds = ["sliding_attention"] * hf.num_hidden_layers if preset == "tiny-mistral" else \
+    kinds = ["sliding_attention"] * hf.num_hidden_layers if preset in ("tiny-mistral", "tiny-phi3") else \
         getattr(hf, "layer_types", None) or []
     theirs = tuple(hf.sliding_window if kind == "sliding_attention" else 0 for kind in kinds) \
         if hf.sliding_window and hf.sliding_window < hf.max_position_embeddings else ()
