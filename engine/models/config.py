@@ -215,7 +215,15 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
     else those from `max_window_layers` (28 by default) on; Llama has none of
     its own (a `layer_types` that names one is honoured, as vLLM does). A
     window as long as the context never binds and is dropped."""
-    layer_types: list[str] | None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise CheckpointError(f"config.json's layer_types must list the kind of each of the {num_layers} "
+                                  f"layers, got {layer_types!r}")
+        unknown = sorted(set(map(str, layer_types)) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise CheckpointError(f"unsupported layer_types {', '.join(unknown)} "
+                                  "(supported: full_attention, sliding_attention)")
     if family in ("mistral", "phi3"):
         window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
         layer_types = ["sliding_attention"] * num_layers
@@ -226,15 +234,18 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
             window = cfg.get("sliding_window", 4096)
         else:
             window = cfg.get("sliding_window")
-        layer_types = cfg.get("layer_types")
         if layer_types is None and family in ("qwen2", "qwen3"):
-            first = int(cfg.get("max_window_layers", 28))
+            first = cfg.get("max_window_layers", 28)
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise CheckpointError(f"config.json's max_window_layers must be an integer, got {first!r}")
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if not window or not layer_types or int(window) >= max_pos:
+    if not window or not layer_types:
         return ()
-    if len(layer_types) != num_layers:
-        raise CheckpointError(f"layer_types names {len(layer_types)} layers; the model has {num_layers}")
-    windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise CheckpointError(f"config.json's sliding_window must be a positive integer, got {window!r}")
+    if window >= max_pos:
+        return ()
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     return windows if any(windows) else ()
 
 

@@ -188,6 +188,30 @@ def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str,
     assert mc.max_position_embeddings == cfg["max_position_embeddings"]  # a window no longer caps the context
 
 
+@pytest.mark.parametrize(("preset", "overrides", "message"), [
+    ("tiny-mistral", {"sliding_window": -4}, "sliding_window must be a positive integer"),
+    ("tiny-mistral", {"sliding_window": "4096"}, "sliding_window must be a positive integer"),
+    ("tiny-qwen2", {"sliding_window": 8.5, "use_sliding_window": True, "max_window_layers": 1},
+     "sliding_window must be a positive integer"),
+    ("tiny-qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": None},
+     "max_window_layers must be an integer"),
+    ("tiny-qwen3", {"layer_types": ["full_attention"]}, "layer_types must list the kind of each of the 2"),
+    ("tiny-llama", {"layer_types": ["chunked_attention", "full_attention"]}, "unsupported layer_types chunked"),
+], ids=["negative-window", "string-window", "fractional-window", "null-window-layers", "short-layer-types",
+        "unknown-layer-type"])
+def test_a_malformed_window_is_refused_by_name(tmp_path, preset: str, overrides: dict[str, Any],
+                                               message: str) -> None:
+    # It was read as a window of -4 keys (or failed with a bare TypeError).
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset(preset), d)
+    cfg = {**json.loads((d / "config.json").read_text()), **overrides}
+    if "layer_types" not in overrides:
+        cfg.pop("layer_types", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        load_model_config(d)
+
+
 def test_an_untied_config_without_a_head_is_refused(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 
