@@ -187,10 +187,11 @@ class AttentionBackend(ABC, Generic[M]):
     name = "base"
 
     def __init__(self, num_heads: int, head_dim: int, staging: Staging | None = None,
-                 windows: Sequence[int] = ()):
+                 windows: Sequence[int] = (), scale: float | None = None):
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
+        # What q.k is multiplied by: 1/sqrt(head_dim) unless the model says (Granite).
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         self.staging = staging or Staging(torch.device("cpu"))
         # Per layer, the sliding window of its queries (0: the whole context);
         # empty: no layer slides (ModelConfig.sliding_windows).

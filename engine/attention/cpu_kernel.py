@@ -75,8 +75,8 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
     name = "cpu-kernel"
 
     def __init__(self, num_heads: int, head_dim: int, ops: ModuleType, kv_blocks: torch.Tensor,
-                 windows: Sequence[int] = ()):
-        super().__init__(num_heads, head_dim, windows=windows)
+                 windows: Sequence[int] = (), scale: float | None = None):
+        super().__init__(num_heads, head_dim, windows=windows, scale=scale)
         self.ops = ops
         # The kernel's fp32 fast path (head_dim 64 or 128) takes whole prompt
         # chunks while their context is short enough; other layouts only decode.

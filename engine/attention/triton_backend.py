@@ -33,8 +33,8 @@ class TritonAttention(AttentionBackend[PagedMetadata]):
     rotates_in_write = True
 
     def __init__(self, num_heads: int, head_dim: int, staging: Staging, num_kv_heads: int, max_keys: int,
-                 windows: Sequence[int] = ()):
-        super().__init__(num_heads, head_dim, staging, windows)
+                 windows: Sequence[int] = (), scale: float | None = None):
+        super().__init__(num_heads, head_dim, staging, windows, scale)
         self.decode_splits = default_num_splits(1, num_kv_heads, max_keys, sm_count(staging.device))
 
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> PagedMetadata:

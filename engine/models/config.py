@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite",
 }
 
 
@@ -101,6 +102,13 @@ class ModelConfig:
     # The checkpoint stores q|k|v as one `qkv_proj` and gate|up as one
     # `gate_up_proj` (Phi-3), not a tensor each.
     fused_checkpoint: bool = False
+    # Granite's scalings: the embedding's output, each block's output before
+    # the residual add, the attention scores (None: 1/sqrt(head_dim)), and the
+    # logits (divided by it).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # Per layer, the keys a query sees: the last `w` positions up to its own
     # (0: all of them). Empty: no layer slides.
     sliding_windows: tuple[int, ...] = ()
@@ -249,6 +257,17 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
     return windows if any(windows) else ()
 
 
+def _granite_scalings(cfg: dict[str, Any]) -> dict[str, float]:
+    """Granite's four multipliers (transformers' defaults: 1.0), positive numbers."""
+    out: dict[str, float] = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        value = cfg.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+            raise CheckpointError(f"config.json's {key} must be a positive number, got {value!r}")
+        out[key] = float(value)
+    return out
+
+
 def _required(cfg: dict[str, Any], key: str) -> int:
     """A config.json number every supported architecture has."""
     value = cfg.get(key)
@@ -314,16 +333,18 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         sliding_windows=windows,
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama and Qwen3 configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False))),
+        # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3 and Granite configs say.
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite")
+                                             and bool(cfg.get("attention_bias", False))),
         qk_norm=family == "qwen3",
         eos_token_ids=tuple(eos),
-        # As transformers builds them: Llama's and Qwen3's attention_bias is on
-        # the output projection too (never Qwen2's or Mistral's), and Llama's
-        # mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
-        mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
+        # As transformers builds them: Llama's, Qwen3's and Granite's
+        # attention_bias is on the output projection too (never Qwen2's or
+        # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
+        output_bias=family in ("llama", "qwen3", "granite") and bool(cfg.get("attention_bias", False)),
+        mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
+        **(_granite_scalings(cfg) if family == "granite" else {}),
         sampling_defaults=_sampling_defaults(gen),
         extra={"hidden_act": cfg.get("hidden_act", "silu")},
     )

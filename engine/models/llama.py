@@ -1,10 +1,11 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite) over a paged KV cache.
 
-One class covers the five architectures: they differ only in q/k/v biases
+One class covers the six architectures: they differ only in q/k/v biases
 (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling, sliding
-windows (the attention backend's) and how the checkpoint stores the
-projections (Phi-3 fuses q|k|v and gate|up). Weights are fused at load (q|k|v,
-gate|up) so a layer makes four GEMM calls.
+windows (the attention backend's), how the checkpoint stores the projections
+(Phi-3 fuses q|k|v and gate|up) and Granite's four multipliers (the residual
+one folded into the weights of the projections it scales). Weights are fused
+at load (q|k|v, gate|up) so a layer makes four GEMM calls.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ class LlamaFamilyModel:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, small_batch_ops=small)
 
+        def residual_branch(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            """A block's last projection, its output scaled by Granite's residual
+            multiplier: folded into the weights, no extra kernel a layer."""
+            m = config.residual_multiplier
+            if m != 1.0:
+                weight, bias = weight * m, None if bias is None else bias * m
+            return linear(weight, bias)
+
         perm = interleave_permutation(config.head_dim)
 
         def load(name: str, *shape: int) -> torch.Tensor:
@@ -112,14 +121,15 @@ class LlamaFamilyModel:
             layer = DecoderLayer(
                 input_norm=load(p + "input_layernorm.weight", hidden).to(device),
                 qkv=linear(torch.cat([q, k, v]).to(device), bias),
-                o_proj=linear(load(p + "self_attn.o_proj.weight", hidden, q_size).to(device),
-                              load(p + "self_attn.o_proj.bias", hidden).to(device) if config.output_bias else None),
+                o_proj=residual_branch(load(p + "self_attn.o_proj.weight", hidden, q_size).to(device),
+                                       load(p + "self_attn.o_proj.bias", hidden).to(device)
+                                       if config.output_bias else None),
                 post_norm=load(p + "post_attention_layernorm.weight", hidden).to(device),
                 gate_up=linear(gate_up_weight(mlp).to(device),
                                torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
                                if config.mlp_bias else None),
-                down=linear(load(mlp + "down_proj.weight", hidden, inter).to(device),
-                            load(mlp + "down_proj.bias", hidden).to(device) if config.mlp_bias else None),
+                down=residual_branch(load(mlp + "down_proj.weight", hidden, inter).to(device),
+                                     load(mlp + "down_proj.bias", hidden).to(device) if config.mlp_bias else None),
             )
             if config.qk_norm:
                 layer.q_norm = load(p + "self_attn.q_norm.weight", config.head_dim)[perm].contiguous().to(device)
@@ -228,6 +238,8 @@ class LlamaFamilyModel:
         # With the Triton kernels, rotary embedding and the cache write are one kernel.
         pairs = self.rotation_pairs if attention.rotates_in_write else None
         h = F.embedding(input_ids, self.embed)
+        if c.embedding_multiplier != 1.0:  # Granite
+            h = h * c.embedding_multiplier
         # The embedding's output is a fresh tensor and h is rebound below, so it
         # is the residual stream itself, added to in place layer by layer.
         residual = h
@@ -245,4 +257,7 @@ class LlamaFamilyModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[N, vocab]` for the given hidden rows."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite divides, in the model's dtype as transformers does
+            logits = logits / self.config.logits_scaling
+        return logits.float()

@@ -1,7 +1,7 @@
 """Random-weight checkpoints in the Hugging Face layout, written by `transformers`.
 
 Nothing can be downloaded at run time, so tests, benchmarks and the demo server
-use checkpoints made here: real architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3),
+use checkpoints made here: real architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite),
 random weights from a fixed seed, saved as safetensors with the committed demo
 tokenizer. `write_preset` writes one to a directory; `ensure_preset` caches it.
 """
@@ -202,6 +202,15 @@ PRESETS: dict[str, Preset] = {
         seed=7,
         initializer_range=_TEST_INIT,
     ),
+    # Granite: granite-3.1-2b's multipliers (embedding x12, each block's
+    # output x0.22, scores x1/64 instead of 1/sqrt(16), logits / 8).
+    "tiny-granite": Preset(
+        "GraniteForCausalLM",
+        _llama_like(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                    logits_scaling=8.0, tie_word_embeddings=True),
+        seed=8,
+        initializer_range=_TEST_INIT,
+    ),
     # A reasoning model's shape: the tiny Qwen3 with a tokenizer that has
     # `<think>`, `</think>`, `<tool_call>` and `</tool_call>` as single tokens
     # and a chat template that opens the assistant turn inside a thought
@@ -216,7 +225,8 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3"]
+ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
+                        "tiny-granite"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.

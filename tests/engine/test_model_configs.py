@@ -197,11 +197,13 @@ def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str,
      "max_window_layers must be an integer"),
     ("tiny-qwen3", {"layer_types": ["full_attention"]}, "layer_types must list the kind of each of the 2"),
     ("tiny-llama", {"layer_types": ["chunked_attention", "full_attention"]}, "unsupported layer_types chunked"),
+    ("tiny-granite", {"logits_scaling": 0}, "logits_scaling must be a positive number"),
+    ("tiny-granite", {"residual_multiplier": "0.22"}, "residual_multiplier must be a positive number"),
 ], ids=["negative-window", "string-window", "fractional-window", "null-window-layers", "short-layer-types",
-        "unknown-layer-type"])
-def test_a_malformed_window_is_refused_by_name(tmp_path, preset: str, overrides: dict[str, Any],
+        "unknown-layer-type", "granite-zero-logits-scaling", "granite-string-multiplier"])
+def test_a_malformed_config_value_is_refused_by_name(tmp_path, preset: str, overrides: dict[str, Any],
                                                message: str) -> None:
-    # It was read as a window of -4 keys (or failed with a bare TypeError).
+    # A window of -4 keys would have been served (or failed with a bare TypeError).
     d = tmp_path / "ckpt"
     shutil.copytree(ensure_preset(preset), d)
     cfg = {**json.loads((d / "config.json").read_text()), **overrides}
