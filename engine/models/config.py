@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -109,13 +110,22 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # The MLP's activation of its gate: SiLU, or Gemma's GELU (tanh).
+    hidden_act: str = "silu"
+    # Gemma 3: an RMSNorm on each block's output before its residual add, and
+    # every RMSNorm weight stored as (weight - 1); the layers in `local_layers`
+    # (its sliding ones) rotated by `rope_local`; logits soft-capped (c *
+    # tanh(logits / c)).
+    gemma_norms: bool = False
+    rope_local: RopeConfig | None = None
+    local_layers: tuple[int, ...] = ()
+    final_logit_softcapping: float | None = None
     # Per layer, the keys a query sees: the last `w` positions up to its own
     # (0: all of them). Empty: no layer slides.
     sliding_windows: tuple[int, ...] = ()
     # generation_config.json's sampling values (vLLM reads the same keys):
     # what a request that leaves them unset samples with (--generation-config).
     sampling_defaults: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -235,6 +245,9 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
     if family in ("mistral", "phi3"):
         window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
         layer_types = ["sliding_attention"] * num_layers
+    elif family == "gemma3":
+        window = cfg.get("sliding_window", 4096)
+        layer_types = _gemma3_layer_types(cfg, num_layers)
     else:
         if family in ("qwen2", "qwen3"):
             if not cfg.get("use_sliding_window", False):
@@ -257,15 +270,61 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
     return windows if any(windows) else ()
 
 
-def _granite_scalings(cfg: dict[str, Any]) -> dict[str, float]:
+def _granite_scalings(cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's four multipliers (transformers' defaults: 1.0), positive numbers."""
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
         value = cfg.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
             raise CheckpointError(f"config.json's {key} must be a positive number, got {value!r}")
         out[key] = float(value)
     return out
+
+
+def _gemma3_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's two rotations, as transformers reads them: the full-attention
+    layers' (theta 1e6 by default, any scaling) and the sliding layers'
+    (`rope_local_base_freq`, 1e4 by default), per layer type in
+    `rope_parameters`, or from the older `rope_theta`/`rope_scaling` keys."""
+    per_type = cfg.get("rope_parameters") or {}
+    if not isinstance(per_type, dict) or not set(per_type) <= {"full_attention", "sliding_attention"}:
+        raise CheckpointError("Gemma 3's rope_parameters must be given per layer type "
+                              "(full_attention, sliding_attention)")
+    full = {"rope_theta": cfg.get("rope_theta", 1_000_000.0), **(per_type.get("full_attention") or {}),
+            **(cfg.get("rope_scaling") or {})}
+    local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0), **(per_type.get("sliding_attention") or {})}
+    context = {"max_position_embeddings": cfg.get("max_position_embeddings", 131072)}
+    return _rope_config({**context, "rope_parameters": full}), _rope_config({**context, "rope_parameters": local})
+
+
+def _gemma3_layer_types(cfg: dict[str, Any], num_layers: int) -> list[str]:
+    """`layer_types` (checked by _sliding_windows), else every layer slides but
+    each `sliding_window_pattern`th (6 by default), as transformers derives them."""
+    if cfg.get("layer_types") is not None:
+        return list(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern", 6)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise CheckpointError(f"config.json's sliding_window_pattern must be a positive integer, got {pattern!r}")
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
+def _gemma3_settings(cfg: dict[str, Any], hidden: int, rope_local: RopeConfig | None,
+                     num_layers: int) -> dict[str, Any]:
+    """What sets Gemma 3 apart from Llama (see ModelConfig); refused: what
+    our attention does not do (scores soft-capped, bidirectional attention)."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise CheckpointError("attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise CheckpointError("use_bidirectional_attention is not supported")
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    cap = cfg.get("final_logit_softcapping")
+    for key, value in (("query_pre_attn_scalar", scalar), ("final_logit_softcapping", cap)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+            raise CheckpointError(f"config.json's {key} must be a positive number, got {value!r}")
+    local = tuple(i for i, kind in enumerate(_gemma3_layer_types(cfg, num_layers)) if kind == "sliding_attention")
+    return {"gemma_norms": True, "rope_local": rope_local, "local_layers": local, "embedding_multiplier": hidden ** 0.5,
+            "attention_multiplier": float(scalar) ** -0.5,
+            "final_logit_softcapping": None if cap is None else float(cap)}
 
 
 def _required(cfg: dict[str, Any], key: str) -> int:
@@ -311,6 +370,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     _full_rotary(cfg)
     rope = _rope_config(cfg)
     max_pos = rope.positions(int(cfg.get("max_position_embeddings", 2048)))
+    rope_local = None
+    if family == "gemma3":
+        # Its max_position_embeddings is the scaled context already (131072
+        # beside a linear x8 on its full layers): not scaled again.
+        rope, rope_local = _gemma3_ropes(cfg)
+        max_pos = int(cfg.get("max_position_embeddings", 131072))
     windows = _sliding_windows(cfg, family, num_layers, max_pos)
 
     eos = _as_ids(cfg.get("eos_token_id"))
@@ -334,17 +399,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3 and Granite configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite")
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite", "gemma3")
                                              and bool(cfg.get("attention_bias", False))),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's, Qwen3's and Granite's
         # attention_bias is on the output projection too (never Qwen2's or
         # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3", "granite") and bool(cfg.get("attention_bias", False)),
+        output_bias=family in ("llama", "qwen3", "granite", "gemma3") and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
         **(_granite_scalings(cfg) if family == "granite" else {}),
+        **(_gemma3_settings(cfg, hidden, rope_local, num_layers) if family == "gemma3" else {}),
         sampling_defaults=_sampling_defaults(gen),
-        extra={"hidden_act": cfg.get("hidden_act", "silu")},
+        hidden_act=str(cfg.get("hidden_activation", "gelu_pytorch_tanh") if family == "gemma3"
+                       else cfg.get("hidden_act", "silu")),
     )

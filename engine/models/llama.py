@@ -1,10 +1,11 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 3) over a paged KV cache.
 
-One class covers the six architectures: they differ only in q/k/v biases
-(Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling, sliding
-windows (the attention backend's), how the checkpoint stores the projections
-(Phi-3 fuses q|k|v and gate|up) and Granite's four multipliers (the residual
-one folded into the weights of the projections it scales). Weights are fused
+One class covers the seven architectures: they differ only in q/k/v biases
+(Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, rope scaling,
+sliding windows (the attention backend's), how the checkpoint stores the
+projections (Phi-3 fuses q|k|v and gate|up), Granite's four multipliers (the
+residual one folded into the weights of the projections it scales) and Gemma
+3's norms on each block's output, GELU, second rotation and capped logits. Weights are fused
 at load (q|k|v, gate|up) so a layer makes four GEMM calls.
 """
 
@@ -39,6 +40,9 @@ class DecoderLayer:
     down: Linear
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # Gemma: RMSNorms of the attention's and the MLP's outputs, before their residual adds.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 class LlamaFamilyModel:
@@ -53,8 +57,8 @@ class LlamaFamilyModel:
     def __init__(self, config: ModelConfig, source: WeightSource, device: torch.device,
                  dtype: torch.dtype, ops: ModuleType | None = None, small_batch_gemm: bool = True,
                  max_positions: int | None = None):
-        if config.extra.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise CheckpointError(f"unsupported hidden_act {config.extra['hidden_act']!r} (need silu)")
+        if config.hidden_act not in ("silu", "swish", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"unsupported hidden_act {config.hidden_act!r} (need silu or gelu_pytorch_tanh)")
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -85,6 +89,17 @@ class LlamaFamilyModel:
 
         hidden, inter = config.hidden_size, config.intermediate_size
         q_size, kv_size = config.q_size, config.kv_size
+
+        def norm_weight(name: str, size: int) -> torch.Tensor:
+            """An RMSNorm's weight; Gemma stores (weight - 1): the 1 is added in
+            float32, as its norm computes it, then cast once."""
+            if not config.gemma_norms:
+                return load(name, size)
+            weight = source.get(name, torch.float32)
+            if tuple(weight.shape) != (size,):
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(weight.shape)}, but config.json "
+                                      f"makes it {(size,)}")
+            return (weight + 1).to(dtype)
 
         def permute_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
             # HF rotate_half layout -> interleaved pairs (see rope.py).
@@ -119,12 +134,14 @@ class LlamaFamilyModel:
                 ]).to(device)
             mlp = p + "mlp."
             layer = DecoderLayer(
-                input_norm=load(p + "input_layernorm.weight", hidden).to(device),
+                input_norm=norm_weight(p + "input_layernorm.weight", hidden).to(device),
                 qkv=linear(torch.cat([q, k, v]).to(device), bias),
                 o_proj=residual_branch(load(p + "self_attn.o_proj.weight", hidden, q_size).to(device),
                                        load(p + "self_attn.o_proj.bias", hidden).to(device)
                                        if config.output_bias else None),
-                post_norm=load(p + "post_attention_layernorm.weight", hidden).to(device),
+                # The norm before the MLP (Gemma's sandwich names it pre_feedforward).
+                post_norm=norm_weight(p + ("pre_feedforward_layernorm.weight" if config.gemma_norms
+                                           else "post_attention_layernorm.weight"), hidden).to(device),
                 gate_up=linear(gate_up_weight(mlp).to(device),
                                torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
                                if config.mlp_bias else None),
@@ -132,10 +149,13 @@ class LlamaFamilyModel:
                                      load(mlp + "down_proj.bias", hidden).to(device) if config.mlp_bias else None),
             )
             if config.qk_norm:
-                layer.q_norm = load(p + "self_attn.q_norm.weight", config.head_dim)[perm].contiguous().to(device)
-                layer.k_norm = load(p + "self_attn.k_norm.weight", config.head_dim)[perm].contiguous().to(device)
+                layer.q_norm = norm_weight(p + "self_attn.q_norm.weight", config.head_dim)[perm].contiguous().to(device)
+                layer.k_norm = norm_weight(p + "self_attn.k_norm.weight", config.head_dim)[perm].contiguous().to(device)
+            if config.gemma_norms:
+                layer.attn_out_norm = norm_weight(p + "post_attention_layernorm.weight", hidden).to(device)
+                layer.mlp_out_norm = norm_weight(p + "post_feedforward_layernorm.weight", hidden).to(device)
             self.layers.append(layer)
-        self.final_norm = load("model.norm.weight", hidden).to(device)
+        self.final_norm = norm_weight("model.norm.weight", hidden).to(device)
         # Tied, the head is the embedding (a stored lm_head.weight is ignored, as
         # vLLM does); untied, it must be there: a config and weights that disagree.
         if config.tie_word_embeddings:
@@ -157,6 +177,10 @@ class LlamaFamilyModel:
                                   "tie_word_embeddings is false")
         self.rotations = torch.empty(0)
         self.rotation_pairs: torch.Tensor | None = None
+        # Gemma's sliding layers turn by their own rotation (`local_layers`).
+        self.local_rotations: torch.Tensor | None = None
+        self.local_rotation_pairs: torch.Tensor | None = None
+        self.local_layers = frozenset(config.local_layers) if config.rope_local is not None else frozenset()
         self.keep_positions(min(max_positions or config.max_position_embeddings, config.max_position_embeddings))
 
     def keep_positions(self, count: int) -> None:
@@ -167,6 +191,10 @@ class LlamaFamilyModel:
         self.rotations = rotation_table(self.config.rope, self.config.head_dim, count).to(self.device)
         # The kernels of `ops` read the same table as (cos, sin) float pairs.
         self.rotation_pairs = torch.view_as_real(self.rotations).flatten(1) if self.ops is not None else None
+        if self.config.rope_local is not None:
+            self.local_rotations = rotation_table(self.config.rope_local, self.config.head_dim, count).to(self.device)
+            self.local_rotation_pairs = torch.view_as_real(self.local_rotations).flatten(1) \
+                if self.ops is not None else None
 
     def linears(self) -> list[Linear]:
         """Every linear layer, the LM head last."""
@@ -185,31 +213,39 @@ class LlamaFamilyModel:
         residual.add_(x)
         return self._norm(residual, weight)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = self.config.intermediate_size
+        if self.config.hidden_act == "gelu_pytorch_tanh":  # Gemma: plain torch ops
+            return F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
         if self.ops is not None:
             return self.ops.silu_mul(gate_up)
-        inter = self.config.intermediate_size
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
     def _mlp_out(self, layer: DecoderLayer, gate_up: torch.Tensor) -> torch.Tensor:
-        """The down projection of `silu(gate) * up`: one kernel for a single row
-        on the Triton matrix-vector kernel (a launch fewer a layer at batch 1)."""
-        fused = layer.down.gated_row(gate_up)
-        return fused if fused is not None else layer.down(self._silu_mul(gate_up))
+        """The down projection of `act(gate) * up`: with SiLU one kernel for a single
+        row on the Triton matrix-vector kernel (a launch fewer a layer at batch 1)."""
+        fused = layer.down.gated_row(gate_up) if self.config.hidden_act != "gelu_pytorch_tanh" else None
+        return fused if fused is not None else layer.down(self._act_mul(gate_up))
 
-    def _rope_input(self, positions: torch.Tensor) -> torch.Tensor:
-        """What `_rotate` takes for a step: the positions themselves for the
-        kernel of `ops`, else each token's rotation, gathered once for all layers."""
-        return positions.contiguous() if self.ops is not None else self.rotations[positions]
-
-    def _rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """Rope on `x` `[T, heads, head_dim]`: in place with `ops`, else into a new tensor."""
+    def _rope_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `_rotate` takes for a step, for the main rotation and the local
+        one (the same without it): the positions themselves for the kernel of
+        `ops`, else each token's rotation, gathered once for all layers."""
         if self.ops is not None:
-            self.ops.rotary_embedding(x, self.rotation_pairs, rope)
+            positions = positions.contiguous()
+            return positions, positions
+        main = self.rotations[positions]
+        return main, self.local_rotations[positions] if self.local_rotations is not None else main
+
+    def _rotate(self, x: torch.Tensor, rope: torch.Tensor, pairs: torch.Tensor | None) -> torch.Tensor:
+        """Rope on `x` `[T, heads, head_dim]`: in place with `ops` (by `pairs`), else into a new tensor."""
+        if self.ops is not None:
+            self.ops.rotary_embedding(x, pairs, rope)
             return x
         return apply_rotation(x, rope)
 
-    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, rope: torch.Tensor, rotate: bool):
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, rope: torch.Tensor, pairs: torch.Tensor | None,
+             rotate: bool):
         """Queries, keys and values of a layer; q and k rotated unless `rotate` is
         False (the attention backend then rotates them as it stores the keys)."""
         c = self.config
@@ -220,12 +256,12 @@ class LlamaFamilyModel:
         if layer.q_norm is None:
             qk = qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
             if rotate:
-                qk = self._rotate(qk, rope)
+                qk = self._rotate(qk, rope, pairs)
             return qk[:, :c.num_heads], qk[:, c.num_heads:], v
         assert layer.k_norm is not None
         q = self._norm(qkv[:, :q_size].view(t, c.num_heads, c.head_dim), layer.q_norm)
         k = self._norm(qkv[:, q_size:q_size + kv_size].view(t, c.num_kv_heads, c.head_dim), layer.k_norm)
-        return (self._rotate(q, rope), self._rotate(k, rope), v) if rotate else (q, k, v)
+        return (self._rotate(q, rope, pairs), self._rotate(k, rope, pairs), v) if rotate else (q, k, v)
 
     # -- forward ----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
@@ -234,9 +270,9 @@ class LlamaFamilyModel:
         `meta` is the attention backend's plan of the step."""
         c = self.config
         t = input_ids.shape[0]
-        rope = self._rope_input(positions)
+        ropes = self._rope_inputs(positions)
         # With the Triton kernels, rotary embedding and the cache write are one kernel.
-        pairs = self.rotation_pairs if attention.rotates_in_write else None
+        in_write = attention.rotates_in_write and self.ops is not None
         h = F.embedding(input_ids, self.embed)
         if c.embedding_multiplier != 1.0:  # Granite
             h = h * c.embedding_multiplier
@@ -247,12 +283,22 @@ class LlamaFamilyModel:
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x = self._add_norm(h, residual, layer.input_norm)
-            q, k, v = self._qkv(layer, x, rope, rotate=pairs is None)
-            attn = attention(q, k, v, i, meta) if pairs is None else \
-                attention.attend_rotating(q, k, v, i, meta, pairs, rope)
+            local = i in self.local_layers
+            rope = ropes[1] if local else ropes[0]
+            pairs = self.local_rotation_pairs if local else self.rotation_pairs
+            q, k, v = self._qkv(layer, x, rope, pairs, rotate=not in_write)
+            if in_write:
+                assert pairs is not None  # the ops' tables exist where ops do
+                attn = attention.attend_rotating(q, k, v, i, meta, pairs, rope)
+            else:
+                attn = attention(q, k, v, i, meta)
             h = layer.o_proj(attn.reshape(t, c.q_size))
+            if layer.attn_out_norm is not None:
+                h = self._norm(h, layer.attn_out_norm)
             x = self._add_norm(h, residual, layer.post_norm)
             h = self._mlp_out(layer, layer.gate_up(x))
+            if layer.mlp_out_norm is not None:
+                h = self._norm(h, layer.mlp_out_norm)
         return self._add_norm(h, residual, self.final_norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -260,4 +306,7 @@ class LlamaFamilyModel:
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:  # Granite divides, in the model's dtype as transformers does
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -1,7 +1,7 @@
 """Random-weight checkpoints in the Hugging Face layout, written by `transformers`.
 
 Nothing can be downloaded at run time, so tests, benchmarks and the demo server
-use checkpoints made here: real architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite),
+use checkpoints made here: real architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 3),
 random weights from a fixed seed, saved as safetensors with the committed demo
 tokenizer. `write_preset` writes one to a directory; `ensure_preset` caches it.
 """
@@ -211,6 +211,18 @@ PRESETS: dict[str, Preset] = {
         seed=8,
         initializer_range=_TEST_INIT,
     ),
+    # Gemma 3 (text): sandwich norms stored as (w - 1), GELU, sqrt(hidden) x the
+    # embedding, scores x 1/sqrt(24), soft-capped logits, and a sliding layer
+    # (window 16, theta 1e4) beside a full one (theta 1e6, linear x2).
+    "tiny-gemma3": Preset(
+        "Gemma3ForCausalLM",
+        _llama_like(head_dim=32, tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=24,
+                    final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        seed=9,
+        initializer_range=_TEST_INIT,
+    ),
     # A reasoning model's shape: the tiny Qwen3 with a tokenizer that has
     # `<think>`, `</think>`, `<tool_call>` and `</tool_call>` as single tokens
     # and a chat template that opens the assistant turn inside a thought
@@ -226,7 +238,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
-                        "tiny-granite"]
+                        "tiny-granite", "tiny-gemma3"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.
@@ -239,8 +251,8 @@ CODEC_PRESETS: dict[str, dict[str, Any]] = {
 def _config_class(architecture: str) -> Any:
     import transformers
 
-    name = architecture.replace("ForCausalLM", "Config")
-    return getattr(transformers, name), getattr(transformers, architecture)
+    model_cls = getattr(transformers, architecture)
+    return model_cls.config_class, model_cls
 
 
 def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path:

@@ -121,7 +121,7 @@ def variant_checkpoint(preset: str, overrides: dict, out: Path, seed: int = 5,
     source = ensure_preset(preset)
     config = json.loads((source / "config.json").read_text())
     arch = config["architectures"][0]
-    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict({**config, **overrides})
+    cfg = getattr(transformers, arch).config_class.from_dict({**config, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).float().eval()
     if init is not None:
