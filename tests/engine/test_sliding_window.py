@@ -87,7 +87,8 @@ def test_greedy_matches_transformers_in_triton_kernels(mistral, expected) -> Non
     pytest.importorskip("triton")
     llm = LLM(str(mistral[0]), kv_cache_gib=0.05, attention="triton", page_size=4)
     try:
-        assert _greedy(llm, prompts(2)) == expected[:2]
+        # The 60-token prompt (Triton's interpreter is slow): its window starts mid-page.
+        assert _greedy(llm, prompts(2)[1:]) == expected[1:2]
     finally:
         llm.close()
 

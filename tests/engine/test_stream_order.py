@@ -113,7 +113,8 @@ def test_what_a_step_uploads_is_staged(make_llm, monkeypatch, attention: str, cu
             return t
 
         monkeypatch.setattr(Staging, name, recording)
-    llm = make_llm("tiny-llama", attention=attention, cuda_graphs=cuda_graphs, kv_cache_gib=0.05)
+    # Few graph buckets: the emulated capture runs each once (in Triton's interpreter here).
+    llm = make_llm("tiny-llama", attention=attention, cuda_graphs=cuda_graphs, kv_cache_gib=0.05, max_num_seqs=4)
     eng = llm.engine
     params = SamplingParams(temperature=0.7, seed=3, top_k=5, top_p=0.9, logit_bias={7: 2.0},
                             repetition_penalty=1.2, min_new_tokens=2, logprobs=2, prompt_logprobs=1)

@@ -249,11 +249,12 @@ def test_at_batch_one_the_down_projection_takes_the_activation_in_its_kernel(mak
         return plain_gemv(*args, **kwargs)
 
     monkeypatch.setattr(tg, "gemv", counting)
-    params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=2)
+    # Three tokens: two decode steps (the interpreter takes seconds a step over the vocabulary's head).
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, logprobs=2)
     prompt = [5, 17, 301, 42, 9]
     [fused] = llm.generate([prompt], params)
     layers = len(llm.engine.model.layers)
-    assert gated.count(True) >= layers * 4  # every decode step's every layer
+    assert gated.count(True) >= layers * 2  # every decode step's every layer
     monkeypatch.setattr(Linear, "gated_row", lambda self, gate_up: None)
     gated.clear()
     [plain] = llm.generate([prompt], params)
