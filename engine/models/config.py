@@ -230,9 +230,10 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
     no layer slides), read as transformers reads it: Mistral's applies to every
     layer (as Phi-3's, when its config gives one); Qwen's is off unless
     `use_sliding_window`, and then only on the layers `layer_types` names, or
-    else those from `max_window_layers` (28 by default) on; Llama has none of
-    its own (a `layer_types` that names one is honoured, as vLLM does). A
-    window as long as the context never binds and is dropped."""
+    else those from `max_window_layers` (28 by default) on; Gemma 3's on the
+    layers `layer_types` names, or else all but each `sliding_window_pattern`-th;
+    Llama has none of its own (a `layer_types` that names one is honoured, as
+    vLLM does). A window as long as the context never binds and is dropped."""
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
@@ -318,8 +319,10 @@ def _gemma3_settings(cfg: dict[str, Any], hidden: int, rope_local: RopeConfig | 
         raise CheckpointError("use_bidirectional_attention is not supported")
     scalar = cfg.get("query_pre_attn_scalar", 256)
     cap = cfg.get("final_logit_softcapping")
-    for key, value in (("query_pre_attn_scalar", scalar), ("final_logit_softcapping", cap)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+    for key, value, optional in (("query_pre_attn_scalar", scalar, False), ("final_logit_softcapping", cap, True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise CheckpointError(f"config.json's {key} must be a positive number, got {value!r}")
     local = tuple(i for i, kind in enumerate(_gemma3_layer_types(cfg, num_layers)) if kind == "sliding_attention")
     return {"gemma_norms": True, "rope_local": rope_local, "local_layers": local, "embedding_multiplier": hidden ** 0.5,

@@ -5,8 +5,8 @@ One class covers the seven architectures: they differ only in q/k/v biases
 sliding windows (the attention backend's), how the checkpoint stores the
 projections (Phi-3 fuses q|k|v and gate|up), Granite's four multipliers (the
 residual one folded into the weights of the projections it scales) and Gemma
-3's norms on each block's output, GELU, second rotation and capped logits. Weights are fused
-at load (q|k|v, gate|up) so a layer makes four GEMM calls.
+3's norms on each block's output, GELU, second rotation and capped logits.
+Weights are fused at load (q|k|v, gate|up) so a layer makes four GEMM calls.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class LlamaFamilyModel:
         self.device = device
         self.dtype = dtype
         self.ops = ops
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # Gemma's MLP (plain torch ops)
         small = ops if small_batch_gemm and device.type == "cpu" else None
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
@@ -215,7 +216,7 @@ class LlamaFamilyModel:
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         inter = self.config.intermediate_size
-        if self.config.hidden_act == "gelu_pytorch_tanh":  # Gemma: plain torch ops
+        if self.gelu:
             return F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
         if self.ops is not None:
             return self.ops.silu_mul(gate_up)
@@ -224,7 +225,7 @@ class LlamaFamilyModel:
     def _mlp_out(self, layer: DecoderLayer, gate_up: torch.Tensor) -> torch.Tensor:
         """The down projection of `act(gate) * up`: with SiLU one kernel for a single
         row on the Triton matrix-vector kernel (a launch fewer a layer at batch 1)."""
-        fused = layer.down.gated_row(gate_up) if self.config.hidden_act != "gelu_pytorch_tanh" else None
+        fused = None if self.gelu else layer.down.gated_row(gate_up)
         return fused if fused is not None else layer.down(self._act_mul(gate_up))
 
     def _rope_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +275,7 @@ class LlamaFamilyModel:
         # With the Triton kernels, rotary embedding and the cache write are one kernel.
         in_write = attention.rotates_in_write and self.ops is not None
         h = F.embedding(input_ids, self.embed)
-        if c.embedding_multiplier != 1.0:  # Granite
+        if c.embedding_multiplier != 1.0:  # Granite's, Gemma's sqrt(hidden)
             h = h * c.embedding_multiplier
         # The embedding's output is a fresh tensor and h is rebound below, so it
         # is the residual stream itself, added to in place layer by layer.

@@ -207,10 +207,11 @@ def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str,
     ("tiny-gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
     ("tiny-gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
     ("tiny-gemma3", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
+    ("tiny-gemma3", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar must be a positive number"),
     ("tiny-gemma3", {"rope_parameters": {"rope_theta": 1e4}}, "rope_parameters must be given per layer type"),
 ], ids=["negative-window", "string-window", "fractional-window", "null-window-layers", "short-layer-types",
         "unknown-layer-type", "granite-zero-logits-scaling", "granite-string-multiplier", "gemma3-attention-softcap",
-        "gemma3-bidirectional", "gemma3-zero-scalar", "gemma3-flat-rope"])
+        "gemma3-bidirectional", "gemma3-zero-scalar", "gemma3-null-scalar", "gemma3-flat-rope"])
 def test_a_malformed_config_value_is_refused_by_name(tmp_path, preset: str, overrides: dict[str, Any],
                                                message: str) -> None:
     # A window of -4 keys would have been served (or failed with a bare TypeError).
