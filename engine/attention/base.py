@@ -141,6 +141,16 @@ def gather(span: SeqSpan, rows: CacheRows, table: np.ndarray, staging: Staging) 
 SCORE_BYTES = 256 << 20
 
 
+def visible_keys(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[Q, K] bool: whether the query at `query_pos[i]` sees the key at
+    `key_pos[j]`: causally, and with a sliding `window` only the last `window`
+    keys up to its own."""
+    visible = key_pos[None, :] <= query_pos[:, None]
+    if window:
+        visible &= key_pos[None, :] > query_pos[:, None] - window
+    return visible
+
+
 def gathered_attention(q: torch.Tensor, rows: CacheRows, layer: int, item: Gathered,
                        scale: float, window: int = 0) -> torch.Tensor:
     """SDPA of one span's queries over its keys and values read from the pages.
@@ -165,10 +175,7 @@ def gathered_attention(q: torch.Tensor, rows: CacheRows, layer: int, item: Gathe
     for start in range(0, span.q_len, per_slice):
         end = min(start + per_slice, span.q_len)
         query_pos = torch.arange(span.cache_len + start, span.cache_len + end, device=q.device)
-        visible = key_pos[None, :] <= query_pos[:, None]
-        if window:
-            visible &= key_pos[None, :] > query_pos[:, None] - window
-        out.append(sdpa(queries[start:end], keys, values, visible, False, scale))
+        out.append(sdpa(queries[start:end], keys, values, visible_keys(key_pos, query_pos, window), False, scale))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
@@ -190,7 +197,7 @@ class AttentionBackend(ABC, Generic[M]):
                  windows: Sequence[int] = (), scale: float | None = None):
         self.num_heads = num_heads
         self.head_dim = head_dim
-        # What q.k is multiplied by: 1/sqrt(head_dim) unless the model says (Granite).
+        # What q.k is multiplied by: 1/sqrt(head_dim) unless the model says (Granite, Gemma 3).
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         self.staging = staging or Staging(torch.device("cpu"))
         # Per layer, the sliding window of its queries (0: the whole context);

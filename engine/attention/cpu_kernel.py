@@ -29,6 +29,7 @@ from .base import (
     concat_ranges,
     gather,
     gathered_attention,
+    visible_keys,
 )
 
 # Queries at most this long go to the paged kernel; longer chunks to SDPA,
@@ -115,7 +116,10 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
         for run in meta.fresh_runs:
             sl = slice(run.start, run.start + run.count * run.length)
             shape = (run.count, run.length)
-            mask = _window_mask(run.length, window, q.device) if window and run.length > window else None
+            mask = None
+            if window and run.length > window:  # a fresh chunk: queries and keys at 0..length-1
+                pos = torch.arange(run.length, device=q.device)
+                mask = visible_keys(pos, pos, window)
             res = F.scaled_dot_product_attention(
                 q[sl].unflatten(0, shape).transpose(1, 2), k[sl].unflatten(0, shape).transpose(1, 2),
                 v[sl].unflatten(0, shape).transpose(1, 2), attn_mask=mask, is_causal=mask is None,
@@ -125,12 +129,6 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
             out[item.span.q_start:item.span.q_end] = gathered_attention(q, meta.rows, layer, item, self.scale,
                                                                         window)
         return out
-
-
-def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
-    """[length, length] bool: query i of a fresh chunk sees keys (i - window, i]."""
-    pos = torch.arange(length, device=device)
-    return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
 
 
 def _int32(a: np.ndarray) -> torch.Tensor:
