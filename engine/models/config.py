@@ -23,14 +23,14 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing a file or holds something we cannot run."""
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters: plain, or scaled as transformers' `rope_type`
     linear, dynamic (plain up to the checkpoint's positions, all we serve),
-    llama3 or yarn."""
+    llama3, yarn or longrope."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -46,6 +46,11 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # longrope (Phi-3's long-context rotation): each pair's wavelength
+    # stretched by its own factor, the short ones for a context within the
+    # pretraining length, the long ones past it.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -55,11 +60,15 @@ class RopeConfig:
 
     @property
     def magnitude(self) -> float:
-        """What cos and sin are scaled by (yarn's attention factor; 1 otherwise)."""
-        if self.rope_type != "yarn":
+        """What cos and sin are scaled by (yarn's and longrope's attention factor; 1 otherwise)."""
+        if self.rope_type not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return float(self.attention_factor)
+        if self.rope_type == "longrope":
+            if self.factor <= 1:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
         def scale(mscale: float) -> float:
             return 1.0 if self.factor <= 1 else 0.1 * mscale * math.log(self.factor) + 1.0
@@ -120,6 +129,8 @@ class ModelConfig:
     rope_local: RopeConfig | None = None
     local_layers: tuple[int, ...] = ()
     final_logit_softcapping: float | None = None
+    # Phi-3's partial rotation: how many of each head's leading dims turn (None: all).
+    rotary_dim: int | None = None
     # Per layer, the keys a query sees: the last `w` positions up to its own
     # (0: all of them). Empty: no layer slides.
     sliding_windows: tuple[int, ...] = ()
@@ -165,6 +176,8 @@ def _as_ids(value: Any) -> list[int]:
 # name its factor as null: then it is the ratio of the two context lengths).
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+# Phi-3's older names for its longrope, as transformers' Phi-3 config renames them.
+_PHI3_LONGROPE_ALIASES = ("su", "yarn")
 
 
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -181,10 +194,14 @@ def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+def _rope_config(cfg: dict[str, Any], pairs: int | None = None, family: str = "") -> RopeConfig:
+    """The rotation config.json describes; `pairs`: how many pairs of each
+    head turn (what longrope's factor lists must cover)."""
     params = _rope_params(cfg)
     theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    if family == "phi3" and rope_type in _PHI3_LONGROPE_ALIASES:
+        rope_type = "longrope"
     if rope_type == "default":
         return RopeConfig(theta=theta)
     for key in _ROPE_REQUIRED.get(rope_type, ()):
@@ -195,11 +212,12 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     # The pretraining length, as transformers reads it: a top-level value wins
     # (Phi-3's form) for the types that use it, else the block's, else the checkpoint's length.
     top = cfg.get("original_max_position_embeddings")
-    if top is not None and rope_type in ("llama3", "yarn"):
+    if top is not None and rope_type in ("llama3", "yarn", "longrope"):
         params["original_max_position_embeddings"] = top
     elif params.get("original_max_position_embeddings") is None:
         params["original_max_position_embeddings"] = top or max_pos
-    if rope_type == "yarn" and params["factor"] is None:
+    # yarn's null factor, and longrope's absent one: the ratio of the two lengths.
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
         params["factor"] = max_pos / params["original_max_position_embeddings"]
     floats = {"factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
               "attention_factor", "mscale", "mscale_all_dim"}
@@ -207,7 +225,21 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
     if "truncate" in params:
         kwargs["truncate"] = bool(params["truncate"])
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            kwargs[key] = _pair_factors(params.get(key), key, pairs)
     return RopeConfig(theta=theta, rope_type=rope_type, **kwargs)
+
+
+def _pair_factors(value: Any, key: str, pairs: int | None) -> tuple[float, ...]:
+    """longrope's `short_factor` or `long_factor`: a positive number per turning pair."""
+    ok = isinstance(value, list) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf") for v in value)
+    if not ok or (pairs is not None and len(value) != pairs):
+        size = f"{pairs} " if pairs is not None else ""
+        raise CheckpointError(f"longrope's {key} must list {size}positive numbers, one for each pair of a head's "
+                              f"rotated dims, got {value!r}")
+    return tuple(float(v) for v in value)
 
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -282,7 +314,7 @@ def _granite_scalings(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _gemma3_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+def _gemma3_ropes(cfg: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig]:
     """Gemma 3's two rotations, as transformers reads them: the full-attention
     layers' (theta 1e6 by default, any scaling) and the sliding layers'
     (`rope_local_base_freq`, 1e4 by default), per layer type in
@@ -295,7 +327,8 @@ def _gemma3_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
             **(cfg.get("rope_scaling") or {})}
     local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0), **(per_type.get("sliding_attention") or {})}
     context = {"max_position_embeddings": cfg.get("max_position_embeddings", 131072)}
-    return _rope_config({**context, "rope_parameters": full}), _rope_config({**context, "rope_parameters": local})
+    return (_rope_config({**context, "rope_parameters": full}, head_dim // 2),
+            _rope_config({**context, "rope_parameters": local}, head_dim // 2))
 
 
 def _gemma3_layer_types(cfg: dict[str, Any], num_layers: int) -> list[str]:
@@ -338,13 +371,23 @@ def _required(cfg: dict[str, Any], key: str) -> int:
     return int(value)
 
 
-def _full_rotary(cfg: dict[str, Any]) -> None:
-    """Refuse a rotation of part of each head: these architectures rotate all
-    of it, and a partial one would serve a different model."""
+def _rotary_dim(cfg: dict[str, Any], family: str, head_dim: int) -> int | None:
+    """How many of each head's leading dims turn (None: all of them). Only
+    Phi-3 rotates part of a head (Phi-4-mini: 3/4), as only its transformers
+    model does; another architecture's partial factor would serve a
+    different model, and is refused."""
     params = _rope_params(cfg)
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if factor is not None and float(factor) != 1.0:
-        raise CheckpointError(f"partial_rotary_factor {factor} is not supported (only 1.0)")
+    if factor is None or (not isinstance(factor, bool) and factor == 1.0):
+        return None
+    if family != "phi3":
+        raise CheckpointError(f"partial_rotary_factor {factor} is not supported for {family} (only 1.0)")
+    number = isinstance(factor, int | float) and not isinstance(factor, bool)
+    dims = int(head_dim * factor) if number and 0 < factor < 1 else 0
+    if dims < 2 or dims % 2:
+        raise CheckpointError(f"config.json's partial_rotary_factor must turn an even number of a head's "
+                              f"{head_dim} dims, got {factor!r}")
+    return dims
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -370,14 +413,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     hidden = _required(cfg, "hidden_size")
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     num_layers = _required(cfg, "num_hidden_layers")
-    _full_rotary(cfg)
-    rope = _rope_config(cfg)
+    rotary_dim = _rotary_dim(cfg, family, head_dim)
+    rope = _rope_config(cfg, (rotary_dim or head_dim) // 2, family)
     max_pos = rope.positions(int(cfg.get("max_position_embeddings", 2048)))
     rope_local = None
     if family == "gemma3":
         # Its max_position_embeddings is the scaled context already (131072
         # beside a linear x8 on its full layers): not scaled again.
-        rope, rope_local = _gemma3_ropes(cfg)
+        rope, rope_local = _gemma3_ropes(cfg, head_dim)
         max_pos = int(cfg.get("max_position_embeddings", 131072))
     windows = _sliding_windows(cfg, family, num_layers, max_pos)
 
@@ -400,6 +443,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=max_pos,
         sliding_windows=windows,
         rope=rope,
+        rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3 and Granite configs say.
         attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite", "gemma3")

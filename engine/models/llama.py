@@ -3,10 +3,11 @@
 One class covers the seven architectures: they differ only in q/k/v biases
 (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, rope scaling,
 sliding windows (the attention backend's), how the checkpoint stores the
-projections (Phi-3 fuses q|k|v and gate|up), Granite's four multipliers (the
-residual one folded into the weights of the projections it scales) and Gemma
-3's norms on each block's output, GELU, second rotation and capped logits.
-Weights are fused at load (q|k|v, gate|up) so a layer makes four GEMM calls.
+projections (Phi-3 fuses q|k|v and gate|up), how much of each head turns
+(Phi-3 may turn part of it), Granite's four multipliers (the residual one
+folded into the weights of the projections it scales) and Gemma 3's norms on
+each block's output, GELU, second rotation and capped logits. Weights are
+fused at load (q|k|v, gate|up) so a layer makes four GEMM calls.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from engine.attention import AttentionBackend
 
 from .config import CheckpointError, ModelConfig
 from .linear import Linear
-from .rope import apply_rotation, interleave_permutation, rotation_table
+from .rope import apply_rotation, interleave_permutation, rotation_table, uses_long_factors
 from .weights import WeightSource
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class LlamaFamilyModel:
                 weight, bias = weight * m, None if bias is None else bias * m
             return linear(weight, bias)
 
-        perm = interleave_permutation(config.head_dim)
+        perm = interleave_permutation(config.head_dim, config.rotary_dim)
 
         def load(name: str, *shape: int) -> torch.Tensor:
             tensor = source.get(name, dtype)
@@ -189,7 +190,12 @@ class LlamaFamilyModel:
         the checkpoint's whole range (a million positions: 500 MiB)."""
         if count == self.rotations.shape[0]:
             return
-        self.rotations = rotation_table(self.config.rope, self.config.head_dim, count).to(self.device)
+        rope = self.config.rope
+        if rope.rope_type == "longrope":
+            log.info("longrope: the %s factors, for a context of %d positions (pretrained on %d)",
+                     "long" if uses_long_factors(rope, count) else "short", count,
+                     rope.original_max_position_embeddings)
+        self.rotations = rotation_table(rope, self.config.head_dim, count, self.config.rotary_dim).to(self.device)
         # The kernels of `ops` read the same table as (cos, sin) float pairs.
         self.rotation_pairs = torch.view_as_real(self.rotations).flatten(1) if self.ops is not None else None
         if self.config.rope_local is not None:

@@ -1,6 +1,7 @@
 """Rotary position embeddings, as complex rotations of interleaved pairs.
 
-Hugging Face checkpoints rotate pairs (i, i + d/2) ("rotate_half"). The loader
+Hugging Face checkpoints rotate pairs (i, i + d/2) ("rotate_half"; with
+Phi-3's partial rotation d is the rotated part of the head). The loader
 permutes the rows of the q and k projections so that those pairs become
 neighbours (2i, 2i + 1); a rotation is then one complex multiply. Attention
 scores are dot products of q and k, which do not change when both are permuted
@@ -16,14 +17,27 @@ import torch
 from .config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Per-pair frequencies, scaled as the checkpoint's `rope_type` says."""
+def uses_long_factors(rope: RopeConfig, context: int) -> bool:
+    """longrope: whether a served context of `context` positions turns by the
+    long factors. Chosen once for the whole context, as vLLM does: transformers
+    switches when a sequence first passes the pretraining length, which would
+    leave the keys cached before it turned by the short ones."""
+    return context > rope.original_max_position_embeddings
+
+
+def inverse_frequencies(rope: RopeConfig, dim: int, context: int = 0) -> torch.Tensor:
+    """Per-pair frequencies of a rotation over `dim` dims, scaled as the
+    checkpoint's `rope_type` says; `context`: the positions served (longrope's choice)."""
     # float32 throughout, as transformers computes it, so angles agree bit for bit.
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    wavelengths = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if uses_long_factors(rope, context) else rope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * wavelengths)
+    inv = 1.0 / wavelengths
     if rope.rope_type == "linear":
         return inv / rope.factor
     if rope.rope_type == "yarn":
-        return _yarn(rope, head_dim)
+        return _yarn(rope, dim)
     if rope.rope_type != "llama3":
         return inv  # default, and dynamic below the checkpoint's positions
     low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
@@ -61,18 +75,28 @@ def _yarn(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return (1.0 / (rope.factor * wavelengths)) * (1 - kept) + (1.0 / wavelengths) * kept
 
 
-def rotation_table(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
+def rotation_table(rope: RopeConfig, head_dim: int, max_positions: int,
+                   rotary_dim: int | None = None) -> torch.Tensor:
     """Rotations `[max_positions, head_dim // 2]` (complex64): unit ones, or
-    of yarn's magnitude, which scales the attention scores by its square."""
-    inv = inverse_frequencies(rope, head_dim)
+    of yarn's or longrope's magnitude, which scales the attention scores by
+    its square. With `rotary_dim` only the first `rotary_dim // 2` pairs turn;
+    the rest are rotated by 1, so every kernel that applies the table leaves
+    them as they are."""
+    dim = rotary_dim or head_dim
+    inv = inverse_frequencies(rope, dim, max_positions)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-    return torch.polar(torch.full_like(angles, rope.magnitude), angles)
+    turned = torch.polar(torch.full_like(angles, rope.magnitude), angles)
+    kept = torch.ones(max_positions, (head_dim - dim) // 2, dtype=turned.dtype)
+    return torch.cat([turned, kept], dim=1)
 
 
-def interleave_permutation(head_dim: int) -> torch.Tensor:
-    """Index map from HF's half-split pair layout to interleaved pairs."""
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+def interleave_permutation(head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """Index map from HF's half-split pair layout to interleaved pairs: over
+    the first `rotary_dim` dims (all by default), the rest left in place."""
+    dim = rotary_dim or head_dim
+    half = dim // 2
+    pairs = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    return torch.cat([pairs, torch.arange(dim, head_dim)])
 
 
 def apply_rotation(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from engine.step_inputs import advance_with_placeholders, build_step_inputs
 from grammar import GrammarSpec
 
 from ..engine.reference import engine_logits, greedy_argmax, prompts, variant_checkpoint
+from ..engine.test_partial_rotary import LONG_PROMPTS, PHI4_MINI_LIKE
 from ..engine.test_speech import STREAM_BOUND
 from ..engine.test_stream_order import EVERY_OPTION, step_tensors
 from ..engine.test_structured import PERSON
@@ -120,17 +121,28 @@ def test_fp32_greedy_equals_transformers(cuda_llm, arch: str, attention: str) ->
         torch.testing.assert_close(_our_log_softmax(llm, tokens, chunks), ref, atol=FP32_ATOL, rtol=0)
 
 
+# Checkpoint variants whose attention or rotation differs from their preset's:
+# (preset, config overrides, prompts).
+VARIANTS: dict[str, tuple[str, dict[str, Any], list[list[int]]]] = {
+    # Every layer sees its last 12 keys; prompts up to 60 tokens on 4-token pages.
+    "sliding-window": ("tiny-mistral", {"sliding_window": 12}, prompts(4)),
+    # Phi-4-mini's rotation: 3/4 of each head turns, by longrope's long
+    # factors (every prompt is past the 32-position pretraining length).
+    "partial-longrope": ("tiny-phi3", PHI4_MINI_LIKE, LONG_PROMPTS),
+}
+
+
 @pytest.mark.parametrize("cuda_graphs", ["auto", "off"])
-def test_fp32_sliding_window_greedy_equals_transformers(tmp_path: Path, cuda_graphs: str) -> None:
-    """A Mistral checkpoint whose layers see their last 12 keys, prompts up to
-    60 tokens on 4-token pages: the same greedy tokens as transformers on this
-    GPU, through the Triton kernels (graphs and eager)."""
-    path, model = variant_checkpoint("tiny-mistral", {"sliding_window": 12}, tmp_path / "mistral")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fp32_variant_greedy_equals_transformers(tmp_path: Path, variant: str, cuda_graphs: str) -> None:
+    """The same greedy tokens as transformers on this GPU, through the Triton
+    kernels (graphs and eager)."""
+    preset, overrides, batch = VARIANTS[variant]
+    path, model = variant_checkpoint(preset, overrides, tmp_path / variant)
     model = model.cuda()
     llm = LLM(str(path), device="cuda", dtype="float32", page_size=4, kv_cache_gib=0.25, cuda_graphs=cuda_graphs)
     try:
         assert llm.engine.attention_choice.name == "triton"
-        batch = prompts(4)
         params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
         for prompt, res in zip(batch, llm.generate(batch, params), strict=True):
             assert res.token_ids == list(greedy_argmax(model, tuple(prompt), 24, device="cuda"))

@@ -134,8 +134,9 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
     assert positions(_rope(1e4, rope_type="linear", factor=4.0)) == 16384
     assert positions(_rope(1e4, rope_type="yarn", factor=4.0, original_max_position_embeddings=2048)) == 8192
     assert positions(_rope(1e4, rope_type="dynamic", factor=2.0)) == 4096
-    with pytest.raises(CheckpointError, match="longrope"):
-        positions(_rope(1e4, rope_type="longrope", factor=2.0))
+    # Phi-3's 128k context is its max_position_embeddings already.
+    assert positions(_rope(1e4, rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8,
+                           original_max_position_embeddings=1024)) == 4096
 
 
 @pytest.mark.parametrize(("preset", "overrides", "windows"), [
@@ -359,7 +360,8 @@ def test_a_config_missing_a_size_is_refused_by_name(tmp_path, key: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["top", "rope_parameters"])
-def test_a_partial_rotation_is_refused(tmp_path, where: str) -> None:
+def test_a_partial_rotation_is_refused_but_phi3s(tmp_path, where: str) -> None:
+    # transformers' Llama has no partial rotation (tests/engine/test_partial_rotary.py serves Phi-3's).
     d = tmp_path / "ckpt"
     shutil.copytree(ensure_preset("tiny-llama"), d)
     cfg = json.loads((d / "config.json").read_text())
