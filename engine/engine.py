@@ -190,13 +190,14 @@ class EngineCore:
             kv_blocks = torch.zeros(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(kv_blocks, self.allocator)
+        softcap = mc.attn_logit_softcapping or 0.0
         self.attention = make_attention(self.attention_choice, kv_blocks, mc.num_heads, mc.head_dim, max_len,
-                                        mc.sliding_windows, mc.attention_multiplier)
+                                        mc.sliding_windows, mc.attention_multiplier, softcap)
         self.graphs: DecodeGraphs | None = None
         if graph_mode is not None:
             graph_attention = self.attention if self.attention_choice.graph_capturable else \
                 DenseDecodeAttention(mc.num_heads, mc.head_dim, Staging(device), mc.sliding_windows,
-                                     mc.attention_multiplier)
+                                     mc.attention_multiplier, softcap)
             self.graphs = DecodeGraphs(self.model, graph_attention, kv_blocks, dummy_page=num_pages,
                                        max_batch=graph_batch, max_pages=-(-max_len // config.page_size),
                                        vocab_size=mc.vocab_size, capture=graph_mode == "capture")

@@ -131,20 +131,20 @@ def choose_attention(device: torch.device, dtype: torch.dtype, prefer: str = "au
 
 def make_attention(choice: AttentionChoice, kv_blocks: torch.Tensor, num_heads: int,
                    head_dim: int, max_keys: int, windows: Sequence[int] = (),
-                   scale: float | None = None) -> AttentionBackend:
+                   scale: float | None = None, softcap: float = 0.0) -> AttentionBackend:
     """The chosen backend over the page tensor `kv_blocks` (`max_keys`: the
     longest context a sequence may have; `windows`: each layer's sliding
     window, 0 for none, or empty; `scale`: of the scores, None for
-    1/sqrt(head_dim))."""
+    1/sqrt(head_dim); `softcap`: Gemma 2's cap on them, 0 for none)."""
     staging = Staging(kv_blocks.device)
     if choice.name == "triton":
         from .triton_backend import TritonAttention
 
-        return TritonAttention(num_heads, head_dim, staging, kv_blocks.shape[4], max_keys, windows, scale)
+        return TritonAttention(num_heads, head_dim, staging, kv_blocks.shape[4], max_keys, windows, scale, softcap)
     if choice.name == "cpu-kernel":
         from engine.kernels import cpu_ops
 
         ops = cpu_ops()
         assert ops is not None
-        return KernelAttention(num_heads, head_dim, ops, kv_blocks, windows, scale)
-    return TorchAttention(num_heads, head_dim, staging, windows, scale)
+        return KernelAttention(num_heads, head_dim, ops, kv_blocks, windows, scale, softcap)
+    return TorchAttention(num_heads, head_dim, staging, windows, scale, softcap)

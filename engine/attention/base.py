@@ -108,9 +108,20 @@ class TokenPlaces:
         return staging.tensor(base)
 
 
+def cap_scores(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Scores (q.k times the scale) capped as Gemma 2 caps them, softcap *
+    tanh(s / softcap), in place; as they are when `softcap` is 0."""
+    if softcap:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-         causal: bool, scale: float) -> torch.Tensor:
-    """q [Lq, H, D], k/v [Lk, KVH, D] -> [Lq, H, D]."""
+         causal: bool, scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lk, KVH, D] -> [Lq, H, D]; `mask` [Lq, Lk] bool
+    (True: seen), or `causal` (query i sees keys up to i)."""
+    if softcap:
+        return _capped_attention(q, k, v, mask, causal, scale, softcap)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -121,6 +132,22 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      causal: bool, scale: float, softcap: float) -> torch.Tensor:
+    """`sdpa` with capped scores, which SDPA cannot take: the scores in
+    float32, each key head serving its group of query heads where it is."""
+    lq, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    queries = q.float().view(lq, kv_heads, heads // kv_heads, dim)
+    scores = cap_scores(torch.einsum("qhgd,khd->hgqk", queries, k.float()) * scale, softcap)
+    if causal:
+        mask = visible_keys(torch.arange(k.shape[0], device=q.device), torch.arange(lq, device=q.device))
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    out = torch.einsum("hgqk,khd->qhgd", torch.softmax(scores, dim=-1), v.float())
+    return out.reshape(lq, heads, dim).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -152,7 +179,7 @@ def visible_keys(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int = 0
 
 
 def gathered_attention(q: torch.Tensor, rows: CacheRows, layer: int, item: Gathered,
-                       scale: float, window: int = 0) -> torch.Tensor:
+                       scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """SDPA of one span's queries over its keys and values read from the pages.
     Several queries are causal: query i (at position cache_len + i) sees keys
     0..cache_len + i, or with a sliding `window` only the last `window` of
@@ -168,14 +195,15 @@ def gathered_attention(q: torch.Tensor, rows: CacheRows, layer: int, item: Gathe
     values = rows.flat.index_select(0, rows.value_rows(base, layer))
     queries = q[span.q_start:span.q_end]
     if span.q_len == 1:
-        return sdpa(queries, keys, values, None, False, scale)
+        return sdpa(queries, keys, values, None, False, scale, softcap)
     per_slice = max(1, SCORE_BYTES // (q.shape[1] * span.ctx_len * 4))
     key_pos = torch.arange(first, span.ctx_len, device=q.device)
     out = []
     for start in range(0, span.q_len, per_slice):
         end = min(start + per_slice, span.q_len)
         query_pos = torch.arange(span.cache_len + start, span.cache_len + end, device=q.device)
-        out.append(sdpa(queries[start:end], keys, values, visible_keys(key_pos, query_pos, window), False, scale))
+        mask = visible_keys(key_pos, query_pos, window)
+        out.append(sdpa(queries[start:end], keys, values, mask, False, scale, softcap))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
@@ -194,11 +222,13 @@ class AttentionBackend(ABC, Generic[M]):
     name = "base"
 
     def __init__(self, num_heads: int, head_dim: int, staging: Staging | None = None,
-                 windows: Sequence[int] = (), scale: float | None = None):
+                 windows: Sequence[int] = (), scale: float | None = None, softcap: float = 0.0):
         self.num_heads = num_heads
         self.head_dim = head_dim
-        # What q.k is multiplied by: 1/sqrt(head_dim) unless the model says (Granite, Gemma 3).
+        # What q.k is multiplied by: 1/sqrt(head_dim) unless the model says (Granite, Gemma).
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        # Gemma 2's cap on the scaled scores (cap_scores); 0: none.
+        self.softcap = float(softcap)
         self.staging = staging or Staging(torch.device("cpu"))
         # Per layer, the sliding window of its queries (0: the whole context);
         # empty: no layer slides (ModelConfig.sliding_windows).

@@ -29,6 +29,7 @@ from .base import (
     concat_ranges,
     gather,
     gathered_attention,
+    sdpa,
     visible_keys,
 )
 
@@ -76,8 +77,8 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
     name = "cpu-kernel"
 
     def __init__(self, num_heads: int, head_dim: int, ops: ModuleType, kv_blocks: torch.Tensor,
-                 windows: Sequence[int] = (), scale: float | None = None):
-        super().__init__(num_heads, head_dim, windows=windows, scale=scale)
+                 windows: Sequence[int] = (), scale: float | None = None, softcap: float = 0.0):
+        super().__init__(num_heads, head_dim, windows=windows, scale=scale, softcap=softcap)
         self.ops = ops
         # The kernel's fp32 fast path (head_dim 64 or 128) takes whole prompt
         # chunks while their context is short enough; other layouts only decode.
@@ -112,7 +113,7 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
         window = self.window(layer)
         if meta.short_tokens is not None:
             self.ops.paged_attention(out, q, kv.kv_blocks, layer, meta.short_tokens, meta.token_seq,
-                                     meta.token_ctx, kv.lookup_table, self.scale, window)
+                                     meta.token_ctx, kv.lookup_table, self.scale, window, self.softcap)
         for run in meta.fresh_runs:
             sl = slice(run.start, run.start + run.count * run.length)
             shape = (run.count, run.length)
@@ -120,6 +121,11 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
             if window and run.length > window:  # a fresh chunk: queries and keys at 0..length-1
                 pos = torch.arange(run.length, device=q.device)
                 mask = visible_keys(pos, pos, window)
+            if self.softcap:  # SDPA cannot cap scores: chunk by chunk
+                for i in range(sl.start, sl.stop, run.length):
+                    chunk = slice(i, i + run.length)
+                    out[chunk] = sdpa(q[chunk], k[chunk], v[chunk], mask, mask is None, self.scale, self.softcap)
+                continue
             res = F.scaled_dot_product_attention(
                 q[sl].unflatten(0, shape).transpose(1, 2), k[sl].unflatten(0, shape).transpose(1, 2),
                 v[sl].unflatten(0, shape).transpose(1, 2), attn_mask=mask, is_causal=mask is None,
@@ -127,7 +133,7 @@ class KernelAttention(AttentionBackend[KernelMetadata]):
             out[sl].unflatten(0, shape).copy_(res.transpose(1, 2))
         for item in meta.cached:
             out[item.span.q_start:item.span.q_end] = gathered_attention(q, meta.rows, layer, item, self.scale,
-                                                                        window)
+                                                                        window, self.softcap)
         return out
 
 

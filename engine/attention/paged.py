@@ -25,7 +25,7 @@ import torch
 from engine.kv_cache import KVCacheInputs
 from engine.staging import Staging
 
-from .base import AttentionBackend, CacheRows, SeqSpan, TokenPlaces
+from .base import AttentionBackend, CacheRows, SeqSpan, TokenPlaces, cap_scores
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ class DenseDecodeAttention(AttentionBackend[PagedMetadata]):
         window = self.window(layer)
         if window:  # the one query sits at seq_len - 1 and sees the last `window` keys
             visible &= slot_pos >= seq_lens - window
-        return decode_over_slots(q, rows, layer, slots, visible, self.scale)  # one query per sequence: T == B
+        # One query per sequence: T == B.
+        return decode_over_slots(q, rows, layer, slots, visible, self.scale, self.softcap)
 
 
 # Float32 bytes of one chunk of gathered keys (and as many of values): what
@@ -90,9 +91,10 @@ CHUNK_BYTES = 64 << 20
 
 
 def decode_over_slots(q: torch.Tensor, rows: CacheRows, layer: int, slots: torch.Tensor, visible: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One query per sequence over the cache slots `slots` ([B, L] layer-0 key
-    rows), those not `visible` ignored: q [B, H, D] -> [B, H, D].
+    rows), those not `visible` ignored, scores capped by `softcap` (0: none):
+    q [B, H, D] -> [B, H, D].
 
     In float32, chunk by chunk with a running maximum and sum (the online
     softmax of flash attention), so its memory is CHUNK_BYTES whatever L, and
@@ -118,7 +120,8 @@ def decode_over_slots(q: torch.Tensor, rows: CacheRows, layer: int, slots: torch
         unseen = ~seen[:, :, None, None]
         keys = rows.flat[rows.key_rows(part, layer)].masked_fill_(unseen, 0).float()  # [B, C, KVH, D]
         values = rows.flat[rows.value_rows(part, layer)].masked_fill_(unseen, 0).float()
-        scores = torch.einsum("bhgd,bchd->bhgc", queries, keys).masked_fill_(~seen[:, None, None, :], float("-inf"))
+        scores = cap_scores(torch.einsum("bhgd,bchd->bhgc", queries, keys), softcap)
+        scores.masked_fill_(~seen[:, None, None, :], float("-inf"))
         top = torch.maximum(best, scores.amax(dim=-1))
         weights = torch.exp(scores - top[..., None])
         rescale = torch.exp(best - top)

@@ -57,5 +57,5 @@ class TorchAttention(AttentionBackend[TorchMetadata]):
         window = self.window(layer)
         for item in meta.spans:
             out[item.span.q_start:item.span.q_end] = gathered_attention(q, meta.rows, layer, item, self.scale,
-                                                                        window)
+                                                                        window, self.softcap)
         return out

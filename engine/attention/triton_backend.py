@@ -33,8 +33,8 @@ class TritonAttention(AttentionBackend[PagedMetadata]):
     rotates_in_write = True
 
     def __init__(self, num_heads: int, head_dim: int, staging: Staging, num_kv_heads: int, max_keys: int,
-                 windows: Sequence[int] = (), scale: float | None = None):
-        super().__init__(num_heads, head_dim, staging, windows, scale)
+                 windows: Sequence[int] = (), scale: float | None = None, softcap: float = 0.0):
+        super().__init__(num_heads, head_dim, staging, windows, scale, softcap)
         self.decode_splits = default_num_splits(1, num_kv_heads, max_keys, sm_count(staging.device))
 
     def plan(self, spans: list[SeqSpan], table: np.ndarray, kv: KVCacheInputs) -> PagedMetadata:
@@ -57,4 +57,5 @@ class TritonAttention(AttentionBackend[PagedMetadata]):
 
     def _attend(self, q: torch.Tensor, layer: int, meta: PagedMetadata) -> torch.Tensor:
         return paged_attention(q, meta.rows.blocks, layer, meta.block_table, meta.seq_lens, meta.cu_q, meta.max_q,
-                               self.scale, num_splits=self.decode_splits, window=self.window(layer))
+                               self.scale, num_splits=self.decode_splits, window=self.window(layer),
+                               softcap=self.softcap)

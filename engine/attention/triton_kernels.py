@@ -91,6 +91,21 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @_jit
+def _capped(s, cap_log2, SOFTCAP: tl.constexpr):
+    """Scores in base 2 (q.k x scale x log2(e)) capped as softcap * tanh(score /
+    softcap) in natural units, i.e. cap_log2 * tanh(s / cap_log2) with
+    cap_log2 = softcap x log2(e); as they are without SOFTCAP. tanh from exp
+    of a non-positive argument: finite for any score."""
+    if SOFTCAP:
+        x = s / cap_log2
+        e = tl.exp(-2.0 * tl.abs(x))  # in (0, 1]
+        t = (1.0 - e) / (1.0 + e)
+        return cap_log2 * tl.where(x < 0, -t, t)
+    else:
+        return s
+
+
+@_jit
 def _kv_block(k_ptr, v_ptr, table_row, keys, end, head_offs, d_ok, stride_kp, stride_ks,
               PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
     """The keys and values of token positions `keys` of one sequence, read where
@@ -115,7 +130,7 @@ def _kv_block(k_ptr, v_ptr, table_row, keys, end, head_offs, d_ok, stride_kp, st
 @_jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, cu_q_ptr, out_ptr, part_ptr, lse_ptr,
-    scale_log2,
+    scale_log2, cap_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_bt,
@@ -123,7 +138,7 @@ def _decode_kernel(
     stride_pt, stride_ph, stride_ps,
     stride_lt, stride_lh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_SPLIT_PAGES: tl.constexpr, WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT_PAGES: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -174,7 +189,7 @@ def _decode_kernel(
         k_ok = keys < end
         k, v = _kv_block(k_ptr, v_ptr, table_row, keys, end, head_offs, d_ok, stride_kp, stride_ks,
                          PAGE_SIZE, True, UPCAST)
-        s = _dot(q, tl.trans(k), IEEE) * scale_log2
+        s = _capped(_dot(q, tl.trans(k), IEEE) * scale_log2, cap_log2, SOFTCAP)
         s = tl.where(k_ok[None, :], s, float("-inf"))
         # Every block has a valid key, so m_new is finite from the first block on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -233,13 +248,13 @@ def _merge_kernel(
 @_jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, cu_q_ptr, out_ptr,
-    scale_log2,
+    scale_log2, cap_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One (query block, sequence, kv head): BLOCK_Q queries x GROUP heads as BLOCK_M rows.
@@ -289,7 +304,7 @@ def _prefill_kernel(
         keys = n0 + offs_n
         k, v = _kv_block(k_ptr, v_ptr, table_row, keys, full_end, head_offs, d_ok, stride_kp, stride_ks,
                          PAGE_SIZE, False, UPCAST)
-        s = _dot(q, tl.trans(k), IEEE) * scale_log2
+        s = _capped(_dot(q, tl.trans(k), IEEE) * scale_log2, cap_log2, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -303,7 +318,7 @@ def _prefill_kernel(
         k_ok = keys < kv_end
         k, v = _kv_block(k_ptr, v_ptr, table_row, keys, kv_end, head_offs, d_ok, stride_kp, stride_ks,
                          PAGE_SIZE, True, UPCAST)
-        s = _dot(q, tl.trans(k), IEEE) * scale_log2
+        s = _capped(_dot(q, tl.trans(k), IEEE) * scale_log2, cap_log2, SOFTCAP)
         seen = (keys[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if WINDOW > 0:
             seen = seen & (keys[None, :] > q_pos[:, None] - WINDOW)
@@ -436,13 +451,15 @@ def default_num_splits(batch: int, kv_heads: int, max_keys: int, num_sms: int, b
 
 def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, cu_q: torch.Tensor, max_q: int, scale: float,
-                    out: torch.Tensor | None = None, num_splits: int | None = None, window: int = 0) -> torch.Tensor:
+                    out: torch.Tensor | None = None, num_splits: int | None = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of a flat, mixed batch over the paged cache (keys/values of this step already written).
     q: [T, H, D]; block_table: [B, W] int32 page ids per sequence (row width W fixed, unused entries may hold anything);
     seq_lens: [B] int32 keys of each sequence INCLUDING this step's new tokens; cu_q: [B+1] int32 query offsets
     (sequence b's queries are rows cu_q[b]:cu_q[b+1] of q, at absolute positions seq_lens[b]-q_len_b .. seq_lens[b]-1:
     bottom-right aligned causal mask, which is what chunked prefill and decode need); max_q: a host int >= every q_len
-    (grid sizing only); window: a sliding window (a query at position p sees keys p - window + 1 .. p), 0 for none.
+    (grid sizing only); window: a sliding window (a query at position p sees keys p - window + 1 .. p), 0 for none;
+    softcap: each score s (q.k x scale) becomes softcap * tanh(s / softcap) (Gemma 2), 0 for none.
     A sequence with q_len 0 contributes nothing. Returns out [T, H, D] in q's dtype.
 
     Rows of `out` outside cu_q[0]:cu_q[B] (padding of a captured batch) are left as
@@ -453,7 +470,7 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
     """
     if triton is None:
         raise RuntimeError("paged_attention needs Triton, which is not installed")
-    _check(q, kv_blocks, layer, block_table, seq_lens, cu_q, max_q, out, window)
+    _check(q, kv_blocks, layer, block_table, seq_lens, cu_q, max_q, out, window, softcap)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = kv_blocks.shape[4]
     page_size = kv_blocks.shape[3]
@@ -473,8 +490,9 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
     upcast = q.dtype == torch.bfloat16 and interpreted(_decode_kernel)
     ieee = q.dtype == torch.float32 or upcast
     kv_strides = keys.stride()
-    common = dict(PAGE_SIZE=page_size, HEAD_DIM=head_dim, GROUP=group, WINDOW=window, BLOCK_D=block_d,
-                  UPCAST=upcast, IEEE=ieee, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    common = dict(PAGE_SIZE=page_size, HEAD_DIM=head_dim, GROUP=group, WINDOW=window, SOFTCAP=softcap > 0,
+                  BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    cap_log2 = softcap * _LOG2E if softcap > 0 else 1.0
 
     if max_q > 1:
         block_m = min(max(16, next_pow2(max_q * group)), tiles.max_block_m)
@@ -482,7 +500,7 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
         block_q = block_m // group
         grid = (_cdiv(max_q, block_q), batch, kv_heads)
         _prefill_kernel[grid](
-            q, keys, values, block_table, seq_lens, cu_q, out, scale * _LOG2E,
+            q, keys, values, block_table, seq_lens, cu_q, out, scale * _LOG2E, cap_log2,
             *q.stride(), *kv_strides, block_table.stride(0), *out.stride(),
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.prefill_n, **common)
         return out
@@ -505,7 +523,7 @@ def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_
         part_strides = part.stride()[:3]
         lse_strides = lse.stride()[:2]
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, keys, values, block_table, seq_lens, cu_q, out, part, lse, scale * _LOG2E,
+        q, keys, values, block_table, seq_lens, cu_q, out, part, lse, scale * _LOG2E, cap_log2,
         *q.stride(), *kv_strides, block_table.stride(0), *out.stride(), *part_strides, *lse_strides,
         NUM_SPLITS=num_splits, MIN_SPLIT_PAGES=min_split_pages, BLOCK_H=block_h, BLOCK_N=block_n, **common)
     if num_splits > 1:
@@ -569,7 +587,8 @@ def rotate_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation_
 
 
 def _check(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: torch.Tensor,
-           seq_lens: torch.Tensor, cu_q: torch.Tensor, max_q: int, out: torch.Tensor | None, window: int) -> None:
+           seq_lens: torch.Tensor, cu_q: torch.Tensor, max_q: int, out: torch.Tensor | None, window: int,
+           softcap: float) -> None:
     """Shape, dtype and device checks (metadata only, nothing is read from the device)."""
     if q.dim() != 3 or kv_blocks.dim() != 6:
         raise ValueError(f"q must be [T, H, D] and kv_blocks 6-D, got {tuple(q.shape)}, {tuple(kv_blocks.shape)}")
@@ -602,5 +621,7 @@ def _check(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, block_table: to
         raise ValueError("max_q must be >= 0")
     if window < 0:
         raise ValueError("window must be >= 0")
+    if not softcap >= 0 or softcap == float("inf"):
+        raise ValueError("softcap must be a finite number >= 0")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
 
@@ -121,14 +122,15 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # The MLP's activation of its gate: SiLU, or Gemma's GELU (tanh).
     hidden_act: str = "silu"
-    # Gemma 3: an RMSNorm on each block's output before its residual add, and
-    # every RMSNorm weight stored as (weight - 1); the layers in `local_layers`
-    # (its sliding ones) rotated by `rope_local`; logits soft-capped (c *
-    # tanh(logits / c)).
+    # Gemma 2 and 3: an RMSNorm on each block's output before its residual
+    # add, and every RMSNorm weight stored as (weight - 1); logits soft-capped
+    # (c * tanh(logits / c)), and Gemma 2's attention scores too. Gemma 3: the
+    # layers in `local_layers` (its sliding ones) rotated by `rope_local`.
     gemma_norms: bool = False
     rope_local: RopeConfig | None = None
     local_layers: tuple[int, ...] = ()
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     # Phi-3's partial rotation: how many of each head's leading dims turn (None: all).
     rotary_dim: int | None = None
     # Per layer, the keys a query sees: the last `w` positions up to its own
@@ -262,8 +264,9 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
     no layer slides), read as transformers reads it: Mistral's applies to every
     layer (as Phi-3's, when its config gives one); Qwen's is off unless
     `use_sliding_window`, and then only on the layers `layer_types` names, or
-    else those from `max_window_layers` (28 by default) on; Gemma 3's on the
-    layers `layer_types` names, or else all but each `sliding_window_pattern`-th;
+    else those from `max_window_layers` (28 by default) on; Gemma's on the
+    layers `layer_types` names, or else all but each `sliding_window_pattern`-th
+    (Gemma 3; Gemma 2: every second);
     Llama has none of its own (a `layer_types` that names one is honoured, as
     vLLM does). A window as long as the context never binds and is dropped."""
     layer_types = cfg.get("layer_types")
@@ -278,9 +281,9 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
     if family in ("mistral", "phi3"):
         window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
         layer_types = ["sliding_attention"] * num_layers
-    elif family == "gemma3":
+    elif family in ("gemma2", "gemma3"):
         window = cfg.get("sliding_window", 4096)
-        layer_types = _gemma3_layer_types(cfg, num_layers)
+        layer_types = _gemma_layer_types(cfg, family, num_layers)
     else:
         if family in ("qwen2", "qwen3"):
             if not cfg.get("use_sliding_window", False):
@@ -331,36 +334,41 @@ def _gemma3_ropes(cfg: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeC
             _rope_config({**context, "rope_parameters": local}, head_dim // 2))
 
 
-def _gemma3_layer_types(cfg: dict[str, Any], num_layers: int) -> list[str]:
+def _gemma_layer_types(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]:
     """`layer_types` (checked by _sliding_windows), else every layer slides but
-    each `sliding_window_pattern`th (6 by default), as transformers derives them."""
+    each `sliding_window_pattern`th (Gemma 3, 6 by default; Gemma 2: each
+    second), as transformers derives them."""
     if cfg.get("layer_types") is not None:
         return list(cfg["layer_types"])
-    pattern = cfg.get("sliding_window_pattern", 6)
+    pattern = cfg.get("sliding_window_pattern", 6) if family == "gemma3" else 2
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise CheckpointError(f"config.json's sliding_window_pattern must be a positive integer, got {pattern!r}")
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 
-def _gemma3_settings(cfg: dict[str, Any], hidden: int, rope_local: RopeConfig | None,
-                     num_layers: int) -> dict[str, Any]:
-    """What sets Gemma 3 apart from Llama (see ModelConfig); refused: what
-    our attention does not do (scores soft-capped, bidirectional attention)."""
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise CheckpointError("attn_logit_softcapping is not supported")
+def _gemma_settings(cfg: dict[str, Any], family: str, hidden: int, rope_local: RopeConfig | None,
+                    num_layers: int) -> dict[str, Any]:
+    """What sets Gemma 2 and 3 apart from Llama (see ModelConfig), with
+    transformers' defaults (Gemma 2 caps scores at 50 and logits at 30, Gemma 3
+    neither); refused: bidirectional attention, which ours is not."""
     if cfg.get("use_bidirectional_attention"):
         raise CheckpointError("use_bidirectional_attention is not supported")
     scalar = cfg.get("query_pre_attn_scalar", 256)
-    cap = cfg.get("final_logit_softcapping")
-    for key, value, optional in (("query_pre_attn_scalar", scalar, False), ("final_logit_softcapping", cap, True)):
+    caps = {key: cfg.get(key, default if family == "gemma2" else None)
+            for key, default in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0))}
+    for key, value, optional in (("query_pre_attn_scalar", scalar, False), *((k, v, True) for k, v in caps.items())):
         if value is None and optional:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
             raise CheckpointError(f"config.json's {key} must be a positive number, got {value!r}")
-    local = tuple(i for i, kind in enumerate(_gemma3_layer_types(cfg, num_layers)) if kind == "sliding_attention")
-    return {"gemma_norms": True, "rope_local": rope_local, "local_layers": local, "embedding_multiplier": hidden ** 0.5,
-            "attention_multiplier": float(scalar) ** -0.5,
-            "final_logit_softcapping": None if cap is None else float(cap)}
+    settings: dict[str, Any] = {
+        "gemma_norms": True, "embedding_multiplier": hidden ** 0.5, "attention_multiplier": float(scalar) ** -0.5,
+        **{key: None if value is None else float(value) for key, value in caps.items()}}
+    if family == "gemma3":
+        local = tuple(i for i, kind in enumerate(_gemma_layer_types(cfg, family, num_layers))
+                      if kind == "sliding_attention")
+        settings.update(rope_local=rope_local, local_layers=local)
+    return settings
 
 
 def _required(cfg: dict[str, Any], key: str) -> int:
@@ -445,20 +453,21 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope=rope,
         rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3 and Granite configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite", "gemma3")
+        # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3, Granite and Gemma configs say.
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite", "gemma2", "gemma3")
                                              and bool(cfg.get("attention_bias", False))),
         qk_norm=family in ("qwen3", "gemma3"),
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's, Qwen3's and Granite's
         # attention_bias is on the output projection too (never Qwen2's or
         # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3", "granite", "gemma3") and bool(cfg.get("attention_bias", False)),
+        output_bias=family in ("llama", "qwen3", "granite", "gemma2", "gemma3")
+        and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
         **(_granite_scalings(cfg) if family == "granite" else {}),
-        **(_gemma3_settings(cfg, hidden, rope_local, num_layers) if family == "gemma3" else {}),
+        **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in ("gemma2", "gemma3") else {}),
         sampling_defaults=_sampling_defaults(gen),
-        hidden_act=str(cfg.get("hidden_activation", "gelu_pytorch_tanh") if family == "gemma3"
+        hidden_act=str(cfg.get("hidden_activation", "gelu_pytorch_tanh") if family in ("gemma2", "gemma3")
                        else cfg.get("hidden_act", "silu")),
     )

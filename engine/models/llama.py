@@ -1,13 +1,14 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 3) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2 and 3) over a paged KV cache.
 
-One class covers the seven architectures: they differ only in q/k/v biases
+One class covers the eight architectures: they differ only in q/k/v biases
 (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, rope scaling,
-sliding windows (the attention backend's), how the checkpoint stores the
-projections (Phi-3 fuses q|k|v and gate|up), how much of each head turns
-(Phi-3 may turn part of it), Granite's four multipliers (the residual one
-folded into the weights of the projections it scales) and Gemma 3's norms on
-each block's output, GELU, second rotation and capped logits. Weights are
-fused at load (q|k|v, gate|up) so a layer makes four GEMM calls.
+sliding windows and capped scores (the attention backend's), how the
+checkpoint stores the projections (Phi-3 fuses q|k|v and gate|up), how much
+of each head turns (Phi-3 may turn part of it), Granite's four multipliers
+(the residual one folded into the weights of the projections it scales) and
+Gemma's norms on each block's output, GELU, capped logits and (Gemma 3)
+second rotation. Weights are fused at load (q|k|v, gate|up) so a layer makes
+four GEMM calls.
 """
 
 from __future__ import annotations
@@ -314,6 +315,6 @@ class LlamaFamilyModel:
         if self.config.logits_scaling != 1.0:  # Granite divides, in the model's dtype as transformers does
             logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
-        if cap is not None:  # Gemma
+        if cap is not None:  # Gemma's
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

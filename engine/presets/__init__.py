@@ -223,6 +223,17 @@ PRESETS: dict[str, Preset] = {
         seed=9,
         initializer_range=_TEST_INIT,
     ),
+    # Gemma 2: Gemma 3's norms, GELU, scaled embedding and capped logits with
+    # one rotation, no q/k norms, every second layer sliding (window 16), and
+    # attention scores capped too, at 2 (Gemma 2's own 50 would not bind on
+    # scores this small: a model served without the cap would pass).
+    "tiny-gemma2": Preset(
+        "Gemma2ForCausalLM",
+        _llama_like(head_dim=32, tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=24,
+                    final_logit_softcapping=30.0, attn_logit_softcapping=2.0),
+        seed=10,
+        initializer_range=_TEST_INIT,
+    ),
     # A reasoning model's shape: the tiny Qwen3 with a tokenizer that has
     # `<think>`, `</think>`, `<tool_call>` and `</tool_call>` as single tokens
     # and a chat template that opens the assistant turn inside a thought
@@ -238,7 +249,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
-                        "tiny-granite", "tiny-gemma3"]
+                        "tiny-granite", "tiny-gemma2", "tiny-gemma3"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.

@@ -98,6 +98,20 @@ def engine_logits(llm: LLM, tokens: list[int], chunks: list[int]) -> torch.Tenso
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
 
 
+def assert_greedy_matches(llm: LLM, name: str, batch: list[list[int]], new_tokens: int) -> None:
+    """Greedy tokens equal to transformers', and each one's log-probability
+    within 1e-4 of theirs: a logit that moved shows even where the greedy
+    choice did not."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    for prompt, res in zip(batch, llm.generate(batch, params), strict=True):
+        assert res.token_ids == hf_greedy(name, prompt, new_tokens)
+        assert res.logprobs is not None
+        theirs = torch.log_softmax(hf_logits(name, prompt + res.token_ids)[len(prompt) - 1:-1], dim=-1)
+        want = theirs[torch.arange(new_tokens), torch.tensor(res.token_ids)]
+        got = torch.tensor([lp.logprob for lp in res.logprobs])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
 def mixed_step(shapes: list[tuple[int, int]], page_size: int) -> tuple[list[SeqSpan], int, int]:
     """One step's spans for (cache_len, q_len) pairs, queries laid end to end:
     the spans, the step's token count and the pages each sequence gets."""

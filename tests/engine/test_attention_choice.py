@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, attention
+from engine import LLM, attention
 from engine.attention import HeadShape, TorchAttention, choose_attention, probe_triton, triton_check
 from engine.attention.cpu_kernel import KernelAttention
 from engine.config import EngineConfig
@@ -18,7 +18,7 @@ from engine.kernels import triton_ops
 from engine.models.config import load_model_config
 from engine.presets import ensure_preset
 
-from .reference import hf_greedy, prompts
+from .reference import assert_greedy_matches, prompts
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -140,12 +140,13 @@ def test_cpu_engines_log_their_choice(make_llm, caplog, attention, backend) -> N
 
 @pytest.mark.parametrize(("preset", "cuda_graphs"), [("tiny-llama", "off"), ("tiny-llama", "emulate"),
                                                      ("tiny-qwen2", "off"), ("tiny-qwen3", "emulate"),
-                                                     ("tiny-gemma3", "emulate")])
+                                                     ("tiny-gemma3", "emulate"), ("tiny-gemma2", "off")])
 def test_a_triton_engine_matches_transformers(make_llm, caplog, monkeypatch, preset: str, cuda_graphs: str) -> None:
     """The Triton kernels in a whole engine (in the interpreter here): attention
     and the fused pointwise kernels, mixed prefill/decode batches eagerly,
     decode steps through the graph path; q/k/v biases (Qwen2) and q/k norms
-    (Qwen3); Gemma 3's sliding layer, with its own rotation, beside a full one.
+    (Qwen3); Gemma 3's sliding layer, with its own rotation, beside a full one;
+    Gemma 2's capped scores.
     Every layer's rotary embedding happens in its cache write."""
     from engine.attention import triton_backend
 
@@ -165,11 +166,7 @@ def test_a_triton_engine_matches_transformers(make_llm, caplog, monkeypatch, pre
     assert llm.engine.attention.name == "triton"
     assert llm.engine.model.ops is triton_ops
     assert any(r.getMessage().startswith("pointwise kernels: triton") for r in caplog.records)
-    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-    batch = prompts(3)
-    results = llm.generate(batch, params)
-    for prompt, res in zip(batch, results, strict=True):
-        assert res.token_ids == hf_greedy(preset, prompt, 6)
+    assert_greedy_matches(llm, preset, prompts(3), 6)
     if cuda_graphs == "emulate":
         assert llm.engine.graphs is not None and sum(llm.engine.graphs.replays.values()) > 0
     assert writes["rotating"] > 0 and writes["plain"] == 0

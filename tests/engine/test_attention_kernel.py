@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(_loaded is None, reason="CPU kernels unavailable
 ops = cast(ModuleType, _loaded)  # None only where pytestmark skips every test
 
 
-def reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale, window=0):
+def reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale, window=0, softcap=0.0):
     kv_heads, head_dim = cache.shape[4], cache.shape[5]
     group = q.shape[1] // kv_heads
     out = torch.zeros_like(q, dtype=torch.float64)
@@ -36,6 +36,8 @@ def reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale, windo
         values = cache[pages.long(), 1, layer].reshape(-1, kv_heads, head_dim)[first:n].double()
         for h in range(q.shape[1]):
             scores = keys[:, h // group] @ q[t, h].double() * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
             out[t, h] = torch.softmax(scores, 0) @ values[:, h // group]
     return out
 
@@ -60,7 +62,7 @@ def test_paged_attention_matches_reference(head_dim, kv_heads, group, page_size,
     scale = head_dim ** -0.5
     for layer in range(layers):
         out = torch.full_like(q, float("nan"))
-        ops.paged_attention(out, q, cache, layer, tokens, token_seq, token_ctx, table, scale, 0)
+        ops.paged_attention(out, q, cache, layer, tokens, token_seq, token_ctx, table, scale, 0, 0.0)
         expected = reference(q, cache, layer, tokens, token_seq, token_ctx, table, scale)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -83,7 +85,7 @@ def test_long_contexts_span_several_held_chunks(head_dim, kv_heads, group, num_t
     q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=g)
     tokens = torch.arange(num_tokens, dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
-    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, head_dim ** -0.5, 0)
+    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, head_dim ** -0.5, 0, 0.0)
     expected = reference(q, cache, 0, tokens, token_seq, token_ctx, table, head_dim ** -0.5)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -111,10 +113,36 @@ def test_a_sliding_window_reads_only_the_last_keys(head_dim, dtype, page_size, w
         one = tokens[i:i + 1]
         token_ctx = torch.tensor(lengths, dtype=torch.int32)
         out = torch.full_like(q, float("nan"))
-        ops.paged_attention(out, q, cache, 0, one, token_seq, token_ctx, table, scale, window)
+        ops.paged_attention(out, q, cache, 0, one, token_seq, token_ctx, table, scale, window, 0.0)
         expected = reference(q.float(), cache.float(), 0, one, token_seq, token_ctx, table, scale, window)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i].double(), expected[i], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(16, torch.float32), (64, torch.float32), (128, torch.float32),
+                                            (64, torch.bfloat16)])
+@pytest.mark.parametrize("window", [0, 21])
+def test_capped_scores(head_dim, dtype, window):
+    """Gemma 2's cap: each score s (q.k x scale) becomes c * tanh(s / c)
+    before the softmax, on both paths, over contexts that fold several held
+    chunks on the fast one. Queries are scaled up so that most scores are
+    past the cap (uncapped, the softmax would pick other keys)."""
+    g = torch.Generator().manual_seed(head_dim + window)
+    kv_heads, group, page_size, max_pages, cap = 2, 3, 16, 40, 2.5
+    cache = torch.randn(max_pages, 2, 1, page_size, kv_heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(max_pages, generator=g).int().unsqueeze(0)
+    lengths = [1, 17, 300, 640]
+    q = (4 * torch.randn(len(lengths), kv_heads * group, head_dim, generator=g)).to(dtype)
+    tokens = torch.arange(len(lengths), dtype=torch.int32)
+    token_seq = torch.zeros(len(lengths), dtype=torch.int32)
+    token_ctx = torch.tensor(lengths, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, scale, window, cap)
+    args = (q.float(), cache.float(), 0, tokens, token_seq, token_ctx, table, scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), reference(*args, softcap=cap), rtol=tol, atol=tol)
+    assert not torch.allclose(out.double(), reference(*args), rtol=0.1, atol=0.1)  # the cap binds
 
 
 def test_paged_attention_bf16_cache():
@@ -126,7 +154,7 @@ def test_paged_attention_bf16_cache():
     token_seq = torch.zeros(3, dtype=torch.int32)
     tokens = torch.arange(3, dtype=torch.int32)
     out = torch.empty_like(q)
-    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, 0.125, 0)
+    ops.paged_attention(out, q, cache, 0, tokens, token_seq, token_ctx, table, 0.125, 0, 0.0)
     expected = reference(q.float(), cache.float(), 0, tokens, token_seq, token_ctx, table, 0.125)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 

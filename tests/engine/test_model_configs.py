@@ -158,6 +158,8 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
     # Gemma 3: every layer but each sliding_window_pattern-th (6 by default) slides.
     ("tiny-gemma3", {"sliding_window": 8}, (8, 8)),
     ("tiny-gemma3", {"sliding_window": 8, "sliding_window_pattern": 2}, (8, 0)),
+    # Gemma 2: every second layer, from the first.
+    ("tiny-gemma2", {"sliding_window": 8, "num_hidden_layers": 3}, (8, 0, 8)),
     # Qwen's max_window_layers defaults to 28: a deeper model's last layers slide.
     ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "num_hidden_layers": 30,
                     "max_window_layers": None}, (*[0] * 28, 16, 16)),
@@ -165,7 +167,7 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
     ("tiny-llama", {"sliding_window": 16}, None),
 ], ids=["qwen2-unset", "qwen2-no-sliding-layer", "qwen2-sliding-layer", "qwen3-off", "qwen3-layer-types-off",
         "qwen3-layer-types", "mistral", "mistral-none", "mistral-whole-context", "phi3", "phi3-none",
-        "gemma3-default-pattern", "gemma3-pattern-2",
+        "gemma3-default-pattern", "gemma3-pattern-2", "gemma2-every-second",
         "qwen2-default-window-layers",
         "llama-stray-window"])
 def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str, overrides: dict[str, Any],
@@ -205,13 +207,13 @@ def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str,
     ("tiny-granite", {"logits_scaling": 0}, "logits_scaling must be a positive number"),
     ("tiny-granite", {"residual_multiplier": "0.22"}, "residual_multiplier must be a positive number"),
     # What our attention does not do is refused, not served wrong.
-    ("tiny-gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+    ("tiny-gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number"),
     ("tiny-gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
     ("tiny-gemma3", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
     ("tiny-gemma3", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar must be a positive number"),
     ("tiny-gemma3", {"rope_parameters": {"rope_theta": 1e4}}, "rope_parameters must be given per layer type"),
 ], ids=["negative-window", "string-window", "fractional-window", "null-window-layers", "short-layer-types",
-        "unknown-layer-type", "granite-zero-logits-scaling", "granite-string-multiplier", "gemma3-attention-softcap",
+        "unknown-layer-type", "granite-zero-logits-scaling", "granite-string-multiplier", "gemma2-negative-cap",
         "gemma3-bidirectional", "gemma3-zero-scalar", "gemma3-null-scalar", "gemma3-flat-rope"])
 def test_a_malformed_config_value_is_refused_by_name(tmp_path, preset: str, overrides: dict[str, Any],
                                                message: str) -> None:

@@ -61,10 +61,11 @@ class Case:
     max_q: int
     scale: float
     window: int = 0  # sliding window (0: none)
+    softcap: float = 0.0  # scores capped as softcap * tanh(s / softcap) (0: none)
 
     def run(self, **kwargs: Any) -> torch.Tensor:
         return tk.paged_attention(self.q, self.kv_blocks, LAYER, self.block_table, self.seq_lens, self.cu_q,
-                                  self.max_q, self.scale, window=self.window, **kwargs)
+                                  self.max_q, self.scale, window=self.window, softcap=self.softcap, **kwargs)
 
 
 def build(seqs: list[tuple[int, int]], *, dtype: torch.dtype, page_size: int, head_dim: int, group: int,
@@ -123,6 +124,8 @@ def reference(case: Case) -> torch.Tensor:
             unseen = pos <= int(q_pos[0]) - case.window
             k[unseen], v[unseen] = 0.0, 0.0
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi], k) * case.scale
+        if case.softcap:
+            scores = case.softcap * torch.tanh(scores / case.softcap)
         scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
         if case.window:
             scores = scores.masked_fill(pos[None, :] <= q_pos[:, None] - case.window, float("-inf"))
@@ -237,6 +240,30 @@ def test_sliding_window_mixed_batch_matches_reference(dtype, page_size, window):
     case = build(seqs, dtype=dtype, page_size=page_size, head_dim=32, group=4, max_q=40, seed=window)
     case.window = window
     check(case, case.run())
+
+
+# -- capped scores (Gemma 2): s -> softcap * tanh(s / softcap) before the softmax --------------------
+
+CAP_CASES = [(F32, 16, 0), (F32, 3, 7), (F16, 4, 0), (BF16, 5, 20)]
+
+
+@pytest.mark.parametrize("dtype,page_size,window", CAP_CASES, ids=_ids(CAP_CASES, ",p,w"))
+def test_capped_scores_match_reference(dtype, page_size, window):
+    """Decode (whole and split) and a mixed batch, queries scaled up so that
+    most scores pass the cap of 1.5: uncapped, the result is another."""
+    decode = build([(1, 1), (40, 1), (150, 1), (9, 0)], dtype=dtype, page_size=page_size, head_dim=32, group=2,
+                   seed=page_size)
+    mixed = build([(11 + 37, 37), (5, 1), (9, 0), (70, 1), (64, 2)], dtype=dtype, page_size=page_size,
+                  head_dim=32, group=4, max_q=40, seed=page_size)
+    for case in (decode, mixed):
+        case.q.mul_(3.0)
+    for case, splits in ((decode, 1), (decode, 3), (mixed, None)):
+        case.window, case.softcap = window, 1.5
+        out = case.run(num_splits=splits)
+        check(case, out)
+        case.softcap = 0.0
+        assert not torch.allclose(out.double().cpu()[:int(case.cu_q[-1])],
+                                  reference(case)[:int(case.cu_q[-1])], atol=0.05, rtol=0.05)
 
 
 def test_a_window_as_long_as_the_context_changes_nothing():
@@ -459,11 +486,12 @@ for name in ("_decode_kernel", "_merge_kernel", "_prefill_kernel"):
 for dtype, head_dim, page_size, group in ((torch.float32, 80, 3, 4), (torch.float16, 128, 16, 8),
                                           (torch.bfloat16, 256, 64, 1), (torch.float16, 16, 1, 2)):
     kv = torch.zeros(8, 2, 2, page_size, 2, head_dim, dtype=dtype)
-    for (max_q, splits), window in itertools.product(((1, 1), (1, 4), (64, None)), (0, 5)):
+    for (max_q, splits), (window, softcap) in itertools.product(((1, 1), (1, 4), (64, None)),
+                                                                ((0, 0.0), (5, 0.0), (0, 50.0))):
         q = torch.zeros(3 * max_q, 2 * group, head_dim, dtype=dtype)
         cu_q = torch.arange(4, dtype=torch.int32) * max_q
         tk.paged_attention(q, kv, 1, torch.zeros(3, 8, dtype=torch.int32), torch.ones(3, dtype=torch.int32),
-                           cu_q, max_q, 0.125, num_splits=splits, window=window)
+                           cu_q, max_q, 0.125, num_splits=splits, window=window, softcap=softcap)
 # The KV writes (plain, and with the rotary embedding in) and the pointwise kernels, at Llama-3-8B's widths.
 from engine.kernels import triton_ops as to
 for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kernel"):
@@ -532,9 +560,9 @@ def test_kernels_compile_for_gpus(tmp_path):
         for compiler in compilers:
             compiler.kill()
             compiler.wait()
-    # Per architecture: 4 configurations x (decode, decode + merge, prefill) x (with and
-    # without a sliding window), then
+    # Per architecture: 4 configurations x (decode, decode + merge, prefill) x (plain,
+    # with a sliding window, with capped scores), then
     # 3 dtypes x 5 pointwise kernels (both KV writes among them), then 2 dtypes x 9 GEMV
     # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
     # the 9 gated ones in bfloat16, and the grammar mask's.
-    assert counts == [4 * 4 * 2 + 3 * 5 + 3 * 9 + 1] * 2
+    assert counts == [4 * 4 * 3 + 3 * 5 + 3 * 9 + 1] * 2

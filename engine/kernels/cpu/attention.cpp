@@ -46,17 +46,26 @@ void write_kv_impl(const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor&
   }
 }
 
-// The layer's geometry and inputs of one paged_attention call.
+// The layer's geometry and inputs of one paged_attention call; `softcap` > 0
+// caps every score s (q.k times the scale) as softcap * tanh(s / softcap) (Gemma 2).
 template <typename scalar_t>
 struct AttentionArgs {
   int64_t H, D, KVH, G, P;
   int64_t slot_stride, layer_stride, kv_stride, page_stride;
   const scalar_t* cache;
-  AttentionArgs(const at::Tensor& q, const at::Tensor& cache_t)
+  float softcap;
+  AttentionArgs(const at::Tensor& q, const at::Tensor& cache_t, double cap)
       : H(q.size(1)), D(q.size(2)), KVH(cache_t.size(4)), G(H / KVH), P(cache_t.size(3)),
         slot_stride(KVH * D), layer_stride(P * slot_stride), kv_stride(cache_t.size(2) * layer_stride),
-        page_stride(2 * kv_stride), cache(cache_t.data_ptr<scalar_t>()) {}
+        page_stride(2 * kv_stride), cache(cache_t.data_ptr<scalar_t>()), softcap(static_cast<float>(cap)) {}
 };
+
+// Scores s[0, n) capped in place as cap * tanh(s / cap); nothing when cap is 0.
+inline void cap_scores(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+}
 
 // Running state of one work item: its query heads (scaled), and per head the
 // online-softmax max `m`, sum `l` and output accumulator `acc`.
@@ -312,8 +321,10 @@ struct F32Kernel {
   void finish(ItemState& st, int64_t /*g0*/, int64_t heads) {
     if (held == 0) return;
     const int64_t HG = heads * a.G;
-    for (int64_t h = 0; h < HG; ++h)
+    for (int64_t h = 0; h < HG; ++h) {
+      cap_scores(scores.data() + h * chunk, held, a.softcap);
       correction[h] = softmax_update(scores.data() + h * chunk, held, st.m[h], st.l[h]);
+    }
     for (int64_t hg = 0; hg < heads; ++hg) {
       for (int64_t h0 = 0; h0 < a.G;) {
         const int64_t h = hg * a.G + h0;
@@ -343,9 +354,10 @@ struct F32Kernel {
 template <int DV>
 void attention_f32(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
                    const at::Tensor& tokens, const at::Tensor& token_seq,
-                   const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale, int64_t window) {
+                   const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale, int64_t window,
+                   double softcap) {
 #ifdef __AVX512F__
-  const AttentionArgs<float> a(q, cache);
+  const AttentionArgs<float> a(q, cache, softcap);
   walk_pages<float>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale, window,
                     [&](int64_t item_heads) { return F32Kernel<DV>(a, item_heads); });
 #else
@@ -392,10 +404,9 @@ struct GenericKernel {
         const int64_t h = hg * G + hq;
         float* sh = scores.data();
         float blk_max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < nk; ++j) {
-          sh[j] = dot(st.qf.data() + h * D, krows + j * row_stride, D);
-          blk_max = std::max(blk_max, sh[j]);
-        }
+        for (int64_t j = 0; j < nk; ++j) sh[j] = dot(st.qf.data() + h * D, krows + j * row_stride, D);
+        cap_scores(sh, nk, a.softcap);
+        for (int64_t j = 0; j < nk; ++j) blk_max = std::max(blk_max, sh[j]);
         const float new_max = std::max(st.m[h], blk_max);
         const float correction = std::exp(st.m[h] - new_max);
         for (int64_t j = 0; j < nk; ++j) sh[j] -= new_max;
@@ -420,8 +431,9 @@ struct GenericKernel {
 template <typename scalar_t>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache, int64_t layer,
                     const at::Tensor& tokens, const at::Tensor& token_seq,
-                    const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale, int64_t window) {
-  const AttentionArgs<scalar_t> a(q, cache);
+                    const at::Tensor& token_ctx, const at::Tensor& lookup_table, double scale, int64_t window,
+                    double softcap) {
+  const AttentionArgs<scalar_t> a(q, cache, softcap);
   walk_pages<scalar_t>(out, q, a, layer, tokens, token_seq, token_ctx, lookup_table, scale, window,
                        [&](int64_t) { return GenericKernel<scalar_t>(a); });
 }
@@ -446,10 +458,10 @@ void write_kv(at::Tensor k_new, at::Tensor v_new, at::Tensor cache, int64_t laye
 
 // Attention of the query tokens listed in `tokens` over their sequences' cached
 // keys [0, token_ctx[t]), or with a sliding `window` > 0 only the last `window`
-// of them; results go to out[t].
+// of them, scores capped by `softcap` > 0; results go to out[t].
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor cache, int64_t layer,
                      at::Tensor tokens, at::Tensor token_seq, at::Tensor token_ctx,
-                     at::Tensor lookup_table, double scale, int64_t window) {
+                     at::Tensor lookup_table, double scale, int64_t window, double softcap) {
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 6, "cache must be a contiguous 6-D page tensor");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out rows must be contiguous in head_dim");
   check_index(tokens, "tokens");
@@ -460,14 +472,14 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor cache, int64_t lay
   if (cache.scalar_type() == at::kFloat && q.scalar_type() == at::kFloat &&
       (cache.size(5) == 64 || cache.size(5) == 128)) {
     if (cache.size(5) == 64)
-      attention_f32<4>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window);
+      attention_f32<4>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window, softcap);
     else
-      attention_f32<8>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window);
+      attention_f32<8>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window, softcap);
     return;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "paged_attention", [&] {
-    attention_impl<scalar_t>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window);
+    attention_impl<scalar_t>(out, q, cache, layer, tokens, token_seq, token_ctx, lookup_table, scale, window, softcap);
   });
 }
 

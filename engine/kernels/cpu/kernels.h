@@ -11,10 +11,10 @@ void write_kv(at::Tensor k_new, at::Tensor v_new, at::Tensor cache, int64_t laye
               at::Tensor slot_offset);
 // Attention of the query tokens listed in `tokens` over their sequences' cached
 // keys [0, token_ctx[t]), or with a sliding `window` > 0 only the last `window`
-// of them; results go to out[t].
+// of them, scores capped by `softcap` > 0 (0: none); results go to out[t].
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor cache, int64_t layer, at::Tensor tokens,
                      at::Tensor token_seq, at::Tensor token_ctx, at::Tensor lookup_table, double scale,
-                     int64_t window);
+                     int64_t window, double softcap);
 
 // Weights [N, K] -> blocks [ceil(N/16), K, 16] (zero padded), into `out`.
 void pack_small_gemm(at::Tensor weight, at::Tensor out);
