@@ -24,7 +24,9 @@ def test_freeze_heap_takes_what_is_alive_out_of_the_collectors_walks() -> None:
         frozen = freeze_heap()
         # It collected first: a cycle that was garbage is not frozen for good.
         assert gone() is None
-        assert frozen == gc.get_freeze_count() > 1000
+        # At most what it returned: threads earlier tests left (a server's,
+        # an executor's) may free a frozen object meanwhile, as they should.
+        assert frozen >= gc.get_freeze_count() > 1000
         assert all(len(gc.get_objects(generation)) < frozen for generation in range(3))
         # A frozen object nothing refers to is still freed.
         ref = weakref.ref(kept)
