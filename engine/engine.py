@@ -21,7 +21,7 @@ from .graphs import DecodeGraphs, dense_graph_batch, graphs_mode
 from .kernels import model_ops, triton_gemv, triton_ops
 from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_for_budget
 from .memory import empty_huge, kv_budget_gib
-from .models.config import CheckpointError, load_model_config
+from .models.config import TEXT_CONFIGS, CheckpointError, load_model_config
 from .models.llama import LlamaFamilyModel
 from .models.weights import WeightSource
 from .output import RequestOutput
@@ -98,6 +98,9 @@ class EngineCore:
         """
         self.config = config
         self.model_config = load_model_config(config.model)
+        if self.model_config.architecture in TEXT_CONFIGS:
+            log.info("%s: serving its text model (text in, text out); its vision tower is not loaded",
+                     self.model_config.architecture)
         self.tokenizer = Tokenizer(config.model)
         self.sampling_defaults, self.default_max_new_tokens = model_defaults(
             config.generation_config, self.model_config.sampling_defaults)

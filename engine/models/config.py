@@ -17,6 +17,19 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    # Gemma 3 from 4b up is published as a vision-language model: its text
+    # model is served (text in, text out; the vision tower is not loaded).
+    "Gemma3ForConditionalGeneration": "gemma3",
+}
+# The vision-language architectures above: where their text model's config
+# is, and what transformers' text config class gives a key it leaves out
+# (their config.json holds a few keys of it: gemma-3-4b-it's, five).
+TEXT_CONFIGS: dict[str, dict[str, Any]] = {
+    "Gemma3ForConditionalGeneration": {
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    },
 }
 
 
@@ -398,6 +411,17 @@ def _rotary_dim(cfg: dict[str, Any], family: str, head_dim: int) -> int | None:
     return dims
 
 
+def _text_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A vision-language config's `text_config` as a text model's config.json:
+    transformers' defaults for what it leaves out, and the outer config's
+    end-of-sequence ids and quantization where it names none of its own."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"config.json of a {arch} needs a text_config object, got {text!r}")
+    outer = {key: cfg[key] for key in ("eos_token_id", "quantization_config", "compression_config") if key in cfg}
+    return {**TEXT_CONFIGS[arch], **outer, **text}
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse config.json (+ generation_config.json) of an HF checkpoint directory."""
     root = Path(model_dir)
@@ -412,6 +436,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    if arch in TEXT_CONFIGS:
+        cfg = _text_config(cfg, arch)
     quantized = cfg.get("quantization_config") or cfg.get("compression_config")
     if quantized:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -10,9 +9,19 @@ from safetensors import safe_open
 
 from .config import CheckpointError, read_json
 
+# Where a vision-language checkpoint keeps its text model's tensors (Gemma 3:
+# transformers saves `language_model.model.`, its in-memory names are
+# `model.language_model.`) and its head.
+_TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+_TEXT_HEAD = "language_model.lm_head."
+
 
 class WeightSource:
-    """Name -> tensor lookup across all *.safetensors files of a checkpoint."""
+    """Name -> tensor lookup across all *.safetensors files of a checkpoint.
+
+    Names are a text decoder's (`model.layers.0...`, `lm_head.weight`); in a
+    vision-language checkpoint they are read from its text model's tensors
+    (the vision tower's are never read)."""
 
     def __init__(self, model_dir: str | Path):
         root = Path(model_dir)
@@ -36,14 +45,24 @@ class WeightSource:
                 for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                     self._where[name] = f
         self._open: dict[Path, object] = {}
+        self._renames: list[tuple[str, str]] = []
+        if "model.embed_tokens.weight" not in self._where:
+            text = next((p for p in _TEXT_MODEL_PREFIXES if p + "embed_tokens.weight" in self._where), None)
+            if text is not None:
+                self._renames = [("model.", text), ("lm_head.", _TEXT_HEAD)]
 
-    def names(self) -> Iterable[str]:
-        return self._where.keys()
+    def _stored(self, name: str) -> str:
+        """The name `name` is stored under."""
+        for ours, theirs in self._renames:
+            if name.startswith(ours):
+                return theirs + name[len(ours):]
+        return name
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return self._stored(name) in self._where
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        name = self._stored(name)
         path = self._where.get(name)
         if path is None:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
