@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
+    "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     # Gemma 3 from 4b up is published as a vision-language model: its text
@@ -135,11 +136,13 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # The MLP's activation of its gate: SiLU, or Gemma's GELU (tanh).
     hidden_act: str = "silu"
-    # Gemma 2 and 3: an RMSNorm on each block's output before its residual
-    # add, and every RMSNorm weight stored as (weight - 1); logits soft-capped
-    # (c * tanh(logits / c)), and Gemma 2's attention scores too. Gemma 3: the
-    # layers in `local_layers` (its sliding ones) rotated by `rope_local`.
+    # Gemma: every RMSNorm weight stored as (weight - 1). Gemma 2 and 3: an
+    # RMSNorm on each block's output before its residual add too
+    # (`block_out_norms`); logits soft-capped (c * tanh(logits / c)), and
+    # Gemma 2's attention scores too. Gemma 3: the layers in `local_layers`
+    # (its sliding ones) rotated by `rope_local`.
     gemma_norms: bool = False
+    block_out_norms: bool = False
     rope_local: RopeConfig | None = None
     local_layers: tuple[int, ...] = ()
     final_logit_softcapping: float | None = None
@@ -191,6 +194,7 @@ def _as_ids(value: Any) -> list[int]:
 # name its factor as null: then it is the ratio of the two context lengths).
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+GEMMAS = ("gemma", "gemma2", "gemma3")
 # Phi-3's older names for its longrope, as transformers' Phi-3 config renames them.
 _PHI3_LONGROPE_ALIASES = ("su", "yarn")
 
@@ -361,11 +365,13 @@ def _gemma_layer_types(cfg: dict[str, Any], family: str, num_layers: int) -> lis
 
 def _gemma_settings(cfg: dict[str, Any], family: str, hidden: int, rope_local: RopeConfig | None,
                     num_layers: int) -> dict[str, Any]:
-    """What sets Gemma 2 and 3 apart from Llama (see ModelConfig), with
-    transformers' defaults (Gemma 2 caps scores at 50 and logits at 30, Gemma 3
-    neither); refused: bidirectional attention, which ours is not."""
+    """What sets Gemma apart from Llama (see ModelConfig), with transformers'
+    defaults (Gemma 2 caps scores at 50 and logits at 30, Gemma 3 neither);
+    refused: bidirectional attention, which ours is not."""
     if cfg.get("use_bidirectional_attention"):
         raise CheckpointError("use_bidirectional_attention is not supported")
+    if family == "gemma":  # norms and the embedding's scale only
+        return {"gemma_norms": True, "embedding_multiplier": hidden ** 0.5}
     scalar = cfg.get("query_pre_attn_scalar", 256)
     caps = {key: cfg.get(key, default if family == "gemma2" else None)
             for key, default in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0))}
@@ -375,13 +381,24 @@ def _gemma_settings(cfg: dict[str, Any], family: str, hidden: int, rope_local: R
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
             raise CheckpointError(f"config.json's {key} must be a positive number, got {value!r}")
     settings: dict[str, Any] = {
-        "gemma_norms": True, "embedding_multiplier": hidden ** 0.5, "attention_multiplier": float(scalar) ** -0.5,
+        "gemma_norms": True, "block_out_norms": True, "embedding_multiplier": hidden ** 0.5,
+        "attention_multiplier": float(scalar) ** -0.5,
         **{key: None if value is None else float(value) for key, value in caps.items()}}
     if family == "gemma3":
         local = tuple(i for i, kind in enumerate(_gemma_layer_types(cfg, family, num_layers))
                       if kind == "sliding_attention")
         settings.update(rope_local=rope_local, local_layers=local)
     return settings
+
+
+def _hidden_act(cfg: dict[str, Any], family: str) -> str:
+    """The MLP's activation: Gemma's `hidden_activation` (GELU, tanh by
+    default; Gemma 1's `hidden_act` is not read, as vLLM reads it: its first
+    configs said "gelu" where the model was trained with the tanh
+    approximation), else `hidden_act` (SiLU by default)."""
+    if family in GEMMAS:
+        return str(cfg.get("hidden_activation") or "gelu_pytorch_tanh")
+    return str(cfg.get("hidden_act", "silu"))
 
 
 def _required(cfg: dict[str, Any], key: str) -> int:
@@ -480,20 +497,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3, Granite and Gemma configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite", "gemma2", "gemma3")
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite", *GEMMAS)
                                              and bool(cfg.get("attention_bias", False))),
         qk_norm=family in ("qwen3", "gemma3"),
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's, Qwen3's and Granite's
         # attention_bias is on the output projection too (never Qwen2's or
         # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3", "granite", "gemma2", "gemma3")
+        output_bias=family in ("llama", "qwen3", "granite", *GEMMAS)
         and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
         **(_granite_scalings(cfg) if family == "granite" else {}),
-        **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in ("gemma2", "gemma3") else {}),
+        **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in GEMMAS else {}),
         sampling_defaults=_sampling_defaults(gen),
-        hidden_act=str(cfg.get("hidden_activation", "gelu_pytorch_tanh") if family in ("gemma2", "gemma3")
-                       else cfg.get("hidden_act", "silu")),
+        hidden_act=_hidden_act(cfg, family),
     )

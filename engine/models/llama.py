@@ -1,13 +1,13 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2 and 3) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 1-3) over a paged KV cache.
 
-One class covers the eight architectures: they differ only in q/k/v biases
+One class covers the nine architectures: they differ only in q/k/v biases
 (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, rope scaling,
 sliding windows and capped scores (the attention backend's), how the
 checkpoint stores the projections (Phi-3 fuses q|k|v and gate|up), how much
 of each head turns (Phi-3 may turn part of it), Granite's four multipliers
 (the residual one folded into the weights of the projections it scales) and
-Gemma's norms on each block's output, GELU, capped logits and (Gemma 3)
-second rotation. Weights are fused at load (q|k|v, gate|up) so a layer makes
+Gemma's norm weights, GELU, scaled embedding, norms on each block's output,
+capped logits and (Gemma 3) second rotation. Weights are fused at load (q|k|v, gate|up) so a layer makes
 four GEMM calls.
 """
 
@@ -143,7 +143,7 @@ class LlamaFamilyModel:
                                        load(p + "self_attn.o_proj.bias", hidden).to(device)
                                        if config.output_bias else None),
                 # The norm before the MLP (Gemma's sandwich names it pre_feedforward).
-                post_norm=norm_weight(p + ("pre_feedforward_layernorm.weight" if config.gemma_norms
+                post_norm=norm_weight(p + ("pre_feedforward_layernorm.weight" if config.block_out_norms
                                            else "post_attention_layernorm.weight"), hidden).to(device),
                 gate_up=linear(gate_up_weight(mlp).to(device),
                                torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
@@ -154,7 +154,7 @@ class LlamaFamilyModel:
             if config.qk_norm:
                 layer.q_norm = norm_weight(p + "self_attn.q_norm.weight", config.head_dim)[perm].contiguous().to(device)
                 layer.k_norm = norm_weight(p + "self_attn.k_norm.weight", config.head_dim)[perm].contiguous().to(device)
-            if config.gemma_norms:
+            if config.block_out_norms:
                 layer.attn_out_norm = norm_weight(p + "post_attention_layernorm.weight", hidden).to(device)
                 layer.mlp_out_norm = norm_weight(p + "post_feedforward_layernorm.weight", hidden).to(device)
             self.layers.append(layer)

@@ -223,6 +223,14 @@ PRESETS: dict[str, Preset] = {
         seed=9,
         initializer_range=_TEST_INIT,
     ),
+    # Gemma (1): Llama's blocks with norms stored as (w - 1), GELU and a
+    # sqrt(hidden) x embedding.
+    "tiny-gemma": Preset(
+        "GemmaForCausalLM",
+        _llama_like(head_dim=32, tie_word_embeddings=True),
+        seed=11,
+        initializer_range=_TEST_INIT,
+    ),
     # Gemma 2: Gemma 3's norms, GELU, scaled embedding and capped logits with
     # one rotation, no q/k norms, every second layer sliding (window 16), and
     # attention scores capped too, at 2 (Gemma 2's own 50 would not bind on
@@ -249,7 +257,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
-                        "tiny-granite", "tiny-gemma2", "tiny-gemma3"]
+                        "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.

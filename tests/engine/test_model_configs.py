@@ -402,3 +402,19 @@ def test_engine_config_refuses_a_size_or_time_that_is_no_number(field: str, valu
 
     with pytest.raises(ValueError, match=field):
         EngineConfig(model=str(ensure_preset("tiny-llama")), **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("edits", "act"), [
+    ({"hidden_act": "gelu"}, "gelu_pytorch_tanh"),
+    ({"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"}, "gelu_pytorch_tanh"),
+    ({"hidden_activation": "gelu"}, "gelu"),
+], ids=["first-config-form", "updated-config-form", "exact-gelu"])
+def test_gemma_reads_its_activation_as_vllm_does(tmp_path, edits: dict[str, Any], act: str) -> None:
+    # Gemma 1's first configs said hidden_act "gelu" for a model trained with
+    # the tanh approximation: vLLM (and the updated configs' hidden_activation)
+    # serve that; exact GELU only where hidden_activation asks for it.
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_preset("tiny-gemma"), d)
+    cfg = {**json.loads((d / "config.json").read_text()), **edits}
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(d).hidden_act == act
