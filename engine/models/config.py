@@ -18,20 +18,27 @@ SUPPORTED_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    # Gemma 3 from 4b up is published as a vision-language model: its text
-    # model is served (text in, text out; the vision tower is not loaded).
+    # Vision-language models whose text model is served (text in, text out;
+    # the vision tower is not loaded): Gemma 3 from 4b up is published only
+    # so, and Qwen2-VL's and Qwen2.5-VL's text models are Qwen2's.
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen2VLForConditionalGeneration": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
 }
-# The vision-language architectures above: where their text model's config
-# is, and what transformers' text config class gives a key it leaves out
-# (their config.json holds a few keys of it: gemma-3-4b-it's, five).
+# The vision-language architectures above, and what transformers' text
+# config class gives a key their `text_config` leaves out (gemma-3-4b-it's
+# holds five). Qwen2-VL's config.json is the text model's, with its
+# `vision_config` inside (or, re-saved by transformers 5, a `text_config`).
 TEXT_CONFIGS: dict[str, dict[str, Any]] = {
     "Gemma3ForConditionalGeneration": {
         "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
     },
+    "Qwen2VLForConditionalGeneration": {},
+    "Qwen2_5_VLForConditionalGeneration": {},
 }
+_FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 class CheckpointError(ValueError):
@@ -221,6 +228,11 @@ def _rope_config(cfg: dict[str, Any], pairs: int | None = None, family: str = ""
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
     if family == "phi3" and rope_type in _PHI3_LONGROPE_ALIASES:
         rope_type = "longrope"
+    # Qwen2-VL's multimodal rotation turns each pair by one of a token's three
+    # position ids (time, height, width); a text token's three are its
+    # position, so on text it is the plain rotation (transformers renames it so).
+    if rope_type == "mrope":
+        rope_type = "default"
     if rope_type == "default":
         return RopeConfig(theta=theta)
     for key in _ROPE_REQUIRED.get(rope_type, ()):
@@ -430,13 +442,17 @@ def _rotary_dim(cfg: dict[str, Any], family: str, head_dim: int) -> int | None:
 
 def _text_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """A vision-language config's `text_config` as a text model's config.json:
-    transformers' defaults for what it leaves out, and the outer config's
-    end-of-sequence ids and quantization where it names none of its own."""
+    transformers' defaults for what it leaves out, the outer config's
+    end-of-sequence ids and quantization where it names none of its own, and
+    its tie of the head to the embedding (what transformers ties by)."""
     text = cfg.get("text_config")
+    if text is None and arch in _FLAT_TEXT_CONFIGS:
+        text = {key: value for key, value in cfg.items() if key != "vision_config"}
     if not isinstance(text, dict):
         raise CheckpointError(f"config.json of a {arch} needs a text_config object, got {text!r}")
     outer = {key: cfg[key] for key in ("eos_token_id", "quantization_config", "compression_config") if key in cfg}
-    return {**TEXT_CONFIGS[arch], **outer, **text}
+    tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+    return {**TEXT_CONFIGS[arch], **outer, **text, **tie}
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

@@ -1,9 +1,11 @@
-"""The text model of a vision-language checkpoint (Gemma 3 from 4b up is
-published only as `Gemma3ForConditionalGeneration`): served as transformers
-runs that model on text alone, from the tensors as transformers saves them
-(`language_model.model.*`) or as it names them in memory
-(`model.language_model.*`), its sparse `text_config` filled with transformers'
-defaults. The vision tower is never read."""
+"""The text model of a vision-language checkpoint, served as transformers
+runs that model on text alone; the vision tower is never read. Gemma 3 from
+4b up is published only as `Gemma3ForConditionalGeneration`: its tensors as
+transformers saves them (`language_model.model.*`) or as it names them in
+memory (`model.language_model.*`), its sparse `text_config` filled with
+transformers' defaults. Qwen2.5-VL: a Qwen2 text model whose multimodal
+rotation is the plain one on text, its config in the Hub's flat form or
+transformers 5's nested one."""
 
 from __future__ import annotations
 
@@ -111,3 +113,47 @@ def test_the_outer_configs_end_of_sequence_ids_count(gemma3_vlm, tmp_path) -> No
 def test_a_config_without_a_text_config_is_refused(gemma3_vlm, tmp_path) -> None:
     with pytest.raises(CheckpointError, match="text_config"):
         load_model_config(_edited(tmp_path, gemma3_vlm[0], lambda cfg: cfg.pop("text_config")))
+
+
+@pytest.fixture(scope="module")
+def qwen25_vl(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """tiny-qwen2's text model (q/k/v biases, an untied head) with a
+    multimodal rotation in sections of 2, 3 and 3 pairs, beside a one-block
+    vision tower."""
+    import transformers
+
+    source = ensure_preset("tiny-qwen2")
+    text = {k: v for k, v in json.loads((source / "config.json").read_text()).items()
+            if k not in ("architectures", "transformers_version", "dtype", "rope_parameters")}
+    text.update(model_type="qwen2_5_vl_text",
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  fullatt_block_indexes=[0])
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=8191,
+                                           video_token_id=8190, vision_start_token_id=8189)
+    torch.manual_seed(1)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    out = tmp_path_factory.mktemp("qwen25-vl")
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, out / name)
+    return out, model
+
+
+def test_qwen25_vl_logits_match_transformers(qwen25_vl) -> None:
+    assert load_model_config(qwen25_vl[0]).rope.rope_type == "default"
+    assert_engine_matches(*qwen25_vl)
+
+
+def test_qwen25_vl_flat_config_reads_the_same(qwen25_vl, tmp_path) -> None:
+    # The Hub's form: the text model's keys at the top, the rotation named "mrope".
+    def flatten(cfg: dict[str, Any]) -> None:
+        text = cfg.pop("text_config")
+        rope = text.pop("rope_parameters")
+        cfg.update(text, rope_theta=rope["rope_theta"],
+                   rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+
+    flat = _edited(tmp_path, qwen25_vl[0], flatten)
+    assert "text_config" not in json.loads((flat / "config.json").read_text())
+    assert load_model_config(flat) == load_model_config(qwen25_vl[0])
+    assert_engine_matches(flat, qwen25_vl[1])
