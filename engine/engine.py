@@ -168,7 +168,9 @@ class EngineCore:
             max_len = held
         self.max_model_len = max_len
         model.keep_positions(max_len)
-        graph_mode = graphs_mode(config.cuda_graphs, device)
+        graph_mode = graphs_mode(config.cuda_graphs, device, model.capturable)
+        if not model.capturable and config.cuda_graphs != "off":
+            log.info("decode graphs: off (the model's experts are chosen on the host each layer)")
         graph_batch = config.max_num_seqs
         if graph_mode is not None and not self.attention_choice.graph_capturable:
             graph_batch = dense_graph_batch(config.max_num_seqs, max_len)

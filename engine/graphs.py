@@ -191,10 +191,12 @@ class DecodeGraphs:
             self._forward(b)
 
 
-def graphs_mode(setting: str, device: torch.device) -> str | None:
+def graphs_mode(setting: str, device: torch.device, capturable: bool = True) -> str | None:
     """How decode steps run for `EngineConfig.cuda_graphs`: "capture" (CUDA
-    graphs), "emulate" (the static buffers, no capture) or None (eager)."""
-    if setting == "off":
+    graphs), "emulate" (the static buffers, no capture) or None (eager). A
+    model whose forward pass reads the device on the host (`capturable`
+    False: experts chosen per layer) decodes eagerly, emulated or not."""
+    if setting == "off" or not capturable:
         return None
     if setting == "emulate":
         return "emulate"

@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "GraniteForCausalLM": "granite",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
@@ -156,6 +158,15 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     # Phi-3's partial rotation: how many of each head's leading dims turn (None: all).
     rotary_dim: int | None = None
+    # Mixture-of-experts MLPs (Mixtral, Qwen3-MoE) on the layers in
+    # `moe_layers` (the others dense, of `intermediate_size`): `num_experts`
+    # SiLU-gated experts of `moe_intermediate_size`, `experts_per_token` of
+    # them per token, their weights rescaled to sum to 1 if `norm_topk_prob`.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     # Per layer, the keys a query sees: the last `w` positions up to its own
     # (0: all of them). Empty: no layer slides.
     sliding_windows: tuple[int, ...] = ()
@@ -307,8 +318,12 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
         if unknown:
             raise CheckpointError(f"unsupported layer_types {', '.join(unknown)} "
                                   "(supported: full_attention, sliding_attention)")
-    if family in ("mistral", "phi3"):
-        window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
+    if family == "qwen3_moe" and not cfg.get("use_sliding_window", False):
+        return ()
+    if family in ("mistral", "phi3", "mixtral", "qwen3_moe"):
+        # Mixtral's and Qwen3-MoE's (with use_sliding_window) too, on every
+        # layer, as their transformers attention reads it.
+        window = cfg.get("sliding_window", 4096 if family in ("mistral", "qwen3_moe") else None)
         layer_types = ["sliding_attention"] * num_layers
     elif family in ("gemma2", "gemma3"):
         window = cfg.get("sliding_window", 4096)
@@ -401,6 +416,34 @@ def _gemma_settings(cfg: dict[str, Any], family: str, hidden: int, rope_local: R
                       if kind == "sliding_attention")
         settings.update(rope_local=rope_local, local_layers=local)
     return settings
+
+
+def _experts(cfg: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """Mixtral's and Qwen3-MoE's experts, with transformers' defaults: Mixtral
+    routes every layer to 2 of 8 experts of `intermediate_size`, weights
+    always rescaled; Qwen3-MoE to 8 of 128 of `moe_intermediate_size`, on
+    each `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
+    if family == "mixtral":
+        experts, inter, renormalize = cfg.get("num_local_experts", 8), cfg.get("intermediate_size"), True
+        layers = list(range(num_layers))
+    else:
+        # transformers 5 writes the count as num_local_experts (num_experts: null).
+        experts = next((v for v in (cfg.get("num_experts"), cfg.get("num_local_experts")) if v is not None), 128)
+        inter = cfg.get("moe_intermediate_size", 768)
+        renormalize = cfg.get("norm_topk_prob", False)
+        step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1 or not isinstance(dense, list):
+            raise CheckpointError(f"config.json's decoder_sparse_step must be a positive integer and "
+                                  f"mlp_only_layers a list, got {step!r} and {dense!r}")
+        layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0] if experts else []
+    top_k = cfg.get("num_experts_per_tok", 2 if family == "mixtral" else 8)
+    for key, value in (("experts", experts), ("num_experts_per_tok", top_k), ("expert intermediate size", inter)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"config.json's {key} must be a positive integer, got {value!r}")
+    if top_k > experts:
+        raise CheckpointError(f"num_experts_per_tok ({top_k}) is more than the {experts} experts")
+    return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": inter,
+            "norm_topk_prob": bool(renormalize), "moe_layers": tuple(layers)}
 
 
 def _hidden_act(cfg: dict[str, Any], family: str) -> str:
@@ -513,18 +556,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3, Granite and Gemma configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "granite", *GEMMAS)
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe", "granite", *GEMMAS)
                                              and bool(cfg.get("attention_bias", False))),
-        qk_norm=family in ("qwen3", "gemma3"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's, Qwen3's and Granite's
         # attention_bias is on the output projection too (never Qwen2's or
         # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3", "granite", *GEMMAS)
+        output_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", *GEMMAS)
         and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
         **(_granite_scalings(cfg) if family == "granite" else {}),
+        **(_experts(cfg, family, num_layers) if family in ("mixtral", "qwen3_moe") else {}),
         **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in GEMMAS else {}),
         sampling_defaults=_sampling_defaults(gen),
         hidden_act=_hidden_act(cfg, family),

@@ -1,14 +1,15 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 1-3) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Granite, Gemma 1-3).
 
-One class covers the nine architectures: they differ only in q/k/v biases
+One class covers the eleven architectures, over a paged KV cache: they
+differ only in the MLP (dense, or a mixture of experts: moe.py), q/k/v biases
 (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, rope scaling,
 sliding windows and capped scores (the attention backend's), how the
 checkpoint stores the projections (Phi-3 fuses q|k|v and gate|up), how much
 of each head turns (Phi-3 may turn part of it), Granite's four multipliers
 (the residual one folded into the weights of the projections it scales) and
 Gemma's norm weights, GELU, scaled embedding, norms on each block's output,
-capped logits and (Gemma 3) second rotation. Weights are fused at load (q|k|v, gate|up) so a layer makes
-four GEMM calls.
+capped logits and (Gemma 3) second rotation. Weights are fused at load
+(q|k|v, gate|up) so a dense layer makes four GEMM calls.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from engine.attention import AttentionBackend
 
 from .config import CheckpointError, ModelConfig
 from .linear import Linear
+from .moe import SparseMLP
 from .rope import apply_rotation, interleave_permutation, rotation_table, uses_long_factors
 from .weights import WeightSource
 
@@ -38,8 +40,10 @@ class DecoderLayer:
     qkv: Linear
     o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    # The MLP: dense (gate|up and down), or a mixture of experts.
+    gate_up: Linear | None
+    down: Linear | None
+    moe: SparseMLP | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     # Gemma: RMSNorms of the attention's and the MLP's outputs, before their residual adds.
@@ -121,6 +125,22 @@ class LlamaFamilyModel:
                 return load(mlp + "gate_up_proj.weight", 2 * inter, hidden)
             return torch.cat([load(mlp + "gate_proj.weight", inter, hidden), load(mlp + "up_proj.weight", inter, hidden)])
 
+        def sparse_mlp(p: str) -> SparseMLP:
+            """A layer's router and experts, stacked (Mixtral names its
+            experts' projections w1 (gate), w3 (up) and w2 (down))."""
+            e_inter, mixtral = config.moe_intermediate_size, config.family == "mixtral"
+            block = p + ("block_sparse_moe." if mixtral else "mlp.")
+            names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            gate_up, down = [], []
+            for e in range(config.num_experts):
+                at = f"{block}experts.{e}."
+                gate_up.append(torch.cat([load(at + names[0] + ".weight", e_inter, hidden),
+                                          load(at + names[1] + ".weight", e_inter, hidden)]))
+                down.append(load(at + names[2] + ".weight", hidden, e_inter))
+            return SparseMLP(load(block + "gate.weight", config.num_experts, hidden).to(device),
+                             torch.stack(gate_up).to(device), torch.stack(down).to(device),
+                             config.experts_per_token, config.norm_topk_prob)
+
         self.embed = load("model.embed_tokens.weight", config.vocab_size, hidden).to(device)
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
@@ -136,6 +156,7 @@ class LlamaFamilyModel:
                     load(p + "self_attn.v_proj.bias", kv_size),
                 ]).to(device)
             mlp = p + "mlp."
+            sparse = i in config.moe_layers
             layer = DecoderLayer(
                 input_norm=norm_weight(p + "input_layernorm.weight", hidden).to(device),
                 qkv=linear(torch.cat([q, k, v]).to(device), bias),
@@ -145,11 +166,14 @@ class LlamaFamilyModel:
                 # The norm before the MLP (Gemma's sandwich names it pre_feedforward).
                 post_norm=norm_weight(p + ("pre_feedforward_layernorm.weight" if config.block_out_norms
                                            else "post_attention_layernorm.weight"), hidden).to(device),
-                gate_up=linear(gate_up_weight(mlp).to(device),
-                               torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
-                               if config.mlp_bias else None),
-                down=residual_branch(load(mlp + "down_proj.weight", hidden, inter).to(device),
-                                     load(mlp + "down_proj.bias", hidden).to(device) if config.mlp_bias else None),
+                gate_up=None if sparse else linear(
+                    gate_up_weight(mlp).to(device),
+                    torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
+                    if config.mlp_bias else None),
+                down=None if sparse else residual_branch(
+                    load(mlp + "down_proj.weight", hidden, inter).to(device),
+                    load(mlp + "down_proj.bias", hidden).to(device) if config.mlp_bias else None),
+                moe=sparse_mlp(p) if sparse else None,
             )
             if config.qk_norm:
                 layer.q_norm = norm_weight(p + "self_attn.q_norm.weight", config.head_dim)[perm].contiguous().to(device)
@@ -205,9 +229,15 @@ class LlamaFamilyModel:
                 if self.ops is not None else None
 
     def linears(self) -> list[Linear]:
-        """Every linear layer, the LM head last."""
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] \
-            + [self.lm_head]
+        """Every linear layer (not the experts'), the LM head last."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+                if lin is not None] + [self.lm_head]
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a forward pass can be captured in a CUDA graph: not with
+        experts, which are chosen on the host (moe.py)."""
+        return not any(layer.moe is not None for layer in self.layers)
 
     # -- building blocks --------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -232,6 +262,7 @@ class LlamaFamilyModel:
     def _mlp_out(self, layer: DecoderLayer, gate_up: torch.Tensor) -> torch.Tensor:
         """The down projection of `act(gate) * up`: with SiLU one kernel for a single
         row on the Triton matrix-vector kernel (a launch fewer a layer at batch 1)."""
+        assert layer.down is not None
         fused = None if self.gelu else layer.down.gated_row(gate_up)
         return fused if fused is not None else layer.down(self._act_mul(gate_up))
 
@@ -304,7 +335,11 @@ class LlamaFamilyModel:
             if layer.attn_out_norm is not None:
                 h = self._norm(h, layer.attn_out_norm)
             x = self._add_norm(h, residual, layer.post_norm)
-            h = self._mlp_out(layer, layer.gate_up(x))
+            if layer.moe is not None:
+                h = layer.moe(x)
+            else:
+                assert layer.gate_up is not None
+                h = self._mlp_out(layer, layer.gate_up(x))
             if layer.mlp_out_norm is not None:
                 h = self._norm(h, layer.mlp_out_norm)
         return self._add_norm(h, residual, self.final_norm)

@@ -223,6 +223,22 @@ PRESETS: dict[str, Preset] = {
         seed=9,
         initializer_range=_TEST_INIT,
     ),
+    # Mixture-of-experts MLPs: Mixtral's (2 of 4 experts per token, on every
+    # layer) and Qwen3-MoE's (q/k norms; 3 of 6 experts, their weights not
+    # rescaled, on the second layer only; the first a dense MLP).
+    "tiny-mixtral": Preset(
+        "MixtralForCausalLM",
+        _llama_like(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96),
+        seed=12,
+        initializer_range=_TEST_INIT,
+    ),
+    "tiny-qwen3-moe": Preset(
+        "Qwen3MoeForCausalLM",
+        _llama_like(head_dim=32, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+                    norm_topk_prob=False, mlp_only_layers=[0], use_sliding_window=False),
+        seed=13,
+        initializer_range=_TEST_INIT,
+    ),
     # Gemma (1): Llama's blocks with norms stored as (w - 1), GELU and a
     # sqrt(hidden) x embedding.
     "tiny-gemma": Preset(
@@ -257,7 +273,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
-                        "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"]
+                        "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen3-moe"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.

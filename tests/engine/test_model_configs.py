@@ -160,6 +160,11 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
     ("tiny-gemma3", {"sliding_window": 8, "sliding_window_pattern": 2}, (8, 0)),
     # Gemma 2: every second layer, from the first.
     ("tiny-gemma2", {"sliding_window": 8, "num_hidden_layers": 3}, (8, 0, 8)),
+    # Qwen3-MoE: every layer, only with use_sliding_window.
+    ("tiny-qwen3-moe", {"sliding_window": 16, "use_sliding_window": False}, None),
+    ("tiny-qwen3-moe", {"sliding_window": 16, "use_sliding_window": True}, (16, 16)),
+    # Mixtral: every layer when its config gives a window.
+    ("tiny-mixtral", {"sliding_window": 16}, (16, 16)),
     # Qwen's max_window_layers defaults to 28: a deeper model's last layers slide.
     ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "num_hidden_layers": 30,
                     "max_window_layers": None}, (*[0] * 28, 16, 16)),
@@ -167,7 +172,8 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
     ("tiny-llama", {"sliding_window": 16}, None),
 ], ids=["qwen2-unset", "qwen2-no-sliding-layer", "qwen2-sliding-layer", "qwen3-off", "qwen3-layer-types-off",
         "qwen3-layer-types", "mistral", "mistral-none", "mistral-whole-context", "phi3", "phi3-none",
-        "gemma3-default-pattern", "gemma3-pattern-2", "gemma2-every-second",
+        "gemma3-default-pattern", "gemma3-pattern-2", "gemma2-every-second", "qwen3-moe-off", "qwen3-moe-on",
+        "mixtral",
         "qwen2-default-window-layers",
         "llama-stray-window"])
 def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str, overrides: dict[str, Any],
@@ -185,7 +191,8 @@ def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str,
     hf = getattr(transformers, cfg["architectures"][0]).config_class.from_dict(cfg)
     # transformers' windows per layer (Mistral slides every layer; the others those layer_types names),
     # a window as long as the context dropped.
-    kinds = ["sliding_attention"] * hf.num_hidden_layers if preset in ("tiny-mistral", "tiny-phi3") else \
+    kinds = ["sliding_attention"] * hf.num_hidden_layers \
+        if preset in ("tiny-mistral", "tiny-phi3", "tiny-mixtral", "tiny-qwen3-moe") else \
         getattr(hf, "layer_types", None) or []
     theirs = tuple(hf.sliding_window if kind == "sliding_attention" else 0 for kind in kinds) \
         if hf.sliding_window and hf.sliding_window < hf.max_position_embeddings else ()
