@@ -26,6 +26,25 @@ from .reference import assert_engine_matches, greedy_argmax, prompts
 ARCH = "Gemma3ForConditionalGeneration"
 
 
+def _text_config(preset: str, **overrides: Any) -> dict[str, Any]:
+    """The config of `preset`'s text model, as a vision-language config's `text_config`."""
+    config = json.loads((ensure_preset(preset) / "config.json").read_text())
+    return {**{k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "dtype")},
+            **overrides}
+
+
+def _saved(architecture: str, config: Any, preset: str, out: Path, seed: int) -> tuple[Path, torch.nn.Module]:
+    """A random `architecture` model of `config`, saved to `out` beside `preset`'s tokenizer."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).float().eval()
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(ensure_preset(preset) / name, out / name)
+    return out, model
+
+
 @pytest.fixture(scope="module")
 def gemma3_vlm(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """tiny-gemma3's text model beside a one-layer SigLIP vision tower. Its
@@ -33,21 +52,12 @@ def gemma3_vlm(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     as they are whatever the text config says (real Gemma 3 configs cap none)."""
     import transformers
 
-    source = ensure_preset("tiny-gemma3")
-    text = {k: v for k, v in json.loads((source / "config.json").read_text()).items()
-            if k not in ("architectures", "transformers_version", "dtype")}
-    text.update(model_type="gemma3_text", final_logit_softcapping=None)
+    text = _text_config("tiny-gemma3", model_type="gemma3_text", final_logit_softcapping=None)
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=56, patch_size=14)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                        image_token_index=8191, boi_token_index=8190, eoi_token_index=8189)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
-    out = tmp_path_factory.mktemp("gemma3-vlm")
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(source / name, out / name)
-    return out, model
+    return _saved(ARCH, config, "tiny-gemma3", tmp_path_factory.mktemp("gemma3-vlm"), seed=0)
 
 
 def test_logits_match_transformers(gemma3_vlm) -> None:
@@ -122,22 +132,14 @@ def qwen25_vl(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     vision tower."""
     import transformers
 
-    source = ensure_preset("tiny-qwen2")
-    text = {k: v for k, v in json.loads((source / "config.json").read_text()).items()
-            if k not in ("architectures", "transformers_version", "dtype", "rope_parameters")}
-    text.update(model_type="qwen2_5_vl_text",
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6})
+    text = _text_config("tiny-qwen2", model_type="qwen2_5_vl_text",
+                        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6})
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                   fullatt_block_indexes=[0])
     config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=8191,
                                            video_token_id=8190, vision_start_token_id=8189)
-    torch.manual_seed(1)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float().eval()
-    out = tmp_path_factory.mktemp("qwen25-vl")
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(source / name, out / name)
-    return out, model
+    return _saved("Qwen2_5_VLForConditionalGeneration", config, "tiny-qwen2", tmp_path_factory.mktemp("qwen25-vl"),
+                  seed=1)
 
 
 def test_qwen25_vl_logits_match_transformers(qwen25_vl) -> None:
