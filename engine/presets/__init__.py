@@ -76,6 +76,13 @@ class Preset:
     # "demo": the committed tokenizer; "reasoning": it plus REASONING_TOKENS
     # and REASONING_CHAT_TEMPLATE.
     tokenizer: str = "demo"
+    # Mixture-of-experts routers' weights scaled by this: a token's chosen
+    # experts then lead the others by more than 16-bit rounding moves a
+    # router's logits, so a bfloat16 run picks the experts float32 does. (At
+    # the common init tiny-mixtral's bfloat16 log-probabilities, ours and
+    # transformers', were up to 0.9 apart and from float32's; scaled by 8,
+    # 0.08.)
+    router_scale: float = 1.0
 
 
 def _llama_like(**overrides: Any) -> dict[str, Any]:
@@ -99,6 +106,7 @@ def _llama_like(**overrides: Any) -> dict[str, Any]:
 
 
 _TEST_INIT = 0.08
+ROUTER_SCALE = 8.0
 
 PRESETS: dict[str, Preset] = {
     # ~10M parameters: the model `stencild serve` runs when no --model is given.
@@ -231,6 +239,7 @@ PRESETS: dict[str, Preset] = {
         _llama_like(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96),
         seed=12,
         initializer_range=_TEST_INIT,
+        router_scale=ROUTER_SCALE,
     ),
     "tiny-qwen3-moe": Preset(
         "Qwen3MoeForCausalLM",
@@ -238,6 +247,7 @@ PRESETS: dict[str, Preset] = {
                     norm_topk_prob=False, mlp_only_layers=[0], use_sliding_window=False),
         seed=13,
         initializer_range=_TEST_INIT,
+        router_scale=ROUTER_SCALE,
     ),
     # Gemma (1): Llama's blocks with norms stored as (w - 1), GELU and a
     # sqrt(hidden) x embedding.
@@ -310,7 +320,13 @@ def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path
     config_cls, model_cls = _config_class(preset.architecture)
     config = config_cls(**preset.config, initializer_range=preset.initializer_range)
     torch.manual_seed(preset.seed)
-    model = model_cls(config).to(getattr(torch, dtype))
+    model = model_cls(config)
+    if preset.router_scale != 1.0:
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                    param.mul_(preset.router_scale)
+    model = model.to(getattr(torch, dtype))
     model.generation_config.eos_token_id = [END_OF_TEXT_ID, IM_END_ID]
     model.generation_config.bos_token_id = BOS_ID
     model.generation_config.pad_token_id = PAD_ID
