@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GraniteForCausalLM": "granite",
@@ -152,6 +153,11 @@ class ModelConfig:
     # (its sliding ones) rotated by `rope_local`.
     gemma_norms: bool = False
     block_out_norms: bool = False
+    # OLMo 2: no norm before the attention or the MLP (their outputs are
+    # normed: block_out_norms), and q/k RMSNorms over the whole projection,
+    # all heads at once, not per head (`qk_norm`).
+    pre_norms: bool = True
+    qk_norm_whole: bool = False
     rope_local: RopeConfig | None = None
     local_layers: tuple[int, ...] = ()
     final_logit_softcapping: float | None = None
@@ -213,6 +219,8 @@ def _as_ids(value: Any) -> list[int]:
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 GEMMAS = ("gemma", "gemma2", "gemma3")
+# What sets OLMo 2 apart from Llama (see ModelConfig).
+_OLMO2: dict[str, Any] = {"pre_norms": False, "block_out_norms": True, "qk_norm_whole": True}
 # Phi-3's older names for its longrope, as transformers' Phi-3 config renames them.
 _PHI3_LONGROPE_ALIASES = ("su", "yarn")
 
@@ -556,19 +564,20 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3, Granite and Gemma configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe", "granite", *GEMMAS)
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", *GEMMAS)
                                              and bool(cfg.get("attention_bias", False))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's, Qwen3's and Granite's
         # attention_bias is on the output projection too (never Qwen2's or
         # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", *GEMMAS)
+        output_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", *GEMMAS)
         and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
         **(_granite_scalings(cfg) if family == "granite" else {}),
         **(_experts(cfg, family, num_layers) if family in ("mixtral", "qwen3_moe") else {}),
+        **(_OLMO2 if family == "olmo2" else {}),
         **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in GEMMAS else {}),
         sampling_defaults=_sampling_defaults(gen),
         hidden_act=_hidden_act(cfg, family),

@@ -1,8 +1,9 @@
-"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Granite, Gemma 1-3).
+"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Phi-3, Granite, OLMo 2, Gemma 1-3).
 
-One class covers the eleven architectures, over a paged KV cache: they
+One class covers the twelve architectures, over a paged KV cache: they
 differ only in the MLP (dense, or a mixture of experts: moe.py), q/k/v biases
-(Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, rope scaling,
+(Qwen2), q/k RMSNorm (per head: Qwen3, Gemma 3; over all heads: OLMo 2),
+where the norms sit (OLMo 2: on each block's output only), tied embeddings, rope scaling,
 sliding windows and capped scores (the attention backend's), how the
 checkpoint stores the projections (Phi-3 fuses q|k|v and gate|up), how much
 of each head turns (Phi-3 may turn part of it), Granite's four multipliers
@@ -36,17 +37,18 @@ log = logging.getLogger(__name__)
 class DecoderLayer:
     """The tensors of one transformer block."""
 
-    input_norm: torch.Tensor
+    # The norms before the attention and before the MLP (None: OLMo 2 has none).
+    input_norm: torch.Tensor | None
     qkv: Linear
     o_proj: Linear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None
     # The MLP: dense (gate|up and down), or a mixture of experts.
     gate_up: Linear | None
     down: Linear | None
     moe: SparseMLP | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    # Gemma: RMSNorms of the attention's and the MLP's outputs, before their residual adds.
+    # Gemma 2/3, OLMo 2: RMSNorms of the attention's and the MLP's outputs, before their residual adds.
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
 
@@ -158,14 +160,16 @@ class LlamaFamilyModel:
             mlp = p + "mlp."
             sparse = i in config.moe_layers
             layer = DecoderLayer(
-                input_norm=norm_weight(p + "input_layernorm.weight", hidden).to(device),
+                input_norm=norm_weight(p + "input_layernorm.weight", hidden).to(device) if config.pre_norms
+                else None,
                 qkv=linear(torch.cat([q, k, v]).to(device), bias),
                 o_proj=residual_branch(load(p + "self_attn.o_proj.weight", hidden, q_size).to(device),
                                        load(p + "self_attn.o_proj.bias", hidden).to(device)
                                        if config.output_bias else None),
                 # The norm before the MLP (Gemma's sandwich names it pre_feedforward).
                 post_norm=norm_weight(p + ("pre_feedforward_layernorm.weight" if config.block_out_norms
-                                           else "post_attention_layernorm.weight"), hidden).to(device),
+                                           else "post_attention_layernorm.weight"), hidden).to(device)
+                if config.pre_norms else None,
                 gate_up=None if sparse else linear(
                     gate_up_weight(mlp).to(device),
                     torch.cat([load(mlp + "gate_proj.bias", inter), load(mlp + "up_proj.bias", inter)]).to(device)
@@ -178,6 +182,11 @@ class LlamaFamilyModel:
             if config.qk_norm:
                 layer.q_norm = norm_weight(p + "self_attn.q_norm.weight", config.head_dim)[perm].contiguous().to(device)
                 layer.k_norm = norm_weight(p + "self_attn.k_norm.weight", config.head_dim)[perm].contiguous().to(device)
+            if config.qk_norm_whole:  # one weight per dim of every head, permuted as the heads are
+                layer.q_norm = permute_heads(norm_weight(p + "self_attn.q_norm.weight", q_size),
+                                             config.num_heads).contiguous().to(device)
+                layer.k_norm = permute_heads(norm_weight(p + "self_attn.k_norm.weight", kv_size),
+                                             config.num_kv_heads).contiguous().to(device)
             if config.block_out_norms:
                 layer.attn_out_norm = norm_weight(p + "post_attention_layernorm.weight", hidden).to(device)
                 layer.mlp_out_norm = norm_weight(p + "post_feedforward_layernorm.weight", hidden).to(device)
@@ -243,8 +252,12 @@ class LlamaFamilyModel:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
-    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """residual += x; return rms_norm(residual) (one kernel with `ops`)."""
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """residual += x; return rms_norm(residual) (one kernel with `ops`), or
+        without a norm (OLMo 2's blocks take the residual stream as it is)
+        the residual itself, which nothing writes to before the next add."""
+        if weight is None:
+            return residual.add_(x)
         if self.ops is not None:
             self.ops.add_rms_norm(x, residual, weight, self.config.rms_norm_eps)
             return x
@@ -298,8 +311,12 @@ class LlamaFamilyModel:
                 qk = self._rotate(qk, rope, pairs)
             return qk[:, :c.num_heads], qk[:, c.num_heads:], v
         assert layer.k_norm is not None
-        q = self._norm(qkv[:, :q_size].view(t, c.num_heads, c.head_dim), layer.q_norm)
-        k = self._norm(qkv[:, q_size:q_size + kv_size].view(t, c.num_kv_heads, c.head_dim), layer.k_norm)
+        if c.qk_norm_whole:  # over all heads at once, then split into heads
+            q = self._norm(qkv[:, :q_size], layer.q_norm).view(t, c.num_heads, c.head_dim)
+            k = self._norm(qkv[:, q_size:q_size + kv_size], layer.k_norm).view(t, c.num_kv_heads, c.head_dim)
+        else:
+            q = self._norm(qkv[:, :q_size].view(t, c.num_heads, c.head_dim), layer.q_norm)
+            k = self._norm(qkv[:, q_size:q_size + kv_size].view(t, c.num_kv_heads, c.head_dim), layer.k_norm)
         return (self._rotate(q, rope, pairs), self._rotate(k, rope, pairs), v) if rotate else (q, k, v)
 
     # -- forward ----------------------------------------------------------
@@ -318,7 +335,8 @@ class LlamaFamilyModel:
         # The embedding's output is a fresh tensor and h is rebound below, so it
         # is the residual stream itself, added to in place layer by layer.
         residual = h
-        x = self._norm(h, self.layers[0].input_norm)
+        first = self.layers[0].input_norm
+        x = h if first is None else self._norm(h, first)
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x = self._add_norm(h, residual, layer.input_norm)

@@ -83,6 +83,10 @@ class Preset:
     # transformers', were up to 0.9 apart and from float32's; scaled by 8,
     # 0.08.)
     router_scale: float = 1.0
+    # Norm weights drawn around 1 (1 + this x N(0, 1)) instead of transformers'
+    # ones: a norm applied to the wrong dims, or its weights in the wrong
+    # order, then changes the logits.
+    norm_jitter: float = 0.0
 
 
 def _llama_like(**overrides: Any) -> dict[str, Any]:
@@ -201,6 +205,7 @@ PRESETS: dict[str, Preset] = {
         _llama_like(head_dim=32, tie_word_embeddings=True, use_sliding_window=False),
         seed=5,
         initializer_range=_TEST_INIT,
+        norm_jitter=0.2,  # its per-head q/k norms' weights, permuted as the heads are, then count
     ),
     # Phi-3: q|k|v and gate|up fused in the checkpoint, and (as Phi-3-mini's
     # 2047 of 4096) a sliding window shorter than the tests' longer prompts.
@@ -230,6 +235,7 @@ PRESETS: dict[str, Preset] = {
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
         seed=9,
         initializer_range=_TEST_INIT,
+        norm_jitter=0.2,
     ),
     # Mixture-of-experts MLPs: Mixtral's (2 of 4 experts per token, on every
     # layer) and Qwen3-MoE's (q/k norms; 3 of 6 experts, their weights not
@@ -248,6 +254,15 @@ PRESETS: dict[str, Preset] = {
         seed=13,
         initializer_range=_TEST_INIT,
         router_scale=ROUTER_SCALE,
+    ),
+    # OLMo 2: no norm before the attention or the MLP, norms on their outputs,
+    # and q/k norms over all heads at once.
+    "tiny-olmo2": Preset(
+        "Olmo2ForCausalLM",
+        _llama_like(),
+        seed=14,
+        initializer_range=_TEST_INIT,
+        norm_jitter=0.2,
     ),
     # Gemma (1): Llama's blocks with norms stored as (w - 1), GELU and a
     # sqrt(hidden) x embedding.
@@ -283,7 +298,8 @@ PRESETS: dict[str, Preset] = {
 }
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
-                        "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen3-moe"]
+                        "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen3-moe",
+                        "tiny-olmo2"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.
@@ -321,11 +337,12 @@ def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path
     config = config_cls(**preset.config, initializer_range=preset.initializer_range)
     torch.manual_seed(preset.seed)
     model = model_cls(config)
-    if preset.router_scale != 1.0:
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if param_name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
-                    param.mul_(preset.router_scale)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                param.mul_(preset.router_scale)
+            elif preset.norm_jitter and param_name.endswith("norm.weight"):
+                param.add_(preset.norm_jitter * torch.randn_like(param))
     model = model.to(getattr(torch, dtype))
     model.generation_config.eos_token_id = [END_OF_TEXT_ID, IM_END_ID]
     model.generation_config.bos_token_id = BOS_ID

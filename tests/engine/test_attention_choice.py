@@ -140,13 +140,14 @@ def test_cpu_engines_log_their_choice(make_llm, caplog, attention, backend) -> N
 
 @pytest.mark.parametrize(("preset", "cuda_graphs"), [("tiny-llama", "off"), ("tiny-llama", "emulate"),
                                                      ("tiny-qwen2", "off"), ("tiny-qwen3", "emulate"),
-                                                     ("tiny-gemma3", "emulate"), ("tiny-gemma2", "off")])
+                                                     ("tiny-gemma3", "emulate"), ("tiny-gemma2", "off"),
+                                                     ("tiny-olmo2", "emulate")])
 def test_a_triton_engine_matches_transformers(make_llm, caplog, monkeypatch, preset: str, cuda_graphs: str) -> None:
     """The Triton kernels in a whole engine (in the interpreter here): attention
     and the fused pointwise kernels, mixed prefill/decode batches eagerly,
     decode steps through the graph path; q/k/v biases (Qwen2) and q/k norms
     (Qwen3); Gemma 3's sliding layer, with its own rotation, beside a full one;
-    Gemma 2's capped scores.
+    Gemma 2's capped scores; OLMo 2's q/k norms over all heads, rotated in the write.
     Every layer's rotary embedding happens in its cache write."""
     from engine.attention import triton_backend
 
