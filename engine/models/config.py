@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GraniteForCausalLM": "granite",
@@ -149,13 +150,14 @@ class ModelConfig:
     # Gemma: every RMSNorm weight stored as (weight - 1). Gemma 2 and 3: an
     # RMSNorm on each block's output before its residual add too
     # (`block_out_norms`); logits soft-capped (c * tanh(logits / c)), and
-    # Gemma 2's attention scores too. Gemma 3: the layers in `local_layers`
-    # (its sliding ones) rotated by `rope_local`.
+    # Gemma 2's attention scores too. Gemma 3 (and OLMo 3): the layers in
+    # `local_layers` (the sliding ones) rotated by `rope_local`.
     gemma_norms: bool = False
     block_out_norms: bool = False
-    # OLMo 2: no norm before the attention or the MLP (their outputs are
-    # normed: block_out_norms), and q/k RMSNorms over the whole projection,
-    # all heads at once, not per head (`qk_norm`).
+    # OLMo 2 and 3: no norm before the attention or the MLP (their outputs
+    # are normed: block_out_norms), and q/k RMSNorms over the whole
+    # projection, all heads at once, not per head (`qk_norm`). OLMo 3's
+    # sliding layers turn by `rope_local` (its scaling the full layers' only).
     pre_norms: bool = True
     qk_norm_whole: bool = False
     rope_local: RopeConfig | None = None
@@ -219,8 +221,7 @@ def _as_ids(value: Any) -> list[int]:
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 GEMMAS = ("gemma", "gemma2", "gemma3")
-# What sets OLMo 2 apart from Llama (see ModelConfig).
-_OLMO2: dict[str, Any] = {"pre_norms": False, "block_out_norms": True, "qk_norm_whole": True}
+OLMOS = ("olmo2", "olmo3")
 # Phi-3's older names for its longrope, as transformers' Phi-3 config renames them.
 _PHI3_LONGROPE_ALIASES = ("su", "yarn")
 
@@ -333,9 +334,9 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
         # layer, as their transformers attention reads it.
         window = cfg.get("sliding_window", 4096 if family in ("mistral", "qwen3_moe") else None)
         layer_types = ["sliding_attention"] * num_layers
-    elif family in ("gemma2", "gemma3"):
+    elif family in ("gemma2", "gemma3", "olmo3"):
         window = cfg.get("sliding_window", 4096)
-        layer_types = _gemma_layer_types(cfg, family, num_layers)
+        layer_types = _patterned_layer_types(cfg, family, num_layers)
     else:
         if family in ("qwen2", "qwen3"):
             if not cfg.get("use_sliding_window", False):
@@ -369,30 +370,35 @@ def _granite_scalings(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _gemma3_ropes(cfg: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig]:
-    """Gemma 3's two rotations, as transformers reads them: the full-attention
-    layers' (theta 1e6 by default, any scaling) and the sliding layers'
-    (`rope_local_base_freq`, 1e4 by default), per layer type in
-    `rope_parameters`, or from the older `rope_theta`/`rope_scaling` keys."""
+def _layer_type_ropes(cfg: dict[str, Any], family: str, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's and OLMo 3's two rotations, as transformers reads them: the
+    full-attention layers' (any scaling) and the sliding layers', per layer
+    type in `rope_parameters`, or from the older `rope_theta`/`rope_scaling`
+    keys (the scaling the full layers' only). Theta by default: Gemma 3's
+    full layers 1e6 and sliding ones `rope_local_base_freq` (1e4); OLMo 3's
+    both `rope_theta` (5e5)."""
     per_type = cfg.get("rope_parameters") or {}
     if not isinstance(per_type, dict) or not set(per_type) <= {"full_attention", "sliding_attention"}:
-        raise CheckpointError("Gemma 3's rope_parameters must be given per layer type "
+        raise CheckpointError(f"{family}'s rope_parameters must be given per layer type "
                               "(full_attention, sliding_attention)")
-    full = {"rope_theta": cfg.get("rope_theta", 1_000_000.0), **(per_type.get("full_attention") or {}),
-            **(cfg.get("rope_scaling") or {})}
-    local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0), **(per_type.get("sliding_attention") or {})}
+    if family == "gemma3":
+        full_theta, local_theta = cfg.get("rope_theta", 1_000_000.0), cfg.get("rope_local_base_freq", 10_000.0)
+    else:
+        full_theta = local_theta = cfg.get("rope_theta", 500_000.0)
+    full = {"rope_theta": full_theta, **(per_type.get("full_attention") or {}), **(cfg.get("rope_scaling") or {})}
+    local = {"rope_theta": local_theta, **(per_type.get("sliding_attention") or {})}
     context = {"max_position_embeddings": cfg.get("max_position_embeddings", 131072)}
     return (_rope_config({**context, "rope_parameters": full}, head_dim // 2),
             _rope_config({**context, "rope_parameters": local}, head_dim // 2))
 
 
-def _gemma_layer_types(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]:
+def _patterned_layer_types(cfg: dict[str, Any], family: str, num_layers: int) -> list[str]:
     """`layer_types` (checked by _sliding_windows), else every layer slides but
     each `sliding_window_pattern`th (Gemma 3, 6 by default; Gemma 2: each
-    second), as transformers derives them."""
+    second; OLMo 3: each fourth), as transformers derives them."""
     if cfg.get("layer_types") is not None:
         return list(cfg["layer_types"])
-    pattern = cfg.get("sliding_window_pattern", 6) if family == "gemma3" else 2
+    pattern = cfg.get("sliding_window_pattern", 6) if family == "gemma3" else 2 if family == "gemma2" else 4
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise CheckpointError(f"config.json's sliding_window_pattern must be a positive integer, got {pattern!r}")
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
@@ -420,10 +426,23 @@ def _gemma_settings(cfg: dict[str, Any], family: str, hidden: int, rope_local: R
         "attention_multiplier": float(scalar) ** -0.5,
         **{key: None if value is None else float(value) for key, value in caps.items()}}
     if family == "gemma3":
-        local = tuple(i for i, kind in enumerate(_gemma_layer_types(cfg, family, num_layers))
-                      if kind == "sliding_attention")
-        settings.update(rope_local=rope_local, local_layers=local)
+        settings.update(rope_local=rope_local, local_layers=_sliding_layers(cfg, family, num_layers))
     return settings
+
+
+def _olmo_settings(cfg: dict[str, Any], family: str, rope_local: RopeConfig | None,
+                   num_layers: int) -> dict[str, Any]:
+    """What sets OLMo 2 and 3 apart from Llama (see ModelConfig)."""
+    settings: dict[str, Any] = {"pre_norms": False, "block_out_norms": True, "qk_norm_whole": True}
+    if family == "olmo3":
+        settings.update(rope_local=rope_local, local_layers=_sliding_layers(cfg, family, num_layers))
+    return settings
+
+
+def _sliding_layers(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[int, ...]:
+    """The layers that slide (and turn by the local rotation)."""
+    return tuple(i for i, kind in enumerate(_patterned_layer_types(cfg, family, num_layers))
+                 if kind == "sliding_attention")
 
 
 def _experts(cfg: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
@@ -538,8 +557,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if family == "gemma3":
         # Its max_position_embeddings is the scaled context already (131072
         # beside a linear x8 on its full layers): not scaled again.
-        rope, rope_local = _gemma3_ropes(cfg, head_dim)
+        rope, rope_local = _layer_type_ropes(cfg, family, head_dim)
         max_pos = int(cfg.get("max_position_embeddings", 131072))
+    elif family == "olmo3":
+        rope, rope_local = _layer_type_ropes(cfg, family, head_dim)
+        max_pos = rope.positions(int(cfg.get("max_position_embeddings", 2048)))
     windows = _sliding_windows(cfg, family, num_layers, max_pos)
 
     eos = _as_ids(cfg.get("eos_token_id"))
@@ -564,20 +586,20 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3, Granite and Gemma configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", *GEMMAS)
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe", "granite", *OLMOS, *GEMMAS)
                                              and bool(cfg.get("attention_bias", False))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's, Qwen3's and Granite's
         # attention_bias is on the output projection too (never Qwen2's or
         # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", *GEMMAS)
+        output_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", *OLMOS, *GEMMAS)
         and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
         **(_granite_scalings(cfg) if family == "granite" else {}),
         **(_experts(cfg, family, num_layers) if family in ("mixtral", "qwen3_moe") else {}),
-        **(_OLMO2 if family == "olmo2" else {}),
+        **(_olmo_settings(cfg, family, rope_local, num_layers) if family in OLMOS else {}),
         **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in GEMMAS else {}),
         sampling_defaults=_sampling_defaults(gen),
         hidden_act=_hidden_act(cfg, family),

@@ -1,15 +1,16 @@
-"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Phi-3, Granite, OLMo 2, Gemma 1-3).
+"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Phi-3, Granite, OLMo 2/3, Gemma 1-3).
 
-One class covers the twelve architectures, over a paged KV cache: they
+One class covers the thirteen architectures, over a paged KV cache: they
 differ only in the MLP (dense, or a mixture of experts: moe.py), q/k/v biases
-(Qwen2), q/k RMSNorm (per head: Qwen3, Gemma 3; over all heads: OLMo 2),
-where the norms sit (OLMo 2: on each block's output only), tied embeddings, rope scaling,
+(Qwen2), q/k RMSNorm (per head: Qwen3, Gemma 3; over all heads: OLMo),
+where the norms sit (OLMo: on each block's output only), tied embeddings,
+rope scaling (and a second rotation for sliding layers: Gemma 3, OLMo 3),
 sliding windows and capped scores (the attention backend's), how the
 checkpoint stores the projections (Phi-3 fuses q|k|v and gate|up), how much
 of each head turns (Phi-3 may turn part of it), Granite's four multipliers
 (the residual one folded into the weights of the projections it scales) and
 Gemma's norm weights, GELU, scaled embedding, norms on each block's output,
-capped logits and (Gemma 3) second rotation. Weights are fused at load
+and capped logits. Weights are fused at load
 (q|k|v, gate|up) so a dense layer makes four GEMM calls.
 """
 

@@ -264,6 +264,18 @@ PRESETS: dict[str, Preset] = {
         initializer_range=_TEST_INIT,
         norm_jitter=0.2,
     ),
+    # OLMo 3: OLMo 2's blocks, a sliding layer (window 16, theta 1e4) beside a
+    # full one (theta 5e5, yarn x2 over 256 positions).
+    "tiny-olmo3": Preset(
+        "Olmo3ForCausalLM",
+        _llama_like(sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 5e5,
+                                                        "original_max_position_embeddings": 256},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        seed=15,
+        initializer_range=_TEST_INIT,
+        norm_jitter=0.2,
+    ),
     # Gemma (1): Llama's blocks with norms stored as (w - 1), GELU and a
     # sqrt(hidden) x embedding.
     "tiny-gemma": Preset(
@@ -299,7 +311,7 @@ PRESETS: dict[str, Preset] = {
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
                         "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen3-moe",
-                        "tiny-olmo2"]
+                        "tiny-olmo2", "tiny-olmo3"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.

@@ -77,6 +77,14 @@ def _yarn_null_factor(cfg: dict[str, Any]) -> None:
                               "original_max_position_embeddings": 16}
 
 
+def _olmo3_old_rope_form(cfg: dict[str, Any]) -> None:
+    # OLMo 3's released form: one theta and a scaling block, which transformers
+    # gives its full-attention layers only (the sliding ones turn plainly by the same theta).
+    cfg.pop("rope_parameters")
+    cfg["rope_theta"] = 5e5
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}
+
+
 def _mistral_attention_bias(cfg: dict[str, Any]) -> None:
     cfg["attention_bias"] = True  # Mistral's attention has no biases whatever the config says
 
@@ -86,8 +94,9 @@ def _mistral_attention_bias(cfg: dict[str, Any]) -> None:
     ("tiny-llama", _top_level_original_length),
     ("tiny-llama", _yarn_null_factor),
     ("tiny-mistral", _mistral_attention_bias),
+    ("tiny-olmo3", _olmo3_old_rope_form),
 ], ids=["rope-scaling-beside-rope-parameters", "top-level-original-length", "yarn-null-factor",
-        "mistral-attention-bias"])
+        "mistral-attention-bias", "olmo3-old-rope-form"])
 def test_config_forms_read_as_transformers_reads_them(tmp_path, preset: str,
                                                       edit: Callable[[dict[str, Any]], None]) -> None:
     # Each was read otherwise: logits off by 1.4-1.8 (the first three), or the
@@ -165,6 +174,8 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
     ("tiny-qwen3-moe", {"sliding_window": 16, "use_sliding_window": True}, (16, 16)),
     # Mixtral: every layer when its config gives a window.
     ("tiny-mixtral", {"sliding_window": 16}, (16, 16)),
+    # OLMo 3: all but each fourth layer.
+    ("tiny-olmo3", {"sliding_window": 8, "num_hidden_layers": 5}, (8, 8, 8, 0, 8)),
     # Qwen's max_window_layers defaults to 28: a deeper model's last layers slide.
     ("tiny-qwen2", {"sliding_window": 16, "use_sliding_window": True, "num_hidden_layers": 30,
                     "max_window_layers": None}, (*[0] * 28, 16, 16)),
@@ -173,7 +184,7 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
 ], ids=["qwen2-unset", "qwen2-no-sliding-layer", "qwen2-sliding-layer", "qwen3-off", "qwen3-layer-types-off",
         "qwen3-layer-types", "mistral", "mistral-none", "mistral-whole-context", "phi3", "phi3-none",
         "gemma3-default-pattern", "gemma3-pattern-2", "gemma2-every-second", "qwen3-moe-off", "qwen3-moe-on",
-        "mixtral",
+        "mixtral", "olmo3-every-fourth-full",
         "qwen2-default-window-layers",
         "llama-stray-window"])
 def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str, overrides: dict[str, Any],
