@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo3ForCausalLM": "olmo3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
     "GraniteForCausalLM": "granite",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
@@ -433,7 +434,7 @@ def _gemma_settings(cfg: dict[str, Any], family: str, hidden: int, rope_local: R
 def _olmo_settings(cfg: dict[str, Any], family: str, rope_local: RopeConfig | None,
                    num_layers: int) -> dict[str, Any]:
     """What sets OLMo 2 and 3 apart from Llama (see ModelConfig)."""
-    settings: dict[str, Any] = {"pre_norms": False, "block_out_norms": True, "qk_norm_whole": True}
+    settings: dict[str, Any] = {"pre_norms": False, "block_out_norms": True}
     if family == "olmo3":
         settings.update(rope_local=rope_local, local_layers=_sliding_layers(cfg, family, num_layers))
     return settings
@@ -446,12 +447,18 @@ def _sliding_layers(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[
 
 
 def _experts(cfg: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
-    """Mixtral's and Qwen3-MoE's experts, with transformers' defaults: Mixtral
-    routes every layer to 2 of 8 experts of `intermediate_size`, weights
-    always rescaled; Qwen3-MoE to 8 of 128 of `moe_intermediate_size`, on
-    each `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
+    """Mixtral's, OLMoE's and Qwen3-MoE's experts, with transformers'
+    defaults: Mixtral routes every layer to 2 of 8 experts of
+    `intermediate_size`, weights always rescaled; OLMoE every layer to 8 of
+    64 of `intermediate_size`, rescaled per `norm_topk_prob`; Qwen3-MoE to 8
+    of 128 of `moe_intermediate_size`, on each `decoder_sparse_step`-th layer
+    not in `mlp_only_layers`."""
     if family == "mixtral":
         experts, inter, renormalize = cfg.get("num_local_experts", 8), cfg.get("intermediate_size"), True
+        layers = list(range(num_layers))
+    elif family == "olmoe":
+        experts = next((v for v in (cfg.get("num_experts"), cfg.get("num_local_experts")) if v is not None), 64)
+        inter, renormalize = cfg.get("intermediate_size"), cfg.get("norm_topk_prob", False)
         layers = list(range(num_layers))
     else:
         # transformers 5 writes the count as num_local_experts (num_experts: null).
@@ -546,6 +553,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
         raise CheckpointError(f"quantized checkpoints are not supported (quant_method={method}); "
                               "use the model's bf16/fp16 weights")
+    if cfg.get("clip_qkv") is not None:
+        # OLMoE's option (null in its released configs) to clamp q, k and v.
+        raise CheckpointError("clip_qkv is not supported")
     num_heads = _required(cfg, "num_attention_heads")
     hidden = _required(cfg, "hidden_size")
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
@@ -586,19 +596,22 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3, Granite and Gemma configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe", "granite", *OLMOS, *GEMMAS)
+        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe", "granite", "olmoe", *OLMOS,
+                                                        *GEMMAS)
                                              and bool(cfg.get("attention_bias", False))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+        # OLMo's over all heads (OLMoE's too, beside Llama's norms before the attention and the MLP).
+        qk_norm_whole=family in (*OLMOS, "olmoe"),
         eos_token_ids=tuple(eos),
         # As transformers builds them: Llama's, Qwen3's and Granite's
         # attention_bias is on the output projection too (never Qwen2's or
         # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", *OLMOS, *GEMMAS)
+        output_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "olmoe", *OLMOS, *GEMMAS)
         and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
         **(_granite_scalings(cfg) if family == "granite" else {}),
-        **(_experts(cfg, family, num_layers) if family in ("mixtral", "qwen3_moe") else {}),
+        **(_experts(cfg, family, num_layers) if family in ("mixtral", "qwen3_moe", "olmoe") else {}),
         **(_olmo_settings(cfg, family, rope_local, num_layers) if family in OLMOS else {}),
         **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in GEMMAS else {}),
         sampling_defaults=_sampling_defaults(gen),

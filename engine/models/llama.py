@@ -1,6 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Phi-3, Granite, OLMo 2/3, Gemma 1-3).
+"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Phi-3, Granite, OLMo(E), Gemma 1-3).
 
-One class covers the thirteen architectures, over a paged KV cache: they
+One class covers the fourteen architectures, over a paged KV cache: they
 differ only in the MLP (dense, or a mixture of experts: moe.py), q/k/v biases
 (Qwen2), q/k RMSNorm (per head: Qwen3, Gemma 3; over all heads: OLMo),
 where the norms sit (OLMo: on each block's output only), tied embeddings,

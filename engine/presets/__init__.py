@@ -255,6 +255,16 @@ PRESETS: dict[str, Preset] = {
         initializer_range=_TEST_INIT,
         router_scale=ROUTER_SCALE,
     ),
+    # OLMoE: Llama's blocks with OLMo's q/k norms over all heads, and 2 of 4
+    # experts on every layer, their weights not rescaled.
+    "tiny-olmoe": Preset(
+        "OlmoeForCausalLM",
+        _llama_like(num_experts=4, num_experts_per_tok=2, intermediate_size=48, norm_topk_prob=False),
+        seed=16,
+        initializer_range=_TEST_INIT,
+        router_scale=ROUTER_SCALE,
+        norm_jitter=0.2,
+    ),
     # OLMo 2: no norm before the attention or the MLP, norms on their outputs,
     # and q/k norms over all heads at once.
     "tiny-olmo2": Preset(
@@ -311,7 +321,7 @@ PRESETS: dict[str, Preset] = {
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
                         "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen3-moe",
-                        "tiny-olmo2", "tiny-olmo3"]
+                        "tiny-olmo2", "tiny-olmo3", "tiny-olmoe"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.

@@ -227,12 +227,13 @@ def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str,
     # What our attention does not do is refused, not served wrong.
     ("tiny-gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number"),
     ("tiny-gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
+    ("tiny-olmoe", {"clip_qkv": 8.0}, "clip_qkv is not supported"),
     ("tiny-gemma3", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
     ("tiny-gemma3", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar must be a positive number"),
     ("tiny-gemma3", {"rope_parameters": {"rope_theta": 1e4}}, "rope_parameters must be given per layer type"),
 ], ids=["negative-window", "string-window", "fractional-window", "null-window-layers", "short-layer-types",
         "unknown-layer-type", "granite-zero-logits-scaling", "granite-string-multiplier", "gemma2-negative-cap",
-        "gemma3-bidirectional", "gemma3-zero-scalar", "gemma3-null-scalar", "gemma3-flat-rope"])
+        "gemma3-bidirectional", "olmoe-clip-qkv", "gemma3-zero-scalar", "gemma3-null-scalar", "gemma3-flat-rope"])
 def test_a_malformed_config_value_is_refused_by_name(tmp_path, preset: str, overrides: dict[str, Any],
                                                message: str) -> None:
     # A window of -4 keys would have been served (or failed with a bare TypeError).
