@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "GraniteForCausalLM": "granite",
@@ -176,6 +177,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: beside the routed experts, a shared one of this size on
+    # every token, its output scaled by a sigmoid gate (0: none).
+    shared_expert_intermediate_size: int = 0
     # Per layer, the keys a query sees: the last `w` positions up to its own
     # (0: all of them). Empty: no layer slides.
     sliding_windows: tuple[int, ...] = ()
@@ -339,12 +343,19 @@ def _sliding_windows(cfg: dict[str, Any], family: str, num_layers: int, max_pos:
         window = cfg.get("sliding_window", 4096)
         layer_types = _patterned_layer_types(cfg, family, num_layers)
     else:
-        if family in ("qwen2", "qwen3"):
+        if family in ("qwen2", "qwen3", "qwen2_moe"):
             if not cfg.get("use_sliding_window", False):
                 return ()
             window = cfg.get("sliding_window", 4096)
         else:
             window = cfg.get("sliding_window")
+        if layer_types is None and family == "qwen2_moe":
+            # Its own rule: every second layer, from the first, below max_window_layers.
+            first = cfg.get("max_window_layers", 28)
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise CheckpointError(f"config.json's max_window_layers must be an integer, got {first!r}")
+            layer_types = ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention"
+                           for i in range(num_layers)]
         if layer_types is None and family in ("qwen2", "qwen3"):
             first = cfg.get("max_window_layers", 28)
             if isinstance(first, bool) or not isinstance(first, int):
@@ -462,22 +473,27 @@ def _experts(cfg: dict[str, Any], family: str, num_layers: int) -> dict[str, Any
         layers = list(range(num_layers))
     else:
         # transformers 5 writes the count as num_local_experts (num_experts: null).
-        experts = next((v for v in (cfg.get("num_experts"), cfg.get("num_local_experts")) if v is not None), 128)
-        inter = cfg.get("moe_intermediate_size", 768)
+        experts = next((v for v in (cfg.get("num_experts"), cfg.get("num_local_experts")) if v is not None),
+                       60 if family == "qwen2_moe" else 128)
+        inter = cfg.get("moe_intermediate_size", 1408 if family == "qwen2_moe" else 768)
         renormalize = cfg.get("norm_topk_prob", False)
         step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
         if isinstance(step, bool) or not isinstance(step, int) or step < 1 or not isinstance(dense, list):
             raise CheckpointError(f"config.json's decoder_sparse_step must be a positive integer and "
                                   f"mlp_only_layers a list, got {step!r} and {dense!r}")
         layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0] if experts else []
-    top_k = cfg.get("num_experts_per_tok", 2 if family == "mixtral" else 8)
+    top_k = cfg.get("num_experts_per_tok", {"mixtral": 2, "qwen2_moe": 4}.get(family, 8))
+    shared = cfg.get("shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise CheckpointError(f"config.json's shared_expert_intermediate_size must be an integer >= 0, got {shared!r}")
     for key, value in (("experts", experts), ("num_experts_per_tok", top_k), ("expert intermediate size", inter)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"config.json's {key} must be a positive integer, got {value!r}")
     if top_k > experts:
         raise CheckpointError(f"num_experts_per_tok ({top_k}) is more than the {experts} experts")
     return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": inter,
-            "norm_topk_prob": bool(renormalize), "moe_layers": tuple(layers)}
+            "norm_topk_prob": bool(renormalize), "moe_layers": tuple(layers),
+            "shared_expert_intermediate_size": shared}
 
 
 def _hidden_act(cfg: dict[str, Any], family: str) -> str:
@@ -595,8 +611,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope=rope,
         rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases, Mistral and Phi-3 never; Llama, Qwen3, Granite and Gemma configs say.
-        attention_bias=family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe", "granite", "olmoe", *OLMOS,
+        # Qwen2 always has q/k/v biases (Qwen2-MoE unless qkv_bias is false), Mistral and Phi-3 never;
+        # Llama, Qwen3, Granite, OLMo and Gemma configs say.
+        attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))) or (family in ("llama", "qwen3", "qwen3_moe", "granite", "olmoe", *OLMOS,
                                                         *GEMMAS)
                                              and bool(cfg.get("attention_bias", False))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
@@ -611,7 +628,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
         **(_granite_scalings(cfg) if family == "granite" else {}),
-        **(_experts(cfg, family, num_layers) if family in ("mixtral", "qwen3_moe", "olmoe") else {}),
+        **(_experts(cfg, family, num_layers) if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe") else {}),
         **(_olmo_settings(cfg, family, rope_local, num_layers) if family in OLMOS else {}),
         **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in GEMMAS else {}),
         sampling_defaults=_sampling_defaults(gen),

@@ -1,6 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Phi-3, Granite, OLMo(E), Gemma 1-3).
+"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3 (+MoE), Phi-3, Granite, OLMo(E), Gemma 1-3).
 
-One class covers the fourteen architectures, over a paged KV cache: they
+One class covers the fifteen architectures, over a paged KV cache: they
 differ only in the MLP (dense, or a mixture of experts: moe.py), q/k/v biases
 (Qwen2), q/k RMSNorm (per head: Qwen3, Gemma 3; over all heads: OLMo),
 where the norms sit (OLMo: on each block's output only), tied embeddings,
@@ -140,9 +140,16 @@ class LlamaFamilyModel:
                 gate_up.append(torch.cat([load(at + names[0] + ".weight", e_inter, hidden),
                                           load(at + names[1] + ".weight", e_inter, hidden)]))
                 down.append(load(at + names[2] + ".weight", hidden, e_inter))
-            return SparseMLP(load(block + "gate.weight", config.num_experts, hidden).to(device),
-                             torch.stack(gate_up).to(device), torch.stack(down).to(device),
-                             config.experts_per_token, config.norm_topk_prob)
+            mlp = SparseMLP(load(block + "gate.weight", config.num_experts, hidden).to(device),
+                            torch.stack(gate_up).to(device), torch.stack(down).to(device),
+                            config.experts_per_token, config.norm_topk_prob)
+            if config.shared_expert_intermediate_size:  # Qwen2-MoE's
+                shared, size = block + "shared_expert.", config.shared_expert_intermediate_size
+                mlp.shared_gate_up = torch.cat([load(shared + "gate_proj.weight", size, hidden),
+                                                load(shared + "up_proj.weight", size, hidden)]).to(device)
+                mlp.shared_down = load(shared + "down_proj.weight", hidden, size).to(device)
+                mlp.shared_gate = load(block + "shared_expert_gate.weight", 1, hidden).to(device)
+            return mlp
 
         self.embed = load("model.embed_tokens.weight", config.vocab_size, hidden).to(device)
         self.layers: list[DecoderLayer] = []

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, OLMoE): a router picks `top_k` of
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks `top_k` of
 `num_experts` SiLU-gated MLPs per token and sums their outputs, weighted.
 
 The experts' weights are stacked per layer (`[E, 2 * inter, hidden]` gate|up,
@@ -29,6 +29,11 @@ class SparseMLP:
     # Whether the chosen experts' weights are rescaled to sum to 1 (Mixtral
     # always; Qwen3-MoE as `norm_topk_prob` says).
     renormalize: bool
+    # Qwen2-MoE's shared expert (gate|up [2 * s, hidden], down [hidden, s]),
+    # on every token, scaled by sigmoid(x . shared_gate) ([1, hidden]).
+    shared_gate_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], as transformers computes it: the
@@ -45,6 +50,7 @@ class SparseMLP:
         counts = torch.bincount(flat, minlength=num_experts).tolist()  # the host read
         weights = weights.flatten()
         out = torch.zeros_like(x)
+        # As transformers sums them: the routed experts, then the shared one.
         start = 0
         for expert, count in enumerate(counts):
             if not count:
@@ -55,4 +61,10 @@ class SparseMLP:
             gate_up = F.linear(x[tokens], self.gate_up[expert])
             y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down[expert])
             out.index_add_(0, tokens, (y * weights[pairs, None]).to(x.dtype))
+        if self.shared_gate_up is not None:
+            assert self.shared_down is not None and self.shared_gate is not None
+            size = self.shared_down.shape[1]
+            gate_up = F.linear(x, self.shared_gate_up)
+            shared = F.linear(F.silu(gate_up[:, :size]) * gate_up[:, size:], self.shared_down)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out

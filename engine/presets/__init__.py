@@ -255,6 +255,16 @@ PRESETS: dict[str, Preset] = {
         initializer_range=_TEST_INIT,
         router_scale=ROUTER_SCALE,
     ),
+    # Qwen2-MoE: Qwen2's q/k/v biases, 2 of 4 experts on every layer beside a
+    # shared expert scaled by its sigmoid gate.
+    "tiny-qwen2-moe": Preset(
+        "Qwen2MoeForCausalLM",
+        _llama_like(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                    shared_expert_intermediate_size=64, use_sliding_window=False),
+        seed=17,
+        initializer_range=_TEST_INIT,
+        router_scale=ROUTER_SCALE,
+    ),
     # OLMoE: Llama's blocks with OLMo's q/k norms over all heads, and 2 of 4
     # experts on every layer, their weights not rescaled.
     "tiny-olmoe": Preset(
@@ -321,7 +331,7 @@ PRESETS: dict[str, Preset] = {
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
                         "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen3-moe",
-                        "tiny-olmo2", "tiny-olmo3", "tiny-olmoe"]
+                        "tiny-olmo2", "tiny-olmo3", "tiny-olmoe", "tiny-qwen2-moe"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.

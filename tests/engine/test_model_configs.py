@@ -174,6 +174,9 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
     ("tiny-qwen3-moe", {"sliding_window": 16, "use_sliding_window": True}, (16, 16)),
     # Mixtral: every layer when its config gives a window.
     ("tiny-mixtral", {"sliding_window": 16}, (16, 16)),
+    # Qwen2-MoE: every second layer from the first, below max_window_layers.
+    ("tiny-qwen2-moe", {"sliding_window": 16, "use_sliding_window": True, "num_hidden_layers": 5,
+                        "max_window_layers": 3}, (16, 0, 16, 0, 0)),
     # OLMo 3: all but each fourth layer.
     ("tiny-olmo3", {"sliding_window": 8, "num_hidden_layers": 5}, (8, 8, 8, 0, 8)),
     # Qwen's max_window_layers defaults to 28: a deeper model's last layers slide.
@@ -184,7 +187,7 @@ def test_a_scaled_context_is_served_as_vllm_derives_it(tmp_path) -> None:
 ], ids=["qwen2-unset", "qwen2-no-sliding-layer", "qwen2-sliding-layer", "qwen3-off", "qwen3-layer-types-off",
         "qwen3-layer-types", "mistral", "mistral-none", "mistral-whole-context", "phi3", "phi3-none",
         "gemma3-default-pattern", "gemma3-pattern-2", "gemma2-every-second", "qwen3-moe-off", "qwen3-moe-on",
-        "mixtral", "olmo3-every-fourth-full",
+        "mixtral", "qwen2-moe-every-second-below", "olmo3-every-fourth-full",
         "qwen2-default-window-layers",
         "llama-stray-window"])
 def test_the_sliding_layers_are_those_transformers_slides(tmp_path, preset: str, overrides: dict[str, Any],
