@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granitemoe",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -227,6 +228,9 @@ _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("facto
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 GEMMAS = ("gemma", "gemma2", "gemma3")
 OLMOS = ("olmo2", "olmo3")
+MOES = ("mixtral", "granitemoe", "qwen2_moe", "qwen3_moe", "olmoe")
+# Whose attention_bias config key puts biases on q, k, v and the output projection.
+_ATTENTION_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "granite", "granitemoe", "olmoe", *OLMOS, *GEMMAS)
 # Phi-3's older names for its longrope, as transformers' Phi-3 config renames them.
 _PHI3_LONGROPE_ALIASES = ("su", "yarn")
 
@@ -464,7 +468,7 @@ def _experts(cfg: dict[str, Any], family: str, num_layers: int) -> dict[str, Any
     64 of `intermediate_size`, rescaled per `norm_topk_prob`; Qwen3-MoE to 8
     of 128 of `moe_intermediate_size`, on each `decoder_sparse_step`-th layer
     not in `mlp_only_layers`."""
-    if family == "mixtral":
+    if family in ("mixtral", "granitemoe"):  # Granite's softmax over the top-k logits: the same weights
         experts, inter, renormalize = cfg.get("num_local_experts", 8), cfg.get("intermediate_size"), True
         layers = list(range(num_layers))
     elif family == "olmoe":
@@ -482,7 +486,7 @@ def _experts(cfg: dict[str, Any], family: str, num_layers: int) -> dict[str, Any
             raise CheckpointError(f"config.json's decoder_sparse_step must be a positive integer and "
                                   f"mlp_only_layers a list, got {step!r} and {dense!r}")
         layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0] if experts else []
-    top_k = cfg.get("num_experts_per_tok", {"mixtral": 2, "qwen2_moe": 4}.get(family, 8))
+    top_k = cfg.get("num_experts_per_tok", {"mixtral": 2, "granitemoe": 2, "qwen2_moe": 4}.get(family, 8))
     shared = cfg.get("shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
         raise CheckpointError(f"config.json's shared_expert_intermediate_size must be an integer >= 0, got {shared!r}")
@@ -612,23 +616,21 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rotary_dim=rotary_dim,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases (Qwen2-MoE unless qkv_bias is false), Mistral and Phi-3 never;
-        # Llama, Qwen3, Granite, OLMo and Gemma configs say.
-        attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))) or (family in ("llama", "qwen3", "qwen3_moe", "granite", "olmoe", *OLMOS,
-                                                        *GEMMAS)
-                                             and bool(cfg.get("attention_bias", False))),
+        # the others as their attention_bias says.
+        attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+        or (family in _ATTENTION_BIAS_FAMILIES and bool(cfg.get("attention_bias", False))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         # OLMo's over all heads (OLMoE's too, beside Llama's norms before the attention and the MLP).
         qk_norm_whole=family in (*OLMOS, "olmoe"),
         eos_token_ids=tuple(eos),
-        # As transformers builds them: Llama's, Qwen3's and Granite's
-        # attention_bias is on the output projection too (never Qwen2's or
-        # Mistral's), and Llama's and Granite's mlp_bias on all three MLP projections.
-        output_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "olmoe", *OLMOS, *GEMMAS)
-        and bool(cfg.get("attention_bias", False)),
+        # As transformers builds them: attention_bias is on the output
+        # projection too (never Qwen2's or Mistral's), and Llama's and
+        # Granite's mlp_bias on all three MLP projections.
+        output_bias=family in _ATTENTION_BIAS_FAMILIES and bool(cfg.get("attention_bias", False)),
         mlp_bias=family in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
         fused_checkpoint=family == "phi3",
-        **(_granite_scalings(cfg) if family == "granite" else {}),
-        **(_experts(cfg, family, num_layers) if family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe") else {}),
+        **(_granite_scalings(cfg) if family in ("granite", "granitemoe") else {}),
+        **(_experts(cfg, family, num_layers) if family in MOES else {}),
         **(_olmo_settings(cfg, family, rope_local, num_layers) if family in OLMOS else {}),
         **(_gemma_settings(cfg, family, hidden, rope_local, num_layers) if family in GEMMAS else {}),
         sampling_defaults=_sampling_defaults(gen),

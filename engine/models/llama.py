@@ -1,6 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3 (+MoE), Phi-3, Granite, OLMo(E), Gemma 1-3).
+"""The Llama-family decoder (Llama, Mistral, Mixtral, Qwen2/3, Phi-3, Granite, OLMo, Gemma; MoE variants).
 
-One class covers the fifteen architectures, over a paged KV cache: they
+One class covers the sixteen architectures, over a paged KV cache: they
 differ only in the MLP (dense, or a mixture of experts: moe.py), q/k/v biases
 (Qwen2), q/k RMSNorm (per head: Qwen3, Gemma 3; over all heads: OLMo),
 where the norms sit (OLMo: on each block's output only), tied embeddings,
@@ -130,18 +130,27 @@ class LlamaFamilyModel:
 
         def sparse_mlp(p: str) -> SparseMLP:
             """A layer's router and experts, stacked (Mixtral names its
-            experts' projections w1 (gate), w3 (up) and w2 (down))."""
-            e_inter, mixtral = config.moe_intermediate_size, config.family == "mixtral"
-            block = p + ("block_sparse_moe." if mixtral else "mlp.")
-            names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-            gate_up, down = [], []
-            for e in range(config.num_experts):
-                at = f"{block}experts.{e}."
-                gate_up.append(torch.cat([load(at + names[0] + ".weight", e_inter, hidden),
-                                          load(at + names[1] + ".weight", e_inter, hidden)]))
-                down.append(load(at + names[2] + ".weight", hidden, e_inter))
-            mlp = SparseMLP(load(block + "gate.weight", config.num_experts, hidden).to(device),
-                            torch.stack(gate_up).to(device), torch.stack(down).to(device),
+            experts' projections w1 (gate), w3 (up) and w2 (down); Granite
+            stores them stacked already). The down projections take Granite's
+            residual multiplier, as a dense layer's do."""
+            e_inter, experts = config.moe_intermediate_size, config.num_experts
+            if config.family == "granitemoe":
+                block = p + "block_sparse_moe."
+                router = load(block + "router.layer.weight", experts, hidden)
+                gate_up = load(block + "input_linear.weight", experts, 2 * e_inter, hidden)
+                down = load(block + "output_linear.weight", experts, hidden, e_inter)
+            else:
+                mixtral = config.family == "mixtral"
+                block = p + ("block_sparse_moe." if mixtral else "mlp.")
+                names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+                at = [f"{block}experts.{e}." for e in range(experts)]
+                router = load(block + "gate.weight", experts, hidden)
+                gate_up = torch.stack([torch.cat([load(a + names[0] + ".weight", e_inter, hidden),
+                                                  load(a + names[1] + ".weight", e_inter, hidden)]) for a in at])
+                down = torch.stack([load(a + names[2] + ".weight", hidden, e_inter) for a in at])
+            if config.residual_multiplier != 1.0:
+                down = down * config.residual_multiplier
+            mlp = SparseMLP(router.to(device), gate_up.to(device), down.to(device),
                             config.experts_per_token, config.norm_topk_prob)
             if config.shared_expert_intermediate_size:  # Qwen2-MoE's
                 shared, size = block + "shared_expert.", config.shared_expert_intermediate_size

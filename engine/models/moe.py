@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks `top_k` of
+"""Mixture-of-experts MLPs (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks `top_k` of
 `num_experts` SiLU-gated MLPs per token and sums their outputs, weighted.
 
 The experts' weights are stacked per layer (`[E, 2 * inter, hidden]` gate|up,

@@ -255,6 +255,16 @@ PRESETS: dict[str, Preset] = {
         initializer_range=_TEST_INIT,
         router_scale=ROUTER_SCALE,
     ),
+    # Granite MoE: Granite's four multipliers and 2 of 4 experts on every
+    # layer, stored stacked.
+    "tiny-granitemoe": Preset(
+        "GraniteMoeForCausalLM",
+        _llama_like(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                    logits_scaling=8.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+        seed=18,
+        initializer_range=_TEST_INIT,
+        router_scale=ROUTER_SCALE,
+    ),
     # Qwen2-MoE: Qwen2's q/k/v biases, 2 of 4 experts on every layer beside a
     # shared expert scaled by its sigmoid gate.
     "tiny-qwen2-moe": Preset(
@@ -331,7 +341,8 @@ PRESETS: dict[str, Preset] = {
 
 ARCHITECTURE_PRESETS = ["tiny-llama", "tiny-llama-tied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-phi3",
                         "tiny-granite", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen3-moe",
-                        "tiny-olmo2", "tiny-olmo3", "tiny-olmoe", "tiny-qwen2-moe"]
+                        "tiny-olmo2", "tiny-olmo3", "tiny-olmoe", "tiny-qwen2-moe",
+                        "tiny-granitemoe"]
 
 # Randomly initialised SNAC audio decoders: the 24 kHz architecture, and a
 # narrow one (same rates and frame size) that decodes fast in tests.
@@ -371,7 +382,7 @@ def write_preset(name: str, out_dir: str | Path, dtype: str = "float32") -> Path
     model = model_cls(config)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if param_name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+            if param_name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".router.weight")):
                 param.mul_(preset.router_scale)
             elif preset.norm_jitter and param_name.endswith("norm.weight"):
                 param.add_(preset.norm_jitter * torch.randn_like(param))

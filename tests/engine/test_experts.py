@@ -1,4 +1,4 @@
-"""Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): beyond the parity of
+"""Mixture-of-experts checkpoints (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE, OLMoE): beyond the parity of
 tests/engine/test_reference.py, the routing itself (tokens spread over the
 experts, some experts unused in a step), the weights as each architecture
 scales them, a dense layer beside a sparse one, and decode graphs turned off
@@ -26,7 +26,8 @@ def test_the_experts_read_as_transformers_reads_them() -> None:
     import transformers
 
     for preset, layers, renormalize, experts in (("tiny-mixtral", (0, 1), True, 4), ("tiny-qwen3-moe", (1,), False, 6),
-                                                 ("tiny-olmoe", (0, 1), False, 4), ("tiny-qwen2-moe", (0, 1), False, 4)):
+                                                 ("tiny-olmoe", (0, 1), False, 4), ("tiny-qwen2-moe", (0, 1), False, 4),
+                                                 ("tiny-granitemoe", (0, 1), True, 4)):
         mc = load_model_config(ensure_preset(preset))
         assert (mc.moe_layers, mc.norm_topk_prob) == (layers, renormalize)
         hf = transformers.AutoConfig.from_pretrained(ensure_preset(preset))
