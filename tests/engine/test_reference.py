@@ -10,6 +10,14 @@ from engine.presets import ARCHITECTURE_PRESETS
 from .reference import GREEDY, engine_logits, hf_greedy, hf_logits, prompts
 
 ARCHS = ARCHITECTURE_PRESETS
+# Chunked prefill and prefix-cache hits are the scheduler's, the same for
+# every architecture: they run on one of each kind of model-side difference
+# (plain; biases and a padded vocabulary; Phi-3's fused weights and a window
+# shorter than the prompts; Gemma 3's window, local rotation and norms;
+# experts read on the host; OLMo 3's missing pre-norms beside a window).
+# Every architecture's own prefill chunks meet cached keys in
+# test_fp32_logits_within_1e4.
+SCHEDULING_ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-phi3", "tiny-gemma3", "tiny-mixtral", "tiny-olmo3"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -24,7 +32,7 @@ def test_greedy_batch1_and_batch8(make_llm, arch):
         assert res.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", SCHEDULING_ARCHS)
 def test_tiny_prefill_chunks(make_llm, arch):
     # A 7-token budget per step: long prompts are spread over many steps and
     # share steps with other requests' decode tokens.
@@ -46,7 +54,7 @@ def test_tiny_prefill_chunks(make_llm, arch):
     assert sum(sizes) >= sum(map(len, batch)) and sum(s == 7 for s in sizes) > sum(map(len, batch)) // 7 // 2
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", SCHEDULING_ARCHS)
 def test_second_run_hits_prefix_cache(make_llm, arch):
     llm = make_llm(arch)
     batch = prompts(8)

@@ -159,3 +159,17 @@ def test_qwen25_vl_flat_config_reads_the_same(qwen25_vl, tmp_path) -> None:
     assert "text_config" not in json.loads((flat / "config.json").read_text())
     assert load_model_config(flat) == load_model_config(qwen25_vl[0])
     assert_engine_matches(flat, qwen25_vl[1])
+
+
+def test_qwen2_vl_logits_match_transformers(tmp_path) -> None:
+    # Qwen2-VL's text model is Qwen2.5-VL's: the same Qwen2 with the same rotation.
+    import transformers
+
+    text = _text_config("tiny-qwen2", model_type="qwen2_vl_text",
+                        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6})
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=64,
+                                                                              num_heads=2, mlp_ratio=2),
+                                        image_token_id=8191, video_token_id=8190, vision_start_token_id=8189)
+    path, model = _saved("Qwen2VLForConditionalGeneration", config, "tiny-qwen2", tmp_path, seed=2)
+    assert load_model_config(path).architecture == "Qwen2VLForConditionalGeneration"
+    assert_engine_matches(path, model)
