@@ -23,6 +23,7 @@ from .kv_cache import KVCacheManager, PageAllocator, page_tensor_shape, pages_fo
 from .memory import empty_huge, kv_budget_gib
 from .models.config import TEXT_CONFIGS, CheckpointError, load_model_config
 from .models.llama import LlamaFamilyModel
+from .models.moe import group_on_device
 from .models.weights import WeightSource
 from .output import RequestOutput
 from .pipeline import TextGenerationPipeline
@@ -140,6 +141,12 @@ class EngineCore:
         if device.type == "cuda":
             self.gemv_choice = triton_gemv.install(self.model.linears(), device, dtype) if ops is triton_ops \
                 else "batch-1 GEMV: cuBLAS (no Triton kernels here)"
+        # Experts grouped on the device where the Triton kernels run: no host
+        # read a layer, so decode graphs can capture the model.
+        self.experts_choice = ""
+        if model.sparse_mlps():
+            self.experts_choice = group_on_device(model.sparse_mlps(), device, dtype) if ops is triton_ops \
+                else "experts: grouped on the host (no Triton kernels here); decode graphs off"
         if wrap_model is not None:
             self.model = wrap_model(self.model)
 
@@ -170,7 +177,7 @@ class EngineCore:
         model.keep_positions(max_len)
         graph_mode = graphs_mode(config.cuda_graphs, device, model.capturable)
         if not model.capturable and config.cuda_graphs != "off":
-            log.info("decode graphs: off (the model's experts are chosen on the host each layer)")
+            log.info("decode graphs: off (the model's experts are grouped on the host each layer)")
         graph_batch = config.max_num_seqs
         if graph_mode is not None and not self.attention_choice.graph_capturable:
             graph_batch = dense_graph_batch(config.max_num_seqs, max_len)
@@ -259,6 +266,8 @@ class EngineCore:
         log.info("pointwise kernels: %s", self.ops_choice)
         if self.gemv_choice:
             log.info("%s", self.gemv_choice)
+        if self.experts_choice:
+            log.info("%s", self.experts_choice)
         log.info("grammar masks: %d fill thread(s)%s", mask_threads,
                  "" if config.grammar_mask_threads else f" (chosen for {cores} usable cores, {device.type})")
         if self.graphs is not None:

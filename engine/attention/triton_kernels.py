@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.triton_base import dot as _dot
 from engine.kernels.triton_base import interpreted, next_pow2, tl, triton, triton_available
 from engine.kernels.triton_base import jit as _jit
 from engine.kernels.triton_ops import rotate_pairs
@@ -79,15 +80,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------
-
-
-@_jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b accumulated in float32; full-precision for float32 operands."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @_jit

@@ -19,7 +19,7 @@ except ImportError:  # CPU-only installs of PyTorch may lack Triton
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
 
-__all__ = ["interpreted", "jit", "next_pow2", "tl", "triton", "triton_available"]
+__all__ = ["dot", "interpreted", "jit", "next_pow2", "tl", "triton", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -39,3 +39,13 @@ def interpreted(kernel: Any) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+@jit
+def dot(a, b, IEEE: tl.constexpr):
+    """a @ b accumulated in float32; at full precision for float32 operands
+    (IEEE), which tl.dot would otherwise round to TF32 on a GPU."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)

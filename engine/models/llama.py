@@ -259,11 +259,15 @@ class LlamaFamilyModel:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
                 if lin is not None] + [self.lm_head]
 
+    def sparse_mlps(self) -> list[SparseMLP]:
+        """The mixture-of-experts layers' MLPs (none in a dense model)."""
+        return [layer.moe for layer in self.layers if layer.moe is not None]
+
     @property
     def capturable(self) -> bool:
         """Whether a forward pass can be captured in a CUDA graph: not with
-        experts, which are chosen on the host (moe.py)."""
-        return not any(layer.moe is not None for layer in self.layers)
+        experts grouped on the host's count of their tokens (moe.py)."""
+        return all(mlp.grouped_on_device for mlp in self.sparse_mlps())
 
     # -- building blocks --------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

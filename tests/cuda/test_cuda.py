@@ -235,13 +235,17 @@ def _assert_same_tokens(got: Sequence[CompletionOutput], want: Sequence[Completi
                 f"tokens differ at {first} beyond a near-tie: {g.logprobs[first]} vs {w.logprobs[first]}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_graphs_and_eager_give_the_same_tokens(cuda_llm, dtype: str) -> None:
+@pytest.mark.parametrize(("preset", "dtype"), [("tiny-llama", "float32"), ("tiny-llama", "bfloat16"),
+                                               ("tiny-llama", "float16"), ("tiny-mixtral", "float32"),
+                                               ("tiny-qwen2-moe", "bfloat16")])
+def test_graphs_and_eager_give_the_same_tokens(cuda_llm, preset: str, dtype: str) -> None:
     """cuda_graphs="auto" (captured) against "off", batches of 1, 3, 9 and 17
-    with max_num_seqs=20: every bucket (1, 2, 4, 8, 16, 20) is replayed."""
-    graphs = cuda_llm("tiny-llama", dtype=dtype, max_num_seqs=20)
-    eager = cuda_llm("tiny-llama", dtype=dtype, max_num_seqs=20, cuda_graphs="off")
+    with max_num_seqs=20: every bucket (1, 2, 4, 8, 16, 20) is replayed. The
+    mixtures of experts group their tokens on the device, inside the graphs."""
+    graphs = cuda_llm(preset, dtype=dtype, max_num_seqs=20)
+    eager = cuda_llm(preset, dtype=dtype, max_num_seqs=20, cuda_graphs="off")
     assert graphs.engine.graphs is not None and graphs.engine.graphs.capture
+    assert all(mlp.grouped_on_device for mlp in graphs.engine.model.sparse_mlps())
     assert eager.engine.graphs is None
     batch = _mixed_prompts(17)
     params = _params(dtype, len(batch))
@@ -340,16 +344,16 @@ def test_structured_output_masks_on_the_gpu(cuda_llm, monkeypatch) -> None:
     assert staged == {True}, "a mask reached the device thread in pageable memory, or its rows as a list"
 
 
-@pytest.mark.parametrize("config", ["default", "multi-step"])
+@pytest.mark.parametrize("config", ["default", "multi-step", "experts"])
 def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch, config: str) -> None:
     """Once warm, no engine step makes a call that waits for the GPU, on the
     device thread (prefill, eager and graph decode, a JSON schema's masks,
     sampling with penalties, bias and log-probabilities; or, with overlap off,
-    several decode steps a schedule) or on the engine thread (scheduling,
-    postprocessing, prompt log-probabilities of prompt chunks that sample
-    nothing): `torch.cuda.set_sync_debug_mode("error")` (process-wide) is on
-    while each `EngineCore.step` runs, so `.item()`, `.tolist()`, `.cpu()`, a
-    copy that synchronises, `nonzero` and the like raise. The host waits only
+    several decode steps a schedule; a mixture of experts' layers) or on the
+    engine thread (scheduling, postprocessing, prompt log-probabilities of
+    prompt chunks that sample nothing): `torch.cuda.set_sync_debug_mode("error")`
+    (process-wide) is on while each `EngineCore.step` runs, so `.item()`,
+    `.tolist()`, `.cpu()`, a copy that synchronises, `nonzero` and the like raise. The host waits only
     where the engine thread reads what a step handed back (an event). The CPU
     twins, which cannot see a synchronising copy, are
     tests/engine/test_stream_order.py::test_device_thread_reads_no_tensor_value_during_a_step
@@ -358,8 +362,9 @@ def test_steps_make_no_synchronising_call(cuda_llm, monkeypatch, config: str) ->
 
     multi = config == "multi-step"
     # 32 tokens a step: the longer prompts prefill in chunks, some steps sampling nothing.
-    llm = cuda_llm("tiny-llama", max_num_seqs=8, max_num_batched_tokens=32,
-                   **({"overlap": False, "num_steps": 4} if multi else {}))
+    # "experts": a mixture of experts (and a shared expert), grouped on the device.
+    llm = cuda_llm("tiny-qwen2-moe" if config == "experts" else "tiny-llama", max_num_seqs=8,
+                   max_num_batched_tokens=32, **({"overlap": False, "num_steps": 4} if multi else {}))
     sampled = dataclasses.replace(EVERY_OPTION, max_new_tokens=16, prompt_logprobs=2)
     greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     params = [sampled, greedy, sampled, greedy, greedy]

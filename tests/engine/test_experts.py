@@ -1,8 +1,11 @@
 """Mixture-of-experts checkpoints (Mixtral, Granite MoE, Qwen2-MoE, Qwen3-MoE, OLMoE): beyond the parity of
 tests/engine/test_reference.py, the routing itself (tokens spread over the
 experts, some experts unused in a step), the weights as each architecture
-scales them, a dense layer beside a sparse one, and decode graphs turned off
-(the experts are chosen on the host each layer)."""
+scales them, a dense layer beside a sparse one; and the two ways of grouping
+a step's tokens by expert: on the host's count (CPU; decode graphs off) and
+on the device in Triton kernels (here in Triton's interpreter: the same
+results, nothing read back, launches sized by shapes alone; decode graphs on).
+"""
 
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import pytest
 import torch
 
 from engine import graphs as graphs_module
+from engine.kernels import triton_moe
 from engine.models.config import CheckpointError, load_model_config
-from engine.models.moe import SparseMLP
+from engine.models.moe import SparseMLP, group_on_device
 from engine.presets import ensure_preset
 
 from .reference import assert_greedy_matches, prompts
@@ -62,13 +66,172 @@ def test_greedy_and_logprobs_match_transformers_in_batches_and_chunks(make_llm, 
     assert_greedy_matches(make_llm(preset, max_num_batched_tokens=8, page_size=4), preset, prompts(4), 8)
 
 
-def test_decode_graphs_are_off_and_say_so(make_llm, caplog) -> None:
+def test_grouped_on_the_host_decode_graphs_are_off_and_say_so(make_llm, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="engine.engine"):
         llm = make_llm("tiny-mixtral", cuda_graphs="emulate")
     assert not llm.engine.model.capturable and llm.engine.graphs is None
-    assert any("decode graphs: off (the model's experts" in r.getMessage() for r in caplog.records)
+    assert not any(mlp.grouped_on_device for mlp in llm.engine.model.sparse_mlps())
+    messages = [r.getMessage() for r in caplog.records]
+    assert "experts: grouped on the host (no Triton kernels here); decode graphs off" in messages
+    assert any("decode graphs: off (the model's experts" in m for m in messages)
     assert graphs_module.graphs_mode("auto", torch.device("cuda"), capturable=False) is None
     assert graphs_module.graphs_mode("auto", torch.device("cuda"), capturable=True) == "capture"
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe"])
+def test_grouped_on_the_device_decode_graphs_replay_them(make_llm, caplog, preset: str) -> None:
+    """With the Triton kernels (attention and pointwise) the experts are grouped
+    on the device too, the model is capturable and decode steps replay the
+    graph path: tokens and log-probabilities as transformers'. Qwen2-MoE adds
+    its shared expert beside the routed ones."""
+    with caplog.at_level(logging.INFO, logger="engine.engine"):
+        llm = make_llm(preset, attention="triton", cuda_graphs="emulate", kv_cache_gib=0.05, max_num_seqs=4,
+                       page_size=5)
+    mlps = llm.engine.model.sparse_mlps()
+    assert mlps and all(mlp.grouped_on_device for mlp in mlps) and llm.engine.model.capturable
+    assert any(r.getMessage().startswith("experts: grouped on the device (Triton)") for r in caplog.records)
+    assert_greedy_matches(llm, preset, prompts(3), 6)
+    assert llm.engine.graphs is not None and sum(llm.engine.graphs.replays.values()) > 0
+
+
+def test_kernels_that_fail_their_check_leave_the_experts_on_the_host(monkeypatch) -> None:
+    layer = _layer(experts=4, hidden=24, inter=20, top_k=2, dtype=torch.float32)
+
+    def broken(*args: Any) -> torch.Tensor:
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(triton_moe, "fused_experts", broken)
+    line = group_on_device([layer], torch.device("cpu"), torch.float32)
+    assert line.startswith("experts: grouped on the host (the Triton expert kernels failed here (RuntimeError")
+    assert not layer.grouped_on_device
+    monkeypatch.setattr(triton_moe, "fused_experts", lambda x, *args: torch.zeros_like(x))
+    assert "disagree with torch" in group_on_device([layer], torch.device("cpu"), torch.float32)
+    assert not layer.grouped_on_device
+
+
+def _layer(experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, shared: int = 0,
+           seed: int = 0) -> SparseMLP:
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    mlp = SparseMLP(randn(experts, hidden), randn(experts, 2 * inter, hidden, scale=hidden ** -0.5),
+                    randn(experts, hidden, inter, scale=inter ** -0.5), top_k=top_k, renormalize=top_k > 1)
+    if shared:
+        mlp.shared_gate_up = randn(2 * shared, hidden, scale=hidden ** -0.5)
+        mlp.shared_down = randn(hidden, shared, scale=shared ** -0.5)
+        mlp.shared_gate = randn(1, hidden)
+    return mlp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "shared"), [
+    (1, 8, 2, 64, 48, 0),     # a decode row: two blocks of 16 rows, one pair each
+    (5, 4, 1, 72, 40, 0),     # top-1; the reduction and the columns end mid-tile
+    (9, 6, 3, 40, 136, 24),   # three slots summed; a shared expert beside
+    (300, 4, 2, 64, 64, 0),   # a prompt chunk: 64-row blocks
+], ids=["decode", "top1-ragged", "top3-shared", "prompt"])
+def test_device_grouping_matches_the_host_grouping(dtype: torch.dtype, tokens: int, experts: int, top_k: int,
+                                                   hidden: int, inter: int, shared: int) -> None:
+    layer = _layer(experts, hidden, inter, top_k, dtype, shared, seed=tokens)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = layer(x)
+    layer.grouped_on_device = True
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    # float32: the same products summed in another order. float16: the same
+    # roundings, an odd one falling the other way. bfloat16: Triton's
+    # interpreter truncates float32 to bfloat16 where a GPU rounds to nearest,
+    # so here each rounding may be an ulp off.
+    atol, rtol, mean = {torch.float32: (2e-5, 2e-5, 1e-6), torch.float16: (1e-2, 1e-2, 2e-4),
+                        torch.bfloat16: (0.05, 0.02, 2e-2)}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+    assert (got.float() - want.float()).abs().mean() < mean
+
+
+def test_long_prompt_chunks_are_grouped_a_slice_at_a_time(monkeypatch) -> None:
+    layer = _layer(experts=4, hidden=32, inter=24, top_k=2, dtype=torch.float32)
+    x = torch.randn(45, 32, generator=torch.Generator().manual_seed(2))
+    want = layer(x)
+    layer.grouped_on_device = True
+    calls: list[int] = []
+    real = triton_moe.align_by_expert
+
+    def counted(chosen: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(chosen.shape[0])
+        return real(chosen, *args)
+
+    monkeypatch.setattr(triton_moe, "_MAX_PAIRS", 40)  # 20 tokens of 2 slots a slice
+    monkeypatch.setattr(triton_moe, "align_by_expert", counted)
+    torch.testing.assert_close(layer(x), want, atol=2e-5, rtol=2e-5)
+    assert calls == [20, 20, 5]
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(block_m: int) -> None:
+    g = torch.Generator().manual_seed(block_m)
+    experts = 6
+    routings = [torch.randint(experts, (tokens, top_k), generator=g) for tokens, top_k in ((1, 1), (7, 2), (50, 3))]
+    routings += [torch.full((33, 2), 5), torch.arange(12).reshape(6, 2) % experts]  # one expert; every expert once
+    routings += [torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(40)])]
+    for chosen in routings:
+        rows, block_expert = triton_moe.align_by_expert(chosen, experts, block_m)
+        pairs = chosen.numel()
+        total = triton_moe.max_blocks(pairs, experts, block_m)
+        assert rows.dtype == block_expert.dtype == torch.int32
+        assert rows.shape == (total * block_m,) and block_expert.shape == (total,)
+        flat, by_block = chosen.flatten(), rows.view(total, block_m)
+        used = [b for b in range(total) if block_expert[b] < experts]
+        assert used == list(range(len(used)))  # used blocks first, then only unused ones
+        assert all((by_block[b] == pairs).all() for b in range(len(used), total))
+        assert (block_expert[len(used):] == experts).all()
+        placed = []
+        for b in used:
+            real = by_block[b][by_block[b] < pairs].tolist()
+            assert real and (flat[real] == block_expert[b]).all()  # each block one expert's
+            placed += real
+        assert sorted(placed) == list(range(pairs))  # every pair exactly once
+        # Expert by expert, each in pair order: the order a stable sort gives.
+        assert placed == torch.argsort(flat, stable=True).tolist()
+        counts = torch.bincount(flat, minlength=experts)
+        assert len(used) == int(((counts + block_m - 1) // block_m).sum())
+
+
+def test_device_grouping_reads_nothing_back_and_launches_by_shape(monkeypatch) -> None:
+    """The routing, the alignment and the launches of a device-grouped layer
+    read no tensor value on the host (on a GPU such a read would wait for the
+    layer before and break a graph's capture), and the launch grids are the
+    same for any routing of the same number of tokens."""
+    from .test_stream_order import HOST_READS
+
+    grids: list[tuple[str, tuple[int, ...]]] = []
+
+    class Launch:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            grids.append((self.name, grid))
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(triton_moe, "_gate_up_kernel", Launch("gate_up"))
+    monkeypatch.setattr(triton_moe, "_down_kernel", Launch("down"))
+    layer = _layer(experts=8, hidden=32, inter=24, top_k=2, dtype=torch.float32, shared=8)
+    layer.grouped_on_device = True
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g) * 50]
+    for name in HOST_READS:
+        def refuse(self: torch.Tensor, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+            raise AssertionError(f"Tensor.{_name} read a value on the host")
+
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for x in inputs:
+        layer(x)
+    monkeypatch.undo()
+    assert [name for name, _ in grids] == ["gate_up", "down"] * 2
+    assert grids[:2] == grids[2:]
+    assert grids[0][1] == (triton_moe.max_blocks(12, 8, 16), 1)
 
 
 @pytest.mark.parametrize(("edits", "message"), [

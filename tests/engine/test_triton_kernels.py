@@ -521,6 +521,19 @@ for dtype, bias in ((torch.float16, True), (torch.bfloat16, False)):
                     tg.GemvConfig(n, block_k, warps))
             if dtype == torch.bfloat16:  # the down projection's, with SiLU x up on its input
                 tg.gemv(torch.zeros(1, 8192, dtype=dtype), weight, None, tg.GemvConfig(n, block_k, warps), gated=True)
+# The experts' two kernels at Mixtral's widths, with decode's 16-row blocks and a prompt's 64
+# (float32 keeps 16: its 64-row blocks spilled).
+from engine.kernels import triton_moe as te
+te._gate_up_kernel = Compile(te._gate_up_kernel)
+te._down_kernel = Compile(te._down_kernel)
+te.align_by_expert = lambda chosen, experts, block_m: (
+    torch.zeros(te.max_blocks(chosen.numel(), experts, block_m) * block_m, dtype=torch.int32),
+    torch.zeros(te.max_blocks(chosen.numel(), experts, block_m), dtype=torch.int32))
+for dtype, tokens in itertools.product((torch.float32, torch.float16, torch.bfloat16), (1, 4096)):
+    # (Weights left uninitialised: a few GB never touched.)
+    te.fused_experts(torch.zeros(tokens, 4096, dtype=dtype), torch.empty(8, 2 * 14336, 4096, dtype=dtype),
+                     torch.empty(8, 4096, 14336, dtype=dtype), torch.zeros(tokens, 2),
+                     torch.zeros(tokens, 2, dtype=torch.int64))
 from engine.kernels import triton_mask as tm
 
 tm._mask_kernel = Compile(tm._mask_kernel)
@@ -565,5 +578,5 @@ def test_kernels_compile_for_gpus(tmp_path):
     # and with a sliding window and capped scores), then
     # 3 dtypes x 5 pointwise kernels (both KV writes among them), then 2 dtypes x 9 GEMV
     # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
-    # the 9 gated ones in bfloat16, and the grammar mask's.
-    assert counts == [4 * 4 * 2 + 3 * 5 + 3 * 9 + 1] * 2
+    # the 9 gated ones in bfloat16, the experts' 2 kernels x 3 dtypes x (decode, prompt), and the grammar mask's.
+    assert counts == [4 * 4 * 2 + 3 * 5 + 3 * 9 + 2 * 3 * 2 + 1] * 2

@@ -1,0 +1,193 @@
+"""A mixture-of-experts layer's experts in two Triton kernels, grouped on the device.
+
+The host-grouped path (engine/models/moe.py) reads how many tokens each
+expert got to slice its batch, one device-to-host copy a layer: on a GPU each
+one stalls the host until the layer before it has run, and a decode step with
+such reads cannot be captured in a CUDA graph. Here nothing is read back:
+
+1. `align_by_expert` (torch ops, shapes fixed by the token count) lays the
+   step's (token, slot) pairs out expert by expert in blocks of `block_m`
+   rows, each block one expert's, a block's unused rows holding the pair
+   count as a sentinel, and names each block's expert (the expert count for
+   blocks no expert needed: there are at most `max_blocks` of them, a bound
+   from the shapes alone).
+2. `_gate_up_kernel`: per (block, column tile), the block's rows of the input
+   times its expert's gate and up projections, SiLU(gate) x up on the way out,
+   one row per pair.
+3. `_down_kernel`: per (block, column tile), those rows times the expert's
+   down projection, scaled by each pair's routing weight, one row per pair;
+   a pair's slots are summed in torch after.
+
+Launch grids come from shapes only, so the layer runs inside a CUDA graph
+(graphs emulated on CPU replay the same launches). Numerics follow the
+host-grouped path: products accumulated in float32 (IEEE for float32 inputs,
+not TF32) and rounded to the model dtype where torch's linear layers round
+(after each projection and after SiLU), the routing weight applied in float32
+and the weighted row rounded. On CPU the tests run the kernels in Triton's
+interpreter against that path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_base import dot, interpreted, jit, tl
+from .triton_ops import silu_times
+
+__all__ = ["align_by_expert", "fused_experts", "max_blocks"]
+
+# The kernels' tiles (block_n, block_k, num_stages): tl.dot needs every side
+# >= 16; float32's are narrower, lest registers spill on sm_80 / sm_90
+# (tests/engine/test_triton_kernels.py compiles both). Rows a block: `block_rows`.
+_TILES = {torch.float32: (64, 32, 2), torch.float16: (64, 64, 3), torch.bfloat16: (64, 64, 3)}
+# Pairs aligned at once: bounds the scratch of a long prompt chunk (the
+# alignment's [pairs, experts] counts and a row per pair in each kernel).
+_MAX_PAIRS = 16384
+
+
+def block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
+    """Rows a block: 16 for decode, 64 for prompts; 16 always in float32,
+    whose exact products are plain FMAs that hold their tiles in registers."""
+    return 16 if pairs <= 16 * num_experts or dtype == torch.float32 else 64
+
+
+def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks enough for any routing of `pairs` pairs: each expert used
+    wastes at most one partly filled block, and at most `pairs` are used."""
+    return -(-pairs // block_m) + min(num_experts, pairs)
+
+
+def align_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs of `chosen` (`[T, top_k]` expert ids; pair p is token
+    p // top_k's slot p % top_k) grouped by expert in blocks of `block_m`:
+    `(rows [max_blocks * block_m] int32, block_expert [max_blocks] int32)`.
+    Within an expert pairs keep their order; unused rows hold T * top_k,
+    unused blocks the expert count. No value is read on the host."""
+    flat = chosen.flatten()
+    pairs, device = flat.numel(), flat.device
+    # Each pair's rank among its expert's pairs, from a running count per
+    # expert: a sort would do it with less scratch, but CUB's sorts are not
+    # safe to capture in every release.
+    hits = (flat[:, None] == torch.arange(num_experts, device=device)).to(torch.int32)
+    running = hits.cumsum(0, dtype=torch.int32)
+    counts = running[-1]
+    rank = running.gather(1, flat[:, None]).squeeze(1) - 1
+    blocks = (counts + block_m - 1) // block_m
+    ends = blocks.cumsum(0)
+    starts = ends - blocks
+    total = max_blocks(pairs, num_experts, block_m)
+    rows = torch.full((total * block_m,), pairs, dtype=torch.int32, device=device)
+    rows.scatter_(0, starts[flat] * block_m + rank, torch.arange(pairs, dtype=torch.int32, device=device))
+    block_expert = torch.searchsorted(ends, torch.arange(total, dtype=ends.dtype, device=device), right=True)
+    return rows, block_expert.to(torch.int32)
+
+
+@jit
+def _product(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b in float32; UPCAST: bfloat16 operands widened first (Triton's
+    interpreter multiplies bfloat16 wrongly; exact products either way)."""
+    if UPCAST:
+        return dot(a.to(tl.float32), b.to(tl.float32), True)
+    else:
+        return dot(a, b, IEEE)
+
+
+@jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, num_pairs, num_experts, top_k, hidden, inter,
+                    stride_x, stride_we, stride_wn, stride_out,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(expert_ptr + block).to(tl.int64)
+    if expert < num_experts:
+        pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = pair < num_pairs
+        token = (pair // top_k).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        w = w_ptr + expert * stride_we
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w_ok = k_ok[:, None] & col_ok[None, :]
+            wg = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_ok, other=0.0)
+            wu = tl.load(w + (cols[None, :] + inter).to(tl.int64) * stride_wn + k[:, None], mask=w_ok, other=0.0)
+            gate += _product(a, wg, IEEE, UPCAST)
+            up += _product(a, wu, IEEE, UPCAST)
+        dtype = out_ptr.dtype.element_ty
+        # Rounded as torch's projection stores them, then SiLU x up as everywhere.
+        act = silu_times(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+        at = out_ptr + pair[:, None].to(tl.int64) * stride_out + cols[None, :]
+        tl.store(at, act, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@jit
+def _down_kernel(act_ptr, w_ptr, weight_ptr, out_ptr, rows_ptr, expert_ptr, num_pairs, num_experts, inter, hidden,
+                 stride_act, stride_we, stride_wn, stride_out,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(expert_ptr + block).to(tl.int64)
+    if expert < num_experts:
+        pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = pair < num_pairs
+        rows = pair.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        w = w_ptr + expert * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < inter
+            a = tl.load(act_ptr + rows[:, None] * stride_act + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + k[:, None],
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += _product(a, b, IEEE, UPCAST)
+        dtype = out_ptr.dtype.element_ty
+        scale = tl.load(weight_ptr + rows, mask=row_ok, other=0.0)
+        y = acc.to(dtype).to(tl.float32) * scale[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  chosen: torch.Tensor) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight x down(SiLU(gate) x up):
+    x `[T, hidden]`, gate_up `[E, 2 * inter, hidden]` (rows gate | up), down
+    `[E, hidden, inter]`, weights (float32) and chosen `[T, top_k]`."""
+    t, hidden = x.shape
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    top_k = chosen.shape[1]
+    if gate_up.stride(2) != 1 or down.stride(2) != 1 or x.stride(1) != 1:
+        raise ValueError("fused_experts takes weights and inputs of unit last stride")
+    # Prompt chunks a slice at a time: the scratch grows with the pairs.
+    step = max(1, _MAX_PAIRS // top_k)
+    if t > step:
+        return torch.cat([fused_experts(x[i:i + step], gate_up, down, weights[i:i + step], chosen[i:i + step])
+                          for i in range(0, t, step)])
+    pairs = t * top_k
+    block_m = block_rows(pairs, num_experts, x.dtype)
+    rows, block_expert = align_by_expert(chosen, num_experts, block_m)
+    blocks = block_expert.numel()
+    block_n, block_k, stages = _TILES[x.dtype]
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
+    ieee = x.dtype == torch.float32
+    upcast = x.dtype == torch.bfloat16 and interpreted(_gate_up_kernel)
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, -(-inter // block_n))](
+        x, gate_up, act, rows, block_expert, pairs, num_experts, top_k, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        IEEE=ieee, UPCAST=upcast, **tiles)
+    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(blocks, -(-hidden // block_n))](
+        act, down, weights.reshape(pairs).float(), out, rows, block_expert, pairs, num_experts, inter, hidden,
+        act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        IEEE=ieee, UPCAST=upcast, **tiles)
+    # A token's slots summed in float32 and rounded once (torch's sum of a
+    # 16-bit tensor accumulates in float32).
+    return out.view(t, top_k, hidden).sum(dim=1)
