@@ -34,6 +34,7 @@ One command on a CUDA machine:
     python bench/gpu.py --models 8b --skip-transformers --skip-grpc
     python bench/gpu.py --with-tests
     python bench/gpu.py --with-tests --profile-server --profile-kernels   # and where the time goes
+    python bench/gpu.py --models moe --skip-grpc  # a mixture of experts (Mixtral layout), not in the default set
 
 Needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy and
 grpcio (gRPC part), and stencild's own dependencies. Not part of `make test`.
@@ -81,7 +82,9 @@ DEVICE = "cuda"  # every model of the run (the engines, transformers, the server
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Llama-architecture shape; weights are random."""
+    """A Llama-architecture shape, or with `experts` Mixtral's (each layer's MLP
+    `experts` of `intermediate` width, `experts_per_token` of them a token);
+    weights are random."""
 
     name: str
     label: str
@@ -93,6 +96,8 @@ class ModelShape:
     vocab: int
     max_positions: int
     rope_theta: float
+    experts: int = 0
+    experts_per_token: int = 2
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -101,6 +106,11 @@ SHAPES: dict[str, ModelShape] = {
     "8b": ModelShape("llama3-8b-shape-32k-vocab", "8B (Llama-3-8B shape, 32k vocab)", hidden=4096,
                      intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000, max_positions=8192,
                      rope_theta=500000.0),
+    # Not run by default: a mixture of experts, its tokens grouped on the GPU
+    # (engine/kernels/triton_moe.py), decode graphs on against off.
+    "moe": ModelShape("mixtral-layout-8x1.1b", "MoE (Mixtral layout, 8 experts of TinyLlama's MLP, 2 a token)",
+                      hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=8, vocab=32000,
+                      max_positions=4096, rope_theta=1000000.0, experts=8, experts_per_token=2),
 }
 
 # At batch 64: a list of at least 8 records, so no output can complete within
@@ -272,7 +282,7 @@ def write_checkpoint(shape: ModelShape, out_dir: Path, device: str | None = None
     if marker.exists() and json.loads(marker.read_text()) == wanted:
         return target
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     from engine.presets import TOKENIZER_DIR
 
@@ -282,10 +292,13 @@ def write_checkpoint(shape: ModelShape, out_dir: Path, device: str | None = None
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         max_position_embeddings=shape.max_positions, rms_norm_eps=1e-5, rope_theta=shape.rope_theta,
         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    config = LlamaConfig(**fields)
     model: Any
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        if shape.experts:
+            model = MixtralForCausalLM(MixtralConfig(num_local_experts=shape.experts,
+                                                     num_experts_per_tok=shape.experts_per_token, **fields))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**fields))
     model = model.to(dtype=torch.bfloat16).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -328,11 +341,13 @@ def tensor_bytes(model_dir: Path) -> dict[str, int]:
     return sizes
 
 
-def bytes_per_decode_step(sizes: dict[str, int]) -> int:
-    """Weight bytes one decode step reads: all of them but the input embedding
-    table, of which a step reads one row per sequence (the output projection is
-    a separate matrix here and is read whole)."""
-    return sum(size for name, size in sizes.items() if not name.endswith("embed_tokens.weight"))
+def bytes_per_decode_step(sizes: dict[str, int], expert_share: float = 1.0) -> int:
+    """Weight bytes one decode step of one sequence reads: all of them but the
+    input embedding table, of which a step reads one row per sequence (the
+    output projection is a separate matrix here and is read whole), and of a
+    mixture's experts the `expert_share` a token is routed to."""
+    return int(sum(size * (expert_share if ".experts." in name else 1.0) for name, size in sizes.items()
+                   if not name.endswith("embed_tokens.weight")))
 
 
 # -- workload ---------------------------------------------------------------------------
@@ -1087,7 +1102,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         model_dir = write_checkpoint(shape, args.out_dir)
         sizes = tensor_bytes(model_dir)
-        total, per_step = sum(sizes.values()), bytes_per_decode_step(sizes)
+        total = sum(sizes.values())
+        per_step = bytes_per_decode_step(sizes, shape.experts_per_token / shape.experts if shape.experts else 1.0)
         bound = bandwidth / per_step
         report(f"  checkpoint {model_dir} ready in {time.perf_counter() - start:.1f} s: {total / 1e9:.2f} GB of "
                f"weights, {per_step / 1e9:.2f} GB read per decode step (all but the input embeddings)")

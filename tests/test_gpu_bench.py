@@ -111,6 +111,27 @@ def test_every_part_of_the_gpu_benchmark_runs_and_reports(on_cpu, tmp_path, monk
     assert "--profile-server failed: RuntimeError: py-spy broke" in log
 
 
+def test_the_mixture_of_experts_shape_is_written_served_and_bounded_by_its_active_experts(on_cpu, tmp_path):
+    from engine import LLM, SamplingParams
+
+    shape = gpu.ModelShape("tiny-mixtral-gpu-bench", "tiny MoE (CPU smoke test)", hidden=64, intermediate=96,
+                           layers=2, heads=4, kv_heads=2, vocab=8192, max_positions=256, rope_theta=10000.0,
+                           experts=4, experts_per_token=2)
+    model_dir = gpu.write_checkpoint(shape, tmp_path)
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    sizes = gpu.tensor_bytes(model_dir)
+    experts = sum(size for name, size in sizes.items() if ".experts." in name)
+    assert experts == 2 * 2 * 4 * 3 * 64 * 96  # bf16, 2 layers, 4 experts of three 64 x 96 matrices
+    assert gpu.bytes_per_decode_step(sizes) - gpu.bytes_per_decode_step(sizes, 0.5) == experts // 2
+    llm = LLM(str(model_dir), kv_cache_gib=0.02, dtype="float32")
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+        assert len(out[0].token_ids) == 4 and llm.engine.model.sparse_mlps()
+    finally:
+        llm.close()
+    assert gpu.SHAPES["moe"].experts and "moe" not in gpu.parse_args([]).models
+
+
 def test_a_decode_step_is_the_run_less_its_prefill_over_the_steps_after_it():
     # The H200's 8B at batch 64: 1.117 s for 128 tokens a request, of which ~145 ms of prefill.
     assert gpu.decode_step_ms(1.117, 0.145, 128) == pytest.approx(1000 * 0.972 / 127)

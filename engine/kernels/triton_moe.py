@@ -165,6 +165,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     top_k = chosen.shape[1]
     if gate_up.stride(2) != 1 or down.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError("fused_experts takes weights and inputs of unit last stride")
+    if t == 0:
+        return torch.zeros_like(x)
     # Prompt chunks a slice at a time: the scratch grows with the pairs.
     step = max(1, _MAX_PAIRS // top_k)
     if t > step:

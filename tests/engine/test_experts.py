@@ -166,6 +166,8 @@ def test_long_prompt_chunks_are_grouped_a_slice_at_a_time(monkeypatch) -> None:
     monkeypatch.setattr(triton_moe, "align_by_expert", counted)
     torch.testing.assert_close(layer(x), want, atol=2e-5, rtol=2e-5)
     assert calls == [20, 20, 5]
+    assert layer(x[:0]).shape == (0, 32)  # no tokens: nothing aligned, nothing launched
+    assert calls == [20, 20, 5]
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
