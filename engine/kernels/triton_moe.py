@@ -5,12 +5,12 @@ expert got to slice its batch, one device-to-host copy a layer: on a GPU each
 one stalls the host until the layer before it has run, and a decode step with
 such reads cannot be captured in a CUDA graph. Here nothing is read back:
 
-1. `align_by_expert` (torch ops, shapes fixed by the token count) lays the
-   step's (token, slot) pairs out expert by expert in blocks of `block_m`
-   rows, each block one expert's, a block's unused rows holding the pair
-   count as a sentinel, and names each block's expert (the expert count for
-   blocks no expert needed: there are at most `max_blocks` of them, a bound
-   from the shapes alone).
+1. `align_by_expert` (one Triton program, `_align_kernel`) lays the step's
+   (token, slot) pairs out expert by expert in blocks of `block_m` rows, each
+   block one expert's, a block's unused rows holding the pair count as a
+   sentinel, and names each block's expert (the expert count for blocks no
+   expert needed: there are at most `max_blocks` of them, a bound from the
+   shapes alone). One launch, where torch ops took about fifteen a layer.
 2. `_gate_up_kernel`: per (block, column tile), the block's rows of the input
    times its expert's gate and up projections, SiLU(gate) x up on the way out,
    one row per pair.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_base import dot, interpreted, jit, tl
+from .triton_base import dot, interpreted, jit, next_pow2, tl
 from .triton_ops import silu_times
 
 __all__ = ["align_by_expert", "fused_experts", "max_blocks"]
@@ -40,9 +40,11 @@ __all__ = ["align_by_expert", "fused_experts", "max_blocks"]
 # >= 16; float32's are narrower, lest registers spill on sm_80 / sm_90
 # (tests/engine/test_triton_kernels.py compiles both). Rows a block: `block_rows`.
 _TILES = {torch.float32: (64, 32, 2), torch.float16: (64, 64, 3), torch.bfloat16: (64, 64, 3)}
-# Pairs aligned at once: bounds the scratch of a long prompt chunk (the
-# alignment's [pairs, experts] counts and a row per pair in each kernel).
+# Pairs grouped at once: bounds the scratch of a long prompt chunk (a row per
+# pair in each kernel).
 _MAX_PAIRS = 16384
+# The alignment's pairs x experts tile (int32 values; 8 warps).
+_ALIGN_TILE = 8192
 
 
 def block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
@@ -62,24 +64,54 @@ def align_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> tup
     p // top_k's slot p % top_k) grouped by expert in blocks of `block_m`:
     `(rows [max_blocks * block_m] int32, block_expert [max_blocks] int32)`.
     Within an expert pairs keep their order; unused rows hold T * top_k,
-    unused blocks the expert count. No value is read on the host."""
-    flat = chosen.flatten()
-    pairs, device = flat.numel(), flat.device
-    # Each pair's rank among its expert's pairs, from a running count per
-    # expert: a sort would do it with less scratch, but CUB's sorts are not
-    # safe to capture in every release.
-    hits = (flat[:, None] == torch.arange(num_experts, device=device)).to(torch.int32)
-    running = hits.cumsum(0, dtype=torch.int32)
-    counts = running[-1]
-    rank = running.gather(1, flat[:, None]).squeeze(1) - 1
-    blocks = (counts + block_m - 1) // block_m
-    ends = blocks.cumsum(0)
-    starts = ends - blocks
+    unused blocks the expert count. One Triton program; no value is read on
+    the host."""
+    pairs = chosen.numel()
     total = max_blocks(pairs, num_experts, block_m)
-    rows = torch.full((total * block_m,), pairs, dtype=torch.int32, device=device)
-    rows.scatter_(0, starts[flat] * block_m + rank, torch.arange(pairs, dtype=torch.int32, device=device))
-    block_expert = torch.searchsorted(ends, torch.arange(total, dtype=ends.dtype, device=device), right=True)
-    return rows, block_expert.to(torch.int32)
+    rows = torch.empty(total * block_m, dtype=torch.int32, device=chosen.device)
+    block_expert = torch.empty(total, dtype=torch.int32, device=chosen.device)
+    block_e = next_pow2(num_experts)
+    chunk = max(16, min(next_pow2(max(pairs, total)), _ALIGN_TILE // block_e))
+    _align_kernel[(1,)](chosen.reshape(pairs), rows, block_expert, pairs, num_experts, total,
+                        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=8)
+    return rows, block_expert
+
+
+@jit
+def _align_kernel(chosen_ptr, rows_ptr, expert_ptr, num_pairs, num_experts, num_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """`align_by_expert` in one program, CHUNK pairs at a time against all
+    experts at once: a first pass counts each expert's pairs (so each
+    expert's first row and block), the second places each pair at its
+    expert's first row plus the pairs of that expert before it."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        expert = tl.load(chosen_ptr + p, mask=p < num_pairs, other=-1)
+        counts += tl.sum((expert[:, None] == e[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, axis=0)  # one past each expert's last block
+    first_row = (ends - blocks) * BLOCK_M
+    for r0 in range(0, num_blocks * BLOCK_M, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + r, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=r < num_blocks * BLOCK_M)
+    # A block's expert: how many experts end at or before it (all of them
+    # past the last used block: the "unused" value).
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        ended = (ends[None, :] <= b[:, None]) & (e[None, :] < num_experts)
+        tl.store(expert_ptr + b, tl.sum(ended.to(tl.int32), axis=1), mask=b < num_blocks)
+    # The sentinels above land before any pair overwrites its row.
+    tl.debug_barrier()
+    seen = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        expert = tl.load(chosen_ptr + p, mask=p < num_pairs, other=-1)
+        hit = (expert[:, None] == e[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit + seen[None, :]
+        tl.store(rows_ptr + tl.sum((first_row[None, :] + before) * hit, axis=1), p, mask=p < num_pairs)
+        seen += tl.sum(hit, axis=0)
 
 
 @jit

@@ -170,13 +170,14 @@ def test_long_prompt_chunks_are_grouped_a_slice_at_a_time(monkeypatch) -> None:
     assert calls == [20, 20, 5]
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(block_m: int) -> None:
+@pytest.mark.parametrize(("experts", "block_m"), [(6, 16), (6, 64), (128, 16)])
+def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(experts: int, block_m: int) -> None:
     g = torch.Generator().manual_seed(block_m)
-    experts = 6
     routings = [torch.randint(experts, (tokens, top_k), generator=g) for tokens, top_k in ((1, 1), (7, 2), (50, 3))]
     routings += [torch.full((33, 2), 5), torch.arange(12).reshape(6, 2) % experts]  # one expert; every expert once
     routings += [torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(40)])]
+    # More pairs than the kernel takes at once (64 a pass at 128 experts): two passes.
+    routings += [torch.stack([torch.randperm(experts, generator=g)[:4] for _ in range(30)])]
     for chosen in routings:
         rows, block_expert = triton_moe.align_by_expert(chosen, experts, block_m)
         pairs = chosen.numel()
@@ -201,8 +202,8 @@ def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(block_m: int) ->
 
 
 def test_device_grouping_reads_nothing_back_and_launches_by_shape(monkeypatch) -> None:
-    """The routing, the alignment and the launches of a device-grouped layer
-    read no tensor value on the host (on a GPU such a read would wait for the
+    """The routing and the launches of a device-grouped layer (alignment and
+    both GEMMs) read no tensor value on the host (on a GPU such a read would wait for the
     layer before and break a graph's capture), and the launch grids are the
     same for any routing of the same number of tokens."""
     from .test_stream_order import HOST_READS
@@ -217,6 +218,7 @@ def test_device_grouping_reads_nothing_back_and_launches_by_shape(monkeypatch) -
             grids.append((self.name, grid))
             return lambda *args, **kwargs: None
 
+    monkeypatch.setattr(triton_moe, "_align_kernel", Launch("align"))
     monkeypatch.setattr(triton_moe, "_gate_up_kernel", Launch("gate_up"))
     monkeypatch.setattr(triton_moe, "_down_kernel", Launch("down"))
     layer = _layer(experts=8, hidden=32, inter=24, top_k=2, dtype=torch.float32, shared=8)
@@ -231,9 +233,9 @@ def test_device_grouping_reads_nothing_back_and_launches_by_shape(monkeypatch) -
     for x in inputs:
         layer(x)
     monkeypatch.undo()
-    assert [name for name, _ in grids] == ["gate_up", "down"] * 2
-    assert grids[:2] == grids[2:]
-    assert grids[0][1] == (triton_moe.max_blocks(12, 8, 16), 1)
+    assert [name for name, _ in grids] == ["align", "gate_up", "down"] * 2
+    assert grids[:3] == grids[3:]
+    assert grids[0][1] == (1,) and grids[1][1] == (triton_moe.max_blocks(12, 8, 16), 1)
 
 
 @pytest.mark.parametrize(("edits", "message"), [

@@ -526,6 +526,9 @@ for dtype, bias in ((torch.float16, True), (torch.bfloat16, False)):
 from engine.kernels import triton_moe as te
 te._gate_up_kernel = Compile(te._gate_up_kernel)
 te._down_kernel = Compile(te._down_kernel)
+te._align_kernel = Compile(te._align_kernel)
+for experts, pairs in ((8, 2), (128, 4096), (256, 8)):  # Mixtral's decode; Qwen3-MoE's prompt; the widest tile
+    te.align_by_expert(torch.zeros(pairs, dtype=torch.int64), experts, 16)
 te.align_by_expert = lambda chosen, experts, block_m: (
     torch.zeros(te.max_blocks(chosen.numel(), experts, block_m) * block_m, dtype=torch.int32),
     torch.zeros(te.max_blocks(chosen.numel(), experts, block_m), dtype=torch.int32))
@@ -578,5 +581,6 @@ def test_kernels_compile_for_gpus(tmp_path):
     # and with a sliding window and capped scores), then
     # 3 dtypes x 5 pointwise kernels (both KV writes among them), then 2 dtypes x 9 GEMV
     # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
-    # the 9 gated ones in bfloat16, the experts' 2 kernels x 3 dtypes x (decode, prompt), and the grammar mask's.
-    assert counts == [4 * 4 * 2 + 3 * 5 + 3 * 9 + 2 * 3 * 2 + 1] * 2
+    # the 9 gated ones in bfloat16, the experts' alignment at 3 widths and
+    # 2 GEMM kernels x 3 dtypes x (decode, prompt), and the grammar mask's.
+    assert counts == [4 * 4 * 2 + 3 * 5 + 3 * 9 + 3 + 2 * 3 * 2 + 1] * 2
