@@ -1,16 +1,18 @@
-"""A mixture-of-experts layer's experts in two Triton kernels, grouped on the device.
+"""A mixture-of-experts layer's routing and experts in three Triton kernels, on the device.
 
 The host-grouped path (engine/models/moe.py) reads how many tokens each
 expert got to slice its batch, one device-to-host copy a layer: on a GPU each
 one stalls the host until the layer before it has run, and a decode step with
 such reads cannot be captured in a CUDA graph. Here nothing is read back:
 
-1. `align_by_expert` (one Triton program, `_align_kernel`) lays the step's
-   (token, slot) pairs out expert by expert in blocks of `block_m` rows, each
-   block one expert's, a block's unused rows holding the pair count as a
-   sentinel, and names each block's expert (the expert count for blocks no
-   expert needed: there are at most `max_blocks` of them, a bound from the
-   shapes alone). One launch, where torch ops took about fifteen a layer.
+1. `route_and_align` (one Triton program, `_route_kernel`) routes each token
+   (softmax of the router's logits in float32, top-k, optionally rescaled)
+   and lays the (token, slot) pairs out expert by expert in blocks of
+   `block_m` rows, each block one expert's, a block's unused rows holding
+   the pair count as a sentinel, and names each block's expert (the expert
+   count for blocks no expert needed: there are at most `max_blocks` of
+   them, a bound from the shapes alone). One launch, where torch ops took
+   about twenty a layer.
 2. `_gate_up_kernel`: per (block, column tile), the block's rows of the input
    times its expert's gate and up projections, SiLU(gate) x up on the way out,
    one row per pair.
@@ -34,7 +36,7 @@ import torch
 from .triton_base import dot, interpreted, jit, next_pow2, tl
 from .triton_ops import silu_times
 
-__all__ = ["align_by_expert", "fused_experts", "max_blocks"]
+__all__ = ["fused_experts", "max_blocks", "route_and_align"]
 
 # The kernels' tiles (block_n, block_k, num_stages): tl.dot needs every side
 # >= 16; float32's are narrower, lest registers spill on sm_80 / sm_90
@@ -43,8 +45,10 @@ _TILES = {torch.float32: (64, 32, 2), torch.float16: (64, 64, 3), torch.bfloat16
 # Pairs grouped at once: bounds the scratch of a long prompt chunk (a row per
 # pair in each kernel).
 _MAX_PAIRS = 16384
-# The alignment's pairs x experts tile (int32 values; 8 warps).
-_ALIGN_TILE = 8192
+# The routing's tiles (8 warps): pairs x experts int32, and tokens x experts
+# float32 (several live at once through the unrolled top-k: smaller).
+_ROUTE_TILE = 8192
+_TOKEN_TILE = 2048
 
 
 def block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
@@ -59,37 +63,70 @@ def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
     return -(-pairs // block_m) + min(num_experts, pairs)
 
 
-def align_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs of `chosen` (`[T, top_k]` expert ids; pair p is token
-    p // top_k's slot p % top_k) grouped by expert in blocks of `block_m`:
-    `(rows [max_blocks * block_m] int32, block_expert [max_blocks] int32)`.
-    Within an expert pairs keep their order; unused rows hold T * top_k,
-    unused blocks the expert count. One Triton program; no value is read on
-    the host."""
-    pairs = chosen.numel()
+def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route each token by its router `logits` (`[T, E]`) and group the
+    routed (token, slot) pairs by expert: pair p is token p // top_k's slot
+    p % top_k, to its `top_k`-th most probable expert (softmax in float32,
+    the chosen probabilities rescaled to sum to 1 with `renormalize`).
+    Returns `(weights [T * top_k] float32, rows [max_blocks * block_m] int32,
+    block_expert [max_blocks] int32)`: the pairs expert by expert in blocks
+    of `block_m` rows (within an expert in pair order), unused rows holding
+    T * top_k and unused blocks the expert count. One Triton program; no
+    value is read on the host."""
+    tokens, num_experts = logits.shape
+    pairs = tokens * top_k
     total = max_blocks(pairs, num_experts, block_m)
-    rows = torch.empty(total * block_m, dtype=torch.int32, device=chosen.device)
-    block_expert = torch.empty(total, dtype=torch.int32, device=chosen.device)
+    device = logits.device
+    weights = torch.empty(pairs, dtype=torch.float32, device=device)
+    chosen = torch.empty(pairs, dtype=torch.int32, device=device)  # scratch: each pair's expert
+    rows = torch.empty(total * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(total, dtype=torch.int32, device=device)
     block_e = next_pow2(num_experts)
-    chunk = max(16, min(next_pow2(max(pairs, total)), _ALIGN_TILE // block_e))
-    _align_kernel[(1,)](chosen.reshape(pairs), rows, block_expert, pairs, num_experts, total,
-                        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=8)
-    return rows, block_expert
+    chunk = max(16, min(next_pow2(max(pairs, total)), _ROUTE_TILE // block_e))
+    chunk_t = max(1, min(next_pow2(tokens), _TOKEN_TILE // block_e))
+    _route_kernel[(1,)](logits, logits.stride(0), weights, chosen, rows, block_expert, tokens, num_experts, total,
+                        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
+                        CHUNK_T=chunk_t, num_warps=8)
+    return weights, rows, block_expert
 
 
 @jit
-def _align_kernel(chosen_ptr, rows_ptr, expert_ptr, num_pairs, num_experts, num_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """`align_by_expert` in one program, CHUNK pairs at a time against all
-    experts at once: a first pass counts each expert's pairs (so each
-    expert's first row and block), the second places each pair at its
-    expert's first row plus the pairs of that expert before it."""
+def _route_kernel(logits_ptr, stride_l, weight_ptr, chosen_ptr, rows_ptr, expert_ptr, num_tokens, num_experts,
+                  num_blocks, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_T: tl.constexpr):
+    """`route_and_align` in one program, all experts at once: CHUNK_T tokens
+    at a time, the softmax and the top-k (repeated arg-max, ties to the lower
+    expert) with each expert's pair count; then each expert's first row and
+    block; then CHUNK pairs at a time, each pair placed after its expert's
+    pairs before it."""
     e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
     counts = tl.zeros([BLOCK_E], tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        p = p0 + tl.arange(0, CHUNK)
-        expert = tl.load(chosen_ptr + p, mask=p < num_pairs, other=-1)
-        counts += tl.sum((expert[:, None] == e[None, :]).to(tl.int32), axis=0)
+    for t0 in range(0, num_tokens, CHUNK_T):
+        t = t0 + tl.arange(0, CHUNK_T)
+        t_ok = t < num_tokens
+        logit = tl.load(logits_ptr + t[:, None].to(tl.int64) * stride_l + e[None, :], mask=t_ok[:, None] & e_ok[None, :],
+                        other=float("-inf")).to(tl.float32)
+        logit = tl.where(t_ok[:, None], logit, 0.0)  # rows past the end: finite, never stored
+        prob = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+        prob = prob / tl.sum(prob, axis=1)[:, None]
+        total = tl.full([CHUNK_T], 1.0, tl.float32)
+        if RENORMALIZE:
+            rest = prob
+            total = tl.zeros([CHUNK_T], tl.float32)
+            for _ in tl.static_range(TOP_K):
+                best = tl.argmax(rest, axis=1)
+                total += tl.max(rest, axis=1)
+                rest = tl.where(e[None, :] == best[:, None], -1.0, rest)
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(prob, axis=1)
+            tl.store(weight_ptr + t * TOP_K + j, tl.max(prob, axis=1) / total, mask=t_ok)
+            tl.store(chosen_ptr + t * TOP_K + j, best.to(tl.int32), mask=t_ok)
+            picked = e[None, :] == best[:, None]
+            counts += tl.sum((picked & t_ok[:, None]).to(tl.int32), axis=0)
+            prob = tl.where(picked, -1.0, prob)
+    num_pairs = num_tokens * TOP_K
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(blocks, axis=0)  # one past each expert's last block
     first_row = (ends - blocks) * BLOCK_M
@@ -100,9 +137,9 @@ def _align_kernel(chosen_ptr, rows_ptr, expert_ptr, num_pairs, num_experts, num_
     # past the last used block: the "unused" value).
     for b0 in range(0, num_blocks, CHUNK):
         b = b0 + tl.arange(0, CHUNK)
-        ended = (ends[None, :] <= b[:, None]) & (e[None, :] < num_experts)
+        ended = (ends[None, :] <= b[:, None]) & e_ok[None, :]
         tl.store(expert_ptr + b, tl.sum(ended.to(tl.int32), axis=1), mask=b < num_blocks)
-    # The sentinels above land before any pair overwrites its row.
+    # The chosen experts and the sentinels above land before they are read or overwritten.
     tl.debug_barrier()
     seen = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
@@ -187,26 +224,26 @@ def _down_kernel(act_ptr, w_ptr, weight_ptr, out_ptr, rows_ptr, expert_ptr, num_
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  chosen: torch.Tensor) -> torch.Tensor:
-    """Sum over each token's chosen experts of weight x down(SiLU(gate) x up):
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, logits: torch.Tensor, top_k: int,
+                  renormalize: bool) -> torch.Tensor:
+    """Sum over each token's `top_k` experts, chosen by the router's `logits`
+    `[T, E]` (see `route_and_align`), of weight x down(SiLU(gate) x up):
     x `[T, hidden]`, gate_up `[E, 2 * inter, hidden]` (rows gate | up), down
-    `[E, hidden, inter]`, weights (float32) and chosen `[T, top_k]`."""
+    `[E, hidden, inter]`."""
     t, hidden = x.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    top_k = chosen.shape[1]
-    if gate_up.stride(2) != 1 or down.stride(2) != 1 or x.stride(1) != 1:
-        raise ValueError("fused_experts takes weights and inputs of unit last stride")
+    if gate_up.stride(2) != 1 or down.stride(2) != 1 or x.stride(1) != 1 or logits.stride(1) != 1:
+        raise ValueError("fused_experts takes weights, inputs and logits of unit last stride")
     if t == 0:
         return torch.zeros_like(x)
     # Prompt chunks a slice at a time: the scratch grows with the pairs.
     step = max(1, _MAX_PAIRS // top_k)
     if t > step:
-        return torch.cat([fused_experts(x[i:i + step], gate_up, down, weights[i:i + step], chosen[i:i + step])
+        return torch.cat([fused_experts(x[i:i + step], gate_up, down, logits[i:i + step], top_k, renormalize)
                           for i in range(0, t, step)])
     pairs = t * top_k
     block_m = block_rows(pairs, num_experts, x.dtype)
-    rows, block_expert = align_by_expert(chosen, num_experts, block_m)
+    weights, rows, block_expert = route_and_align(logits, top_k, renormalize, block_m)
     blocks = block_expert.numel()
     block_n, block_k, stages = _TILES[x.dtype]
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
@@ -219,7 +256,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
         IEEE=ieee, UPCAST=upcast, **tiles)
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, -(-hidden // block_n))](
-        act, down, weights.reshape(pairs).float(), out, rows, block_expert, pairs, num_experts, inter, hidden,
+        act, down, weights, out, rows, block_expert, pairs, num_experts, inter, hidden,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         IEEE=ieee, UPCAST=upcast, **tiles)
     # A token's slots summed in float32 and rounded once (torch's sum of a

@@ -11,8 +11,9 @@ expert, and each expert runs once over its pairs, in one of two ways:
   cannot be captured in a CUDA graph: the model decodes eagerly.
 - on the device (`grouped_on_device`, set by `group_on_device` where the
   Triton kernels of engine/kernels/triton_moe.py run and agree with the
-  first way): the grouping and both projections are kernels sized by the
-  shapes alone, nothing is read back, and decode graphs capture the layer.
+  first way): the routing (softmax, top-k) with the grouping, and both
+  projections, are kernels sized by the shapes alone, nothing is read back,
+  and decode graphs capture the layer.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ class SparseMLP:
         """x [T, hidden] -> [T, hidden], as transformers computes it: the
         router's softmax in float32, the chosen experts' weights kept in
         float32 and each expert's output scaled by them before the sum."""
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.grouped_on_device:
-            out = triton_moe.fused_experts(x, self.gate_up, self.down, weights, chosen)
+        logits = F.linear(x, self.router)
+        if self.grouped_on_device:  # routed in the kernels too
+            out = triton_moe.fused_experts(x, self.gate_up, self.down, logits, self.top_k, self.renormalize)
         else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, chosen = probs.topk(self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
             out = self._grouped_on_host(x, weights, chosen)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None and self.shared_gate is not None

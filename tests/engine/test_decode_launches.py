@@ -32,11 +32,13 @@ pytest.importorskip("triton")
 
 from engine import SamplingParams  # noqa: E402
 from engine.attention import triton_kernels  # noqa: E402
-from engine.kernels import triton_gemv, triton_ops  # noqa: E402
+from engine.kernels import triton_gemv, triton_moe, triton_ops  # noqa: E402
 from engine.models import linear  # noqa: E402
 from engine.models.llama import LlamaFamilyModel  # noqa: E402
 
-KERNEL_MODULES: tuple[ModuleType, ...] = (triton_ops, triton_gemv, triton_kernels)
+from .reference import assert_greedy_matches, prompts  # noqa: E402
+
+KERNEL_MODULES: tuple[ModuleType, ...] = (triton_ops, triton_gemv, triton_kernels, triton_moe)
 # Operators that launch nothing: fresh storage (what a kernel then writes).
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
@@ -154,3 +156,31 @@ def test_batch1_decode_layer_is_nine_of_our_kernels(make_llm, monkeypatch, cuda_
         assert not after_prologue, f"torch operators inside the layers: {after_prologue}"
         prologue = [name for _, name in events[:first]]
         assert prologue == ["embedding", "rms_norm"], prologue
+
+
+def test_batch1_mixture_of_experts_layer_is_its_router_product_and_three_of_our_kernels(make_llm, monkeypatch) -> None:
+    """A mixture-of-experts layer grouped on the device (tiny-mixtral: every
+    layer sparse) after its attention: the router's product (torch), the
+    routing with the grouping, the two grouped GEMMs, and the sum of each
+    token's slots (torch); no softmax, top-k or bookkeeping op of torch's
+    between them (they were about twenty launches a layer)."""
+    monkeypatch.setattr(linear, "_onednn_usable", lambda weight: False)
+    llm = make_llm("tiny-mixtral", attention="triton", cuda_graphs="emulate", kv_cache_gib=0.05, max_num_seqs=2)
+    eng = llm.engine
+    assert all(mlp.grouped_on_device for mlp in eng.model.sparse_mlps())
+    for lin in eng.model.linears():
+        lin.gemv = triton_gemv.GemvConfig(16, 64, 4)
+    forwards = _record_decode_forwards(monkeypatch)
+    llm.generate([[5, 17, 301, 42, 9]], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+    assert len(forwards) == 2
+    merge = eng.attention.decode_splits > 1
+    attention = _expected_layer(False, merge)[:-2]  # up to the norm before the MLP
+    moe = ["torch linear", "_route_kernel", "_gate_up_kernel", "_down_kernel", "torch sum"]
+    layers = len(eng.model.layers)
+    expected = [e for i in range(layers) for e in (attention[1:] if i == 0 else attention) + moe]
+    expected += ["_add_rms_norm_kernel"]
+    for events in forwards:
+        first = events.index(("triton", expected[0]))
+        got = [name if kind == "triton" else f"torch {name}" for kind, name in events[first:]]
+        assert got == expected
+    assert_greedy_matches(llm, "tiny-mixtral", prompts(2), 4)  # and right: transformers' tokens

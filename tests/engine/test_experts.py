@@ -78,12 +78,13 @@ def test_grouped_on_the_host_decode_graphs_are_off_and_say_so(make_llm, caplog) 
     assert graphs_module.graphs_mode("auto", torch.device("cuda"), capturable=True) == "capture"
 
 
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe"])
 def test_grouped_on_the_device_decode_graphs_replay_them(make_llm, caplog, preset: str) -> None:
-    """With the Triton kernels (attention and pointwise) the experts are grouped
-    on the device too, the model is capturable and decode steps replay the
-    graph path: tokens and log-probabilities as transformers'. Qwen2-MoE adds
-    its shared expert beside the routed ones."""
+    """With the Triton kernels (attention and pointwise) the experts are routed
+    and grouped on the device too, the model is capturable and decode steps
+    replay the graph path: tokens and log-probabilities as transformers'.
+    Qwen2-MoE's shared expert runs beside the routed ones (Mixtral's engine
+    on these kernels: tests/engine/test_decode_launches.py)."""
     with caplog.at_level(logging.INFO, logger="engine.engine"):
         llm = make_llm(preset, attention="triton", cuda_graphs="emulate", kv_cache_gib=0.05, max_num_seqs=4,
                        page_size=5)
@@ -156,30 +157,42 @@ def test_long_prompt_chunks_are_grouped_a_slice_at_a_time(monkeypatch) -> None:
     want = layer(x)
     layer.grouped_on_device = True
     calls: list[int] = []
-    real = triton_moe.align_by_expert
+    real = triton_moe.route_and_align
 
-    def counted(chosen: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(chosen.shape[0])
-        return real(chosen, *args)
+    def counted(logits: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        calls.append(logits.shape[0])
+        return real(logits, *args)
 
     monkeypatch.setattr(triton_moe, "_MAX_PAIRS", 40)  # 20 tokens of 2 slots a slice
-    monkeypatch.setattr(triton_moe, "align_by_expert", counted)
+    monkeypatch.setattr(triton_moe, "route_and_align", counted)
     torch.testing.assert_close(layer(x), want, atol=2e-5, rtol=2e-5)
     assert calls == [20, 20, 5]
-    assert layer(x[:0]).shape == (0, 32)  # no tokens: nothing aligned, nothing launched
+    assert layer(x[:0]).shape == (0, 32)  # no tokens: nothing routed, nothing launched
     assert calls == [20, 20, 5]
 
 
-@pytest.mark.parametrize(("experts", "block_m"), [(6, 16), (6, 64), (128, 16)])
-def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(experts: int, block_m: int) -> None:
+@pytest.mark.parametrize(("experts", "block_m", "renormalize"), [(6, 16, True), (6, 64, False), (128, 16, True)])
+def test_routing_puts_every_pair_once_in_blocks_of_one_expert(experts: int, block_m: int, renormalize: bool) -> None:
     g = torch.Generator().manual_seed(block_m)
-    routings = [torch.randint(experts, (tokens, top_k), generator=g) for tokens, top_k in ((1, 1), (7, 2), (50, 3))]
-    routings += [torch.full((33, 2), 5), torch.arange(12).reshape(6, 2) % experts]  # one expert; every expert once
-    routings += [torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(40)])]
+
+    def distinct(tokens: int, top_k: int) -> torch.Tensor:
+        return torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+
+    routings = [distinct(tokens, top_k) for tokens, top_k in ((1, 1), (7, 2), (50, 3), (40, 2))]
+    routings += [torch.tensor([5, 1]).repeat(33, 1), torch.arange(12).reshape(6, 2) % experts]  # two experts; all
     # More pairs than the kernel takes at once (64 a pass at 128 experts): two passes.
-    routings += [torch.stack([torch.randperm(experts, generator=g)[:4] for _ in range(30)])]
+    routings += [distinct(30, 4)]
     for chosen in routings:
-        rows, block_expert = triton_moe.align_by_expert(chosen, experts, block_m)
+        tokens, top_k = chosen.shape
+        # Logits that make `chosen` each token's experts, in slot order.
+        logits = torch.randn(tokens, experts, generator=g)
+        logits.scatter_(1, chosen, 8.0 - torch.arange(top_k, dtype=torch.float32).expand(tokens, top_k))
+        weights, rows, block_expert = triton_moe.route_and_align(logits, top_k, renormalize, block_m)
+        probs = torch.softmax(logits, dim=-1)
+        want = probs.gather(1, chosen)
+        if renormalize:
+            want = want / want.sum(dim=-1, keepdim=True)
+        torch.testing.assert_close(weights, want.flatten(), atol=1e-6, rtol=1e-6)
         pairs = chosen.numel()
         total = triton_moe.max_blocks(pairs, experts, block_m)
         assert rows.dtype == block_expert.dtype == torch.int32
@@ -202,8 +215,8 @@ def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(experts: int, bl
 
 
 def test_device_grouping_reads_nothing_back_and_launches_by_shape(monkeypatch) -> None:
-    """The routing and the launches of a device-grouped layer (alignment and
-    both GEMMs) read no tensor value on the host (on a GPU such a read would wait for the
+    """A device-grouped layer (the router's product, then the launches of the
+    routing with the alignment and of both GEMMs) reads no tensor value on the host (on a GPU such a read would wait for the
     layer before and break a graph's capture), and the launch grids are the
     same for any routing of the same number of tokens."""
     from .test_stream_order import HOST_READS
@@ -218,7 +231,7 @@ def test_device_grouping_reads_nothing_back_and_launches_by_shape(monkeypatch) -
             grids.append((self.name, grid))
             return lambda *args, **kwargs: None
 
-    monkeypatch.setattr(triton_moe, "_align_kernel", Launch("align"))
+    monkeypatch.setattr(triton_moe, "_route_kernel", Launch("route"))
     monkeypatch.setattr(triton_moe, "_gate_up_kernel", Launch("gate_up"))
     monkeypatch.setattr(triton_moe, "_down_kernel", Launch("down"))
     layer = _layer(experts=8, hidden=32, inter=24, top_k=2, dtype=torch.float32, shared=8)
@@ -233,7 +246,7 @@ def test_device_grouping_reads_nothing_back_and_launches_by_shape(monkeypatch) -
     for x in inputs:
         layer(x)
     monkeypatch.undo()
-    assert [name for name, _ in grids] == ["align", "gate_up", "down"] * 2
+    assert [name for name, _ in grids] == ["route", "gate_up", "down"] * 2
     assert grids[:3] == grids[3:]
     assert grids[0][1] == (1,) and grids[1][1] == (triton_moe.max_blocks(12, 8, 16), 1)
 

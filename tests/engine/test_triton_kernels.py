@@ -526,17 +526,19 @@ for dtype, bias in ((torch.float16, True), (torch.bfloat16, False)):
 from engine.kernels import triton_moe as te
 te._gate_up_kernel = Compile(te._gate_up_kernel)
 te._down_kernel = Compile(te._down_kernel)
-te._align_kernel = Compile(te._align_kernel)
-for experts, pairs in ((8, 2), (128, 4096), (256, 8)):  # Mixtral's decode; Qwen3-MoE's prompt; the widest tile
-    te.align_by_expert(torch.zeros(pairs, dtype=torch.int64), experts, 16)
-te.align_by_expert = lambda chosen, experts, block_m: (
-    torch.zeros(te.max_blocks(chosen.numel(), experts, block_m) * block_m, dtype=torch.int32),
-    torch.zeros(te.max_blocks(chosen.numel(), experts, block_m), dtype=torch.int32))
+te._route_kernel = Compile(te._route_kernel)
+# Mixtral's decode (float32); Qwen3-MoE's prompt; the widest tile, without rescaling.
+for tokens, experts, top_k, renormalize, dtype in ((1, 8, 2, True, torch.float32), (512, 128, 8, True, torch.bfloat16),
+                                                   (1, 256, 8, False, torch.bfloat16)):
+    te.route_and_align(torch.zeros(tokens, experts, dtype=dtype), top_k, renormalize, 16)
+te.route_and_align = lambda logits, top_k, renormalize, block_m: (
+    torch.zeros(logits.shape[0] * top_k),
+    torch.zeros(te.max_blocks(logits.shape[0] * top_k, logits.shape[1], block_m) * block_m, dtype=torch.int32),
+    torch.zeros(te.max_blocks(logits.shape[0] * top_k, logits.shape[1], block_m), dtype=torch.int32))
 for dtype, tokens in itertools.product((torch.float32, torch.float16, torch.bfloat16), (1, 4096)):
     # (Weights left uninitialised: a few GB never touched.)
     te.fused_experts(torch.zeros(tokens, 4096, dtype=dtype), torch.empty(8, 2 * 14336, 4096, dtype=dtype),
-                     torch.empty(8, 4096, 14336, dtype=dtype), torch.zeros(tokens, 2),
-                     torch.zeros(tokens, 2, dtype=torch.int64))
+                     torch.empty(8, 4096, 14336, dtype=dtype), torch.zeros(tokens, 8, dtype=dtype), 2, True)
 from engine.kernels import triton_mask as tm
 
 tm._mask_kernel = Compile(tm._mask_kernel)
@@ -581,6 +583,6 @@ def test_kernels_compile_for_gpus(tmp_path):
     # and with a sliding window and capped scores), then
     # 3 dtypes x 5 pointwise kernels (both KV writes among them), then 2 dtypes x 9 GEMV
     # launches (3 configs x (block_n as given, and 8), 3 with block_n <= 8) and
-    # the 9 gated ones in bfloat16, the experts' alignment at 3 widths and
-    # 2 GEMM kernels x 3 dtypes x (decode, prompt), and the grammar mask's.
+    # the 9 gated ones in bfloat16, the experts' routing at 3 widths
+    # and 2 GEMM kernels x 3 dtypes x (decode, prompt), and the grammar mask's.
     assert counts == [4 * 4 * 2 + 3 * 5 + 3 * 9 + 3 + 2 * 3 * 2 + 1] * 2
