@@ -162,31 +162,49 @@ def _product(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @jit
+def _block_pairs(rows_ptr, expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's block: its expert (int64; the expert count when unused)
+    and its rows' pairs, with which of them are real."""
+    block = tl.program_id(0)
+    expert = tl.load(expert_ptr + block).to(tl.int64)
+    pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pair, pair < num_pairs
+
+
+@jit
+def _grouped_product(a_ptr, a_rows, row_ok, stride_a, w, stride_wn, cols, col_ok, second, width,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                     UPCAST: tl.constexpr, PAIRED: tl.constexpr):
+    """Rows `a_rows` of A (`width` wide) times weight rows `cols` of one
+    expert's matrix `w`, float32 `[BLOCK_M, BLOCK_N]`; PAIRED: also times the
+    rows `second` further on (gate and up share A's loads)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < width
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        b = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_ok, other=0.0)
+        acc += _product(a, b, IEEE, UPCAST)
+        if PAIRED:
+            b2 = tl.load(w + (cols[None, :] + second).to(tl.int64) * stride_wn + k[:, None], mask=w_ok, other=0.0)
+            acc2 += _product(a, b2, IEEE, UPCAST)
+    return acc, acc2
+
+
+@jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, num_pairs, num_experts, top_k, hidden, inter,
                     stride_x, stride_we, stride_wn, stride_out,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                     UPCAST: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(expert_ptr + block).to(tl.int64)
+    expert, pair, row_ok = _block_pairs(rows_ptr, expert_ptr, num_pairs, BLOCK_M)
     if expert < num_experts:
-        pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = pair < num_pairs
-        token = (pair // top_k).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
-        w = w_ptr + expert * stride_we
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < hidden
-            a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w_ok = k_ok[:, None] & col_ok[None, :]
-            wg = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + k[:, None], mask=w_ok, other=0.0)
-            wu = tl.load(w + (cols[None, :] + inter).to(tl.int64) * stride_wn + k[:, None], mask=w_ok, other=0.0)
-            gate += _product(a, wg, IEEE, UPCAST)
-            up += _product(a, wu, IEEE, UPCAST)
+        gate, up = _grouped_product(x_ptr, (pair // top_k).to(tl.int64), row_ok, stride_x, w_ptr + expert * stride_we,
+                                    stride_wn, cols, col_ok, inter, hidden, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, UPCAST,
+                                    True)
         dtype = out_ptr.dtype.element_ty
         # Rounded as torch's projection stores them, then SiLU x up as everywhere.
         act = silu_times(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
@@ -199,24 +217,13 @@ def _down_kernel(act_ptr, w_ptr, weight_ptr, out_ptr, rows_ptr, expert_ptr, num_
                  stride_act, stride_we, stride_wn, stride_out,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                  UPCAST: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(expert_ptr + block).to(tl.int64)
+    expert, pair, row_ok = _block_pairs(rows_ptr, expert_ptr, num_pairs, BLOCK_M)
     if expert < num_experts:
-        pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = pair < num_pairs
         rows = pair.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
-        w = w_ptr + expert * stride_we
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < inter
-            a = tl.load(act_ptr + rows[:, None] * stride_act + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            b = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + k[:, None],
-                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += _product(a, b, IEEE, UPCAST)
+        acc, _ = _grouped_product(act_ptr, rows, row_ok, stride_act, w_ptr + expert * stride_we, stride_wn, cols,
+                                  col_ok, 0, inter, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, UPCAST, False)
         dtype = out_ptr.dtype.element_ty
         scale = tl.load(weight_ptr + rows, mask=row_ok, other=0.0)
         y = acc.to(dtype).to(tl.float32) * scale[:, None]
